@@ -1,0 +1,1 @@
+"""The `kdtr` command: thin click wrappers over library functions."""

@@ -1,0 +1,25 @@
+"""`kdtr` entry point. Each command lives in its own module under cli/ and is registered below;
+commands parse arguments, call one typed library function and print (STYLE rule 32)."""
+from importlib.metadata import PackageNotFoundError, version
+
+import click
+
+
+def _version() -> str:
+    try:
+        return version("kdtr")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "0+unknown"
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(_version(), "--version", prog_name="kdtr")
+def main() -> None:
+    """kdtr: golden-bundle conformance for Kimi K2.6-class inference engines.
+
+    Exit codes: 0 pass, 1 numeric tolerance failure, 2 usage error, 3 token-stream
+    mismatch, 4 DDTree mismatch, 5 invalid or corrupt file, 6 engine error.
+    """
+
+
+# Command registration: one line per command module (keep alphabetical).

@@ -1,0 +1,1 @@
+"""Conformance runner: metrics, tolerances, localisation, token streams, reports."""
