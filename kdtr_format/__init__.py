@@ -1,1 +1,26 @@
-"""The .kdtr container: spec constants, reader, writer, errors, INT4 layout (see docs/kdtr-format.md)."""
+"""The .kdtr container: spec constants, reader, writer, errors (spec: docs/kdtr-format.md).
+
+    from kdtr_format import write_kdtr, open_kdtr, Tensor, KdtrError
+    write_kdtr("model.kdtr", {"w": np.ones((2, 3), np.float32)}, {"seed": 0})
+    with open_kdtr("model.kdtr", verify=True) as f:
+        w = f["w"]                       # read-only zero-copy view
+"""
+from kdtr_format.errors import (
+    AlignmentError, ByteOrderError, ChecksumError, ClosedFileError, DuplicateNameError,
+    HeaderChecksumError, HeaderFormatError, HeaderTooLargeError, InvalidDtypeError, InvalidNameError,
+    InvalidShapeError, KdtrError, MetadataError, NotAKdtrFileError, OffsetError, OverlapError,
+    PaddingError, ShapeMismatchError, TensorNotFoundError, TrailingDataError, TruncatedFileError,
+    UnsupportedVersionError)
+from kdtr_format.reader import KdtrFile, TensorInfo, open_kdtr
+from kdtr_format.spec import DTYPES, bfloat16_to_float32, float32_to_bfloat16
+from kdtr_format.writer import Tensor, write_kdtr
+
+__all__ = [
+    "write_kdtr", "open_kdtr", "Tensor", "TensorInfo", "KdtrFile", "DTYPES",
+    "bfloat16_to_float32", "float32_to_bfloat16",
+    "KdtrError", "NotAKdtrFileError", "UnsupportedVersionError", "ByteOrderError",
+    "HeaderTooLargeError", "TruncatedFileError", "TrailingDataError", "HeaderChecksumError",
+    "HeaderFormatError", "MetadataError", "InvalidNameError", "DuplicateNameError",
+    "InvalidDtypeError", "InvalidShapeError", "ShapeMismatchError", "OffsetError", "OverlapError",
+    "AlignmentError", "ChecksumError", "PaddingError", "TensorNotFoundError", "ClosedFileError",
+]
