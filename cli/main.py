@@ -23,3 +23,4 @@ def main() -> None:
 
 
 # Command registration: one line per command module (keep alphabetical).
+from cli.format_cmds import convert_cmd, export_cmd, inspect_cmd; main.add_command(convert_cmd); main.add_command(export_cmd); main.add_command(inspect_cmd)  # noqa: E402,E702

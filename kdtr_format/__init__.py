@@ -9,7 +9,7 @@ from kdtr_format.errors import (
     AlignmentError, ByteOrderError, ChecksumError, ClosedFileError, DuplicateNameError,
     HeaderChecksumError, HeaderFormatError, HeaderTooLargeError, InvalidDtypeError, InvalidNameError,
     InvalidShapeError, KdtrError, MetadataError, NotAKdtrFileError, OffsetError, OverlapError,
-    PaddingError, ShapeMismatchError, TensorNotFoundError, TrailingDataError, TruncatedFileError,
+    PaddingError, SafetensorsInputError, ShapeMismatchError, TensorNotFoundError, TrailingDataError, TruncatedFileError,
     UnsupportedVersionError)
 from kdtr_format.reader import KdtrFile, TensorInfo, open_kdtr
 from kdtr_format.spec import DTYPES, bfloat16_to_float32, float32_to_bfloat16
@@ -22,5 +22,5 @@ __all__ = [
     "HeaderTooLargeError", "TruncatedFileError", "TrailingDataError", "HeaderChecksumError",
     "HeaderFormatError", "MetadataError", "InvalidNameError", "DuplicateNameError",
     "InvalidDtypeError", "InvalidShapeError", "ShapeMismatchError", "OffsetError", "OverlapError",
-    "AlignmentError", "ChecksumError", "PaddingError", "TensorNotFoundError", "ClosedFileError",
+    "AlignmentError", "ChecksumError", "PaddingError", "SafetensorsInputError", "TensorNotFoundError", "ClosedFileError",
 ]

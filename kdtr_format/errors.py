@@ -89,6 +89,10 @@ class PaddingError(KdtrError):
     """A padding byte between tensors is not zero (found by verify)."""
 
 
+class SafetensorsInputError(KdtrError):
+    """`kdtr convert` was given a file the safetensors library rejects."""
+
+
 class TensorNotFoundError(KdtrError, KeyError):
     """No tensor of that name in the file."""
 

@@ -383,3 +383,17 @@ def open_kdtr(path, verify: bool = False) -> KdtrFile:
     """Open and validate a .kdtr file (lazily: data is mmapped, not read). verify=True also checks
     every tensor checksum and padding byte before returning."""
     return KdtrFile(path, verify=verify)
+
+
+def describe(path, check: bool = False) -> dict:
+    """A JSON-able summary of a file (what `kdtr inspect` shows); check=True verifies every checksum."""
+    with open_kdtr(path, verify=check) as f:
+        tensors = [{"name": i.name, "dtype": i.dtype, "shape": list(i.shape), "offset": i.offset,
+                    "nbytes": i.nbytes, "sha256": i.checksum,
+                    "int4_shape": list(i.int4_shape) if i.int4_shape is not None else None}
+                   for i in f._infos.values()]
+        return {"path": f.path, "version": f"{f.version[0]}.{f.version[1]}",
+                "file_size": f.file_size, "header_offset": f.header_offset,
+                "header_len": f.header_len, "header_sha256": f.header_sha256,
+                "data_bytes": sum(t["nbytes"] for t in tensors), "checked": check,
+                "metadata": f.metadata, "tensors": tensors}
