@@ -93,6 +93,12 @@ def json_depth(raw: bytes) -> int:
     return int(np.cumsum(step).max(initial=0))
 
 
+def header_digest(preamble: bytes, header: bytes) -> bytes:
+    """SHA-256 over the preamble's first 32 bytes and the header: covers every byte that no tensor
+    checksum or exact-layout rule covers (a flipped minor version or header bit is caught)."""
+    return hashlib.sha256(preamble[:spec.DIGESTED_PREAMBLE] + header).digest()
+
+
 def _object_pairs(pairs: list) -> dict:
     obj = dict(pairs)
     if len(obj) != len(pairs):
@@ -168,10 +174,11 @@ class KdtrFile:
                 f"{hoff + hlen}); {REGENERATE}")
         fh.seek(hoff)
         raw = fh.read(hlen)  # hlen <= file size, checked just above
-        if hashlib.sha256(raw).digest() != digest:
+        got = header_digest(pre, raw)
+        if got != digest:
             raise HeaderChecksumError(
-                f"{p}: header checksum mismatch (SHA-256 {hashlib.sha256(raw).hexdigest()[:16]}... "
-                f"!= preamble {digest.hex()[:16]}...): the header is corrupt; {REGENERATE}")
+                f"{p}: header checksum mismatch (SHA-256 {got.hex()[:16]}... != preamble "
+                f"{digest.hex()[:16]}...): the preamble or header is corrupt; {REGENERATE}")
         self.version = (major, minor)
         self.header_offset, self.header_len, self.header_sha256 = hoff, hlen, digest.hex()
         self._parse_header(raw, minor)

@@ -8,7 +8,7 @@ File layout (all integers little-endian):
     12    4  u32 byte-order mark 0x0A0B0C0D (bytes 0D 0C 0B 0A: the file is little-endian)
     16    8  u64 header_offset H (end of the data section, a multiple of ALIGNMENT)
     24    8  u64 header_len N (bytes of UTF-8 JSON)
-    32   32  SHA-256 of the N header bytes
+    32   32  SHA-256 of preamble bytes 0..31 followed by the N header bytes
     64   ..  data section: tensors, each at a multiple of ALIGNMENT, zero padding between
     H     N  header JSON; the file ends exactly at H + N
 """
@@ -23,6 +23,7 @@ BYTE_ORDER_MARK = 0x0A0B0C0D   # read back as 0x0D0C0B0A on a big-endian misread
 
 PREAMBLE = struct.Struct("<8sHHIQQ32s")   # magic, major, minor, bom, header_offset, header_len, sha256
 PREAMBLE_SIZE = 64
+DIGESTED_PREAMBLE = 32         # bytes 0..31 (all fields but the digest) are hashed with the header
 assert PREAMBLE.size == PREAMBLE_SIZE
 
 ALIGNMENT = 64                 # every tensor offset; a cache line and an AVX-512 vector

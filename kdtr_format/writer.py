@@ -20,7 +20,7 @@ import numpy as np
 from kdtr_format import spec
 from kdtr_format.errors import (
     DuplicateNameError, HeaderTooLargeError, InvalidDtypeError, MetadataError)
-from kdtr_format.reader import check_dtype, check_int4_shape, check_name, check_shape
+from kdtr_format.reader import check_dtype, check_int4_shape, check_name, check_shape, header_digest
 
 # numpy dtype (byte order ignored) -> kdtr dtype name; uint16 is absent: bfloat16 must be explicit.
 _BY_NUMPY = {dt.newbyteorder("="): name for name, dt in spec.DTYPES.items() if name != "bfloat16"}
@@ -118,9 +118,9 @@ def write_kdtr(path, tensors, metadata: dict) -> None:
             header_offset = fh.tell()
             fh.write(header)
             fh.seek(0)
-            fh.write(spec.PREAMBLE.pack(spec.MAGIC, spec.VERSION_MAJOR, spec.VERSION_MINOR,
-                                        spec.BYTE_ORDER_MARK, header_offset, len(header),
-                                        hashlib.sha256(header).digest()))
+            fields = spec.PREAMBLE.pack(spec.MAGIC, spec.VERSION_MAJOR, spec.VERSION_MINOR,
+                                        spec.BYTE_ORDER_MARK, header_offset, len(header), bytes(32))
+            fh.write(fields[:spec.DIGESTED_PREAMBLE] + header_digest(fields, header))
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
