@@ -1,0 +1,81 @@
+"""The protocol an engine under test implements. The conformance runner drives it; nothing here runs.
+
+Taps are returned as a dict keyed by the names of docs/architecture.md, per call:
+"L{l}/{tap}" for every layer l and tap (attn_in, q, kv_latent, k_pe, attn_out, resid_attn, mlp_in,
+router_scores, topk_ids, topk_weights, mlp_out, resid_out; the three routing taps on MoE layers
+only), plus "final_hidden" and "logits". Each value is [T, ...] for the T tokens of that call, as
+NumPy arrays (float32, or bfloat16 as uint16 bit patterns; topk_ids as integers). An engine may
+return a subset (the runner skips, and reports as skipped, the taps it lacks) but never a tap
+under another name. An engine that raises makes the run an engine error (ExitCode.ENGINE_ERROR).
+
+Legend: T tokens, V vocab, S cache length.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Protocol
+
+import numpy as np
+
+Taps = dict[str, np.ndarray]
+
+
+class Engine(Protocol):
+    """An inference engine as the conformance runner sees it: one sequence, one KV cache."""
+
+    name: str                           # shown in reports, e.g. "reference" or "cuda"
+    dtype: str                          # compute dtype: "float32", "bfloat16" or "float16" (ULPs)
+    supports_teacher_forcing: bool      # True if run_layer() works (local vs inherited error)
+
+    def load(self, bundle: str | os.PathLike | Any) -> None:
+        """Load the model from a bundle path or an open KdtrFile (weights under HF names, config in
+        the metadata). Leaves an empty cache."""
+
+    def reset(self) -> None:
+        """Drop the KV cache; the next call starts a new sequence at position 0."""
+
+    def prefill(self, ids: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, Taps]:
+        """Run ids [T] at positions [T] causally, appending T rows to the cache.
+        Returns logits [T, V] and taps for these T tokens."""
+
+    def decode(self, token: int, position: int) -> tuple[np.ndarray, Taps]:
+        """One token at `position`, attending to the whole cache; appends one row.
+        Returns logits [1, V] and taps with T = 1."""
+
+    def verify_tree(self, ids: np.ndarray, positions: np.ndarray,
+                    mask: np.ndarray) -> tuple[np.ndarray, Taps]:
+        """DDTree verification: ids [T] and positions [T] of the tree nodes; mask [T, S + T] is
+        additive (0 visible, -inf hidden) over the S cached rows and the T nodes, exactly the
+        refmodel.model.forward convention. Appends T rows to the cache (compact() keeps the
+        accepted ones). Returns logits [T, V] and taps."""
+
+    def compact(self, start: int, keep: np.ndarray) -> None:
+        """Keep cache rows start + keep[i] at start + i and truncate to start + len(keep)
+        (KVCache.compact): drop the rejected tree nodes after a verify."""
+
+    def run_layer(self, layer: int, inputs: Taps) -> Taps:
+        """Optional: engines with supports_teacher_forcing False may omit it. Run layer `layer` alone on golden inputs
+        and return its taps, so the runner can tell a local fault from inherited error.
+        `inputs` holds "hidden" [T, D] (the golden input of the layer), "positions" [T], and
+        "c_kv" [S, C] and "k_pe" [S, R], the golden cache rows before these tokens (empty S = 0
+        for a prefill). Does not touch the engine's own cache."""
+
+
+def check_engine(engine: object) -> list[str]:
+    """What `engine` lacks to be an Engine, as readable lines (empty when it conforms).
+    The runner calls this before a run so a missing method is a usage-level message,
+    not an AttributeError in the middle of step 37."""
+    problems = []
+    for attr, kind in (("name", str), ("dtype", str), ("supports_teacher_forcing", bool)):
+        if not isinstance(getattr(engine, attr, None), kind):
+            problems.append(f"attribute {attr!r} missing or not a {kind.__name__}")
+    for meth in ("load", "reset", "prefill", "decode", "verify_tree", "compact"):
+        if not callable(getattr(engine, meth, None)):
+            problems.append(f"method {meth}() missing")
+    if getattr(engine, "supports_teacher_forcing", False) and not callable(
+            getattr(engine, "run_layer", None)):
+        problems.append("supports_teacher_forcing is True but run_layer() is missing")
+    dtype = getattr(engine, "dtype", None)
+    if isinstance(dtype, str) and dtype not in ("float32", "bfloat16", "float16"):
+        problems.append(f"dtype must be 'float32', 'bfloat16' or 'float16', got {dtype!r}")
+    return problems
