@@ -2,10 +2,10 @@
 
 export: the kdtr file is verified, then its mmapped tensors are handed to the safetensors library's
 own writer by pointer (no copy); the kdtr metadata and INT4 logical shapes ride along as JSON strings
-in safetensors' `__metadata__` (keys `kdtr.metadata`, `kdtr.int4_shapes`), and the metadata is also
+in safetensors' `__metadata__` (keys `kdtr.metadata`, `kdtr.int4_shapes`, `kdtr.order`), and the metadata is also
 written as a plain JSON file. convert: the safetensors library validates the file, then its tensors
-are streamed by mmap into write_kdtr in file (offset) order, restoring metadata and INT4 shapes when
-the file came from `export`.
+are streamed by mmap into write_kdtr in file (offset) order; for a file that came from `export` the
+metadata, INT4 shapes and tensor order are restored, so kdtr -> safetensors -> kdtr is byte-identical.
 """
 import json
 import mmap
@@ -23,7 +23,7 @@ from kdtr_format.writer import Tensor, write_kdtr
 
 ST_FILE = "model.safetensors"
 META_FILE = "metadata.json"
-META_KEY, INT4_KEY = "kdtr.metadata", "kdtr.int4_shapes"
+META_KEY, INT4_KEY, ORDER_KEY = "kdtr.metadata", "kdtr.int4_shapes", "kdtr.order"
 _KDTR_BY_ST = {code: name for name, code in spec.SAFETENSORS_DTYPES.items()}
 
 
@@ -38,7 +38,7 @@ def export_safetensors(kdtr_path, out_dir) -> tuple[str, str]:
                                               data_len=v.nbytes)
                  for name, v in views.items()}
         int4 = {n: list(f.info(n).int4_shape) for n in f if f.info(n).int4_shape is not None}
-        st_meta = {META_KEY: _dumps(f.metadata), INT4_KEY: _dumps(int4)}
+        st_meta = {META_KEY: _dumps(f.metadata), INT4_KEY: _dumps(int4), ORDER_KEY: _dumps(f.names)}
         _atomic(st_path, lambda tmp: safetensors.serialize_file(specs, tmp, st_meta))
         metadata = f.metadata
         del views, specs
@@ -69,12 +69,13 @@ def convert_safetensors(st_path, out_path) -> None:
             raise InvalidDtypeError(
                 f"{st_path}: tensor '{name}': safetensors dtype {code} has no kdtr equivalent; "
                 f"cast it to one of {', '.join(spec.SAFETENSORS_DTYPES.values())} first")
-    metadata, int4 = _kdtr_metadata(st_path, st_meta)
+    metadata, int4, order = _kdtr_metadata(st_path, st_meta)
     with open(st_path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         n = struct.unpack("<Q", mm[:8])[0]
         header = json.loads(mm[8:8 + n])
         base = 8 + n
-        order = sorted(declared, key=lambda k: header[k]["data_offsets"][0])
+        if sorted(order) != sorted(declared):  # not from `kdtr export`: keep the file's data order
+            order = sorted(declared, key=lambda k: header[k]["data_offsets"][0])
 
         def tensors():
             for name in order:
@@ -89,20 +90,22 @@ def convert_safetensors(st_path, out_path) -> None:
         write_kdtr(out_path, tensors(), metadata)
 
 
-def _kdtr_metadata(st_path: str, st_meta: dict) -> tuple[dict, dict]:
-    """(metadata, int4 shapes): restored from an export, else the safetensors strings kept as-is."""
+def _kdtr_metadata(st_path: str, st_meta: dict) -> tuple[dict, dict, list]:
+    """(metadata, int4 shapes, tensor order): restored from an export, else the safetensors strings
+    kept as metadata."""
     if META_KEY not in st_meta:
-        return {"safetensors_metadata": dict(sorted(st_meta.items()))}, {}
+        return {"safetensors_metadata": dict(sorted(st_meta.items()))}, {}, []
     try:
         metadata = json.loads(st_meta[META_KEY])
         int4 = {k: tuple(v) for k, v in json.loads(st_meta.get(INT4_KEY, "{}")).items()}
+        order = [str(n) for n in json.loads(st_meta.get(ORDER_KEY, "[]"))]
     except (ValueError, TypeError, AttributeError) as e:
         raise MetadataError(f"{st_path}: __metadata__ key {META_KEY!r} or {INT4_KEY!r} is not the "
                             f"JSON `kdtr export` writes ({e}); remove the key or re-export") from None
     if not isinstance(metadata, dict):
         raise MetadataError(f"{st_path}: __metadata__[{META_KEY!r}] is not a JSON object; remove "
                             f"the key or re-export")
-    return metadata, int4
+    return metadata, int4, order
 
 
 def _dumps(obj) -> str:

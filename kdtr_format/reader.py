@@ -29,6 +29,8 @@ ENTRY_KEYS = {"name", "dtype", "shape", "offset", "nbytes", "sha256"}
 OPTIONAL_ENTRY_KEYS = {"int4_shape"}
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_DEPTH_STEP = np.zeros(256, np.int8)  # byte -> nesting change: [ { open, ] } close
+_DEPTH_STEP[[ord("["), ord("{")]], _DEPTH_STEP[[ord("]"), ord("}")]] = 1, -1
 
 
 @dataclass(frozen=True)
@@ -88,9 +90,7 @@ def check_int4_shape(name: str, dtype: str, shape, int4_shape, where: str) -> No
 def json_depth(raw: bytes) -> int:
     """Maximum nesting of [ and { in JSON bytes, ignoring string contents (no recursion, C speed)."""
     skeleton = np.frombuffer(_JSON_STRING.sub(b'""', raw), dtype=np.uint8)
-    step = (np.isin(skeleton, (ord("["), ord("{"))).astype(np.int64)
-            - np.isin(skeleton, (ord("]"), ord("}"))))
-    return int(np.cumsum(step).max(initial=0))
+    return int(np.cumsum(_DEPTH_STEP[skeleton], dtype=np.int64).max(initial=0))
 
 
 def header_digest(preamble: bytes, header: bytes) -> bytes:

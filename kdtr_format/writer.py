@@ -72,8 +72,8 @@ def _prepare(name: str, value, where: str) -> tuple[str, np.ndarray, tuple | Non
 
 def _plain_json(value, where: str, path: str = "metadata", depth: int = 1):
     """Metadata as plain JSON types (tuples -> lists, numpy scalars -> Python), checking keys and depth."""
-    if depth > spec.MAX_JSON_DEPTH - 2:  # the header wraps metadata in two more levels
-        raise MetadataError(f"{where}: {path} nests deeper than {spec.MAX_JSON_DEPTH - 2} levels; "
+    if depth > spec.MAX_JSON_DEPTH - 1:  # the header object adds one level around the metadata
+        raise MetadataError(f"{where}: {path} nests deeper than {spec.MAX_JSON_DEPTH - 1} levels; "
                             f"flatten the metadata")
     if isinstance(value, np.generic):
         value = value.item()
