@@ -84,9 +84,11 @@ def yarn_inv_freq(cfg: ModelConfig) -> np.ndarray:
     return inv_freq * (1.0 - ramp) + inv_freq / rope["factor"] * ramp
 
 
-def rope_cos_sin(cfg: ModelConfig, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def rope_cos_sin(cfg: ModelConfig, positions: np.ndarray, dtype=np.float64) -> tuple[np.ndarray, np.ndarray]:
+    """Angles in float64 (positions up to 2^18 need it), then cast to the compute dtype."""
     angle = np.einsum("t,r->tr", positions.astype(np.float64), yarn_inv_freq(cfg))  # [T] -> [T, R/2]
-    return np.cos(angle) * cfg.rope_attention_factor, np.sin(angle) * cfg.rope_attention_factor
+    cos, sin = np.cos(angle) * cfg.rope_attention_factor, np.sin(angle) * cfg.rope_attention_factor
+    return cos.astype(dtype), sin.astype(dtype)
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
@@ -110,12 +112,13 @@ def causal_mask(T: int, S_cache: int) -> np.ndarray:
 # ---------------------------------------------------------------- KV cache
 
 class KVCache:
-    """Per layer: c_kv[l] [S, C] (normalised latent) and k_pe[l] [S, R] (rotated, interleaved layout)."""
+    """Per layer: c_kv[l] [S, C] (normalised latent) and k_pe[l] [S, R] (rotated, interleaved layout).
+    Rows keep the dtype of the forward that wrote them (float64 oracle, float32 reference engine)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, dtype=np.float64):
         L, C, R = cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim
-        self.c_kv = [np.zeros((0, C)) for _ in range(L)]
-        self.k_pe = [np.zeros((0, R)) for _ in range(L)]
+        self.c_kv = [np.zeros((0, C), dtype=dtype) for _ in range(L)]
+        self.k_pe = [np.zeros((0, R), dtype=dtype) for _ in range(L)]
 
     @property
     def length(self) -> int:
@@ -259,6 +262,7 @@ def block(cfg: ModelConfig, W: dict, l: int, h: np.ndarray, cos: np.ndarray, sin
 def forward(cfg: ModelConfig, W: dict, ids, positions, cache: KVCache | None = None, mask=None,
             absorbed: bool = False, taps: dict | None = None) -> tuple[np.ndarray, list[np.ndarray]]:
     """Logits [T, V] and hiddens (L+1 arrays [T, D]: embeddings, then each layer's output) for T new tokens.
+    Computes in the dtype of the weights: float64 is the oracle, float32 the same-precision baseline.
 
     cache: the new tokens' rows are appended to it. mask: None = causal over cache + new tokens; else an
     additive float [T, S_cache + T] (0 visible, -inf hidden). taps: a dict filled with "L{l}/{tap}",
@@ -273,10 +277,11 @@ def forward(cfg: ModelConfig, W: dict, ids, positions, cache: KVCache | None = N
         raise ValueError(f"forward: token ids must be in [0, {cfg.vocab_size}), got {ids.min()}..{ids.max()}")
     if mask is None:
         mask = causal_mask(T, S_cache)                                   # [T, S]
-    mask = np.asarray(mask, dtype=np.float64)
+    dtype = W["model.embed_tokens.weight"].dtype                         # float64 oracle or float32 engine
+    mask = np.asarray(mask, dtype=dtype)
     if mask.shape != (T, S_cache + T):
         raise ValueError(f"forward: mask shape {mask.shape} must be [T, S_cache + T] = {(T, S_cache + T)}")
-    cos, sin = rope_cos_sin(cfg, positions)                              # [T, R/2] each
+    cos, sin = rope_cos_sin(cfg, positions, dtype)                       # [T, R/2] each
     h = W["model.embed_tokens.weight"][ids]                              # [T] -> [T, D]
     hiddens = [h]
     for l in range(cfg.num_hidden_layers):
