@@ -1,0 +1,35 @@
+"""`kdtr import CHECKPOINT_DIR --out MODEL.kdtr`: a HF-layout Kimi K2.x / DeepseekV3 checkpoint
+(INT4 experts kept packed) into one .kdtr model file. All logic is refmodel.checkpoint.import_checkpoint;
+a bad checkpoint is one line on stderr and exit code ExitCode.INVALID_FILE (5)."""
+import sys
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+from conformance.exit_codes import ExitCode
+from kdtr_format import KdtrError
+from refmodel.checkpoint import CheckpointError, import_checkpoint
+
+
+@click.command("import")
+@click.argument("checkpoint_dir", type=click.Path(exists=True, file_okay=False, readable=True))
+@click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False, writable=True),
+              help="The .kdtr model file to write (atomically).")
+def import_cmd(checkpoint_dir: str, out_path: str) -> None:
+    """Import CHECKPOINT_DIR (config.json + safetensors shards) into a .kdtr model file."""
+    console = Console(stderr=True)
+    columns = (TextColumn("importing"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
+    try:
+        with Progress(*columns, console=console, transient=True) as bar:
+            task = bar.add_task("import", total=None)
+            summary = import_checkpoint(checkpoint_dir, out_path,
+                                        progress=lambda done, total: bar.update(task, completed=done, total=total))
+    except (CheckpointError, KdtrError) as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(int(ExitCode.INVALID_FILE))
+    q = summary.quantization
+    scheme = (f"INT4 W4A16 g{q['group_size']} ({q['scope']}, {q['scale_dtype']} scales)" if q else "no INT4")
+    click.echo(f"wrote {summary.out_path}: {summary.tensors} tensors from {summary.shards} shard(s), "
+               f"{summary.int4_linears} INT4 linears kept packed, {summary.dense} dense; {scheme}; "
+               f"{summary.dropped} vision tensors dropped; {summary.bytes_read} bytes read")
