@@ -1,0 +1,116 @@
+"""`kdtr gen`: make a golden bundle (conformance.gen does the work)."""
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from conformance.exit_codes import ExitCode
+from conformance.gen import GenError, GenSettings, apply_quant, generate_bundle, model_from_checkpoint, \
+    model_from_kdtr, model_from_preset
+from kdtr_format import KdtrError
+from refmodel.checkpoint import CheckpointError
+
+
+def _parse_prompt_ids(text: str | None) -> list | None:
+    """'1,5,9;7' -> [[1, 5, 9], [7]]: prompts separated by ';', ids by ','."""
+    if text is None:
+        return None
+    try:
+        return [[int(t) for t in p.split(",") if t.strip()] for p in text.split(";") if p.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: write prompts as comma-separated ids, prompts separated by ';' "
+                                 f"(e.g. '12;5,7,9')", param_hint="--prompt-ids") from None
+
+
+def _read_prompts(path: str | None) -> list | None:
+    """A JSON file: a list of prompts, each a list of token ids."""
+    if path is None:
+        return None
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+    except (OSError, json.JSONDecodeError) as e:
+        raise click.BadParameter(f"{path}: {e}; expected JSON like [[1, 2, 3], [7]]", param_hint="--prompts")
+    if not isinstance(data, list) or not all(isinstance(p, list) and p for p in data):
+        raise click.BadParameter(f"{path}: expected a JSON list of non-empty id lists, like [[1, 2, 3], [7]]",
+                                 param_hint="--prompts")
+    return data
+
+
+class _Bars:
+    """progress(stage, done, total, info) -> one rich bar per stage."""
+
+    def __init__(self, progress: Progress):
+        self.p, self.tasks = progress, {}
+
+    def __call__(self, stage, done, total, info):
+        if stage not in self.tasks:
+            self.tasks[stage] = self.p.add_task(stage, total=total, info="")
+        self.p.update(self.tasks[stage], completed=done, info="" if info is None else f"loss {info:.3f}")
+
+
+@click.command("gen")
+@click.option("--preset", default="tiny", show_default=True, help="Model preset (refmodel.config.PRESETS).")
+@click.option("--quant", type=click.Choice(["fp32", "int4"]), default="fp32", show_default=True,
+              help="fp32 weights, or INT4 W4A16 group-32 (compressed-tensors layout).")
+@click.option("--int4-scope", type=click.Choice(["experts", "mlp"]), default="experts", show_default=True,
+              help="INT4 modules: routed experts only (as K2.6 ships) or every MLP.")
+@click.option("--from-checkpoint", "checkpoint", type=click.Path(exists=True, file_okay=False),
+              help="Take the target from an HF-layout checkpoint directory (a drafter is distilled for it).")
+@click.option("--model", "model_path", type=click.Path(exists=True, dir_okay=False),
+              help="Take target and drafter from an existing .kdtr model or bundle.")
+@click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False),
+              help="JSON file: a list of prompts, each a list of token ids.")
+@click.option("--prompt-ids", help="Prompts inline: ids separated by ',', prompts by ';' (e.g. '12;5,7,9').")
+@click.option("--num-prompts", type=click.IntRange(1, 64), default=4, show_default=True,
+              help="Random prompts of different lengths (the first of length 1) when none are given.")
+@click.option("--max-new-tokens", type=click.IntRange(2, 4096), default=64, show_default=True)
+@click.option("--budget", type=click.IntRange(1, 1024), default=32, show_default=True, help="DDTree node budget.")
+@click.option("--distill-steps", type=click.IntRange(0), default=1500, show_default=True,
+              help="Drafter distillation steps (0: untrained drafter).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Weights, drafter and prompt seed.")
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="The bundle to write (atomically).")
+def gen_cmd(preset, quant, int4_scope, checkpoint, model_path, prompts_file, prompt_ids, num_prompts,
+            max_new_tokens, budget, distill_steps, seed, out):
+    """Generate a golden bundle: model, prompts, per-layer goldens, AR stream and DDTree rounds.
+
+    The goldens are the float64 reference on the stored weights; tolerances are derived from a float32 run
+    of the same reference. Prompts whose greedy margins are too close to float32 noise are rejected.
+    The same command on the same machine writes the same bytes.
+    """
+    if checkpoint and model_path:
+        raise click.UsageError("--from-checkpoint and --model both choose the model: pass one")
+    if prompts_file and prompt_ids:
+        raise click.UsageError("--prompts and --prompt-ids both give prompts: pass one")
+    prompts = _read_prompts(prompts_file) or _parse_prompt_ids(prompt_ids)
+    s = GenSettings(preset=preset, quant=quant, int4_scope=int4_scope, seed=seed, prompts=prompts,
+                    num_prompts=num_prompts, max_new_tokens=max_new_tokens, budget=budget,
+                    distill_steps=distill_steps, command=shlex.join(["kdtr"] + sys.argv[1:]))
+    console = Console(stderr=True)
+    cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            TextColumn("{task.fields[info]}"))
+    try:
+        with Progress(*cols, console=console, transient=False) as bar:
+            progress = _Bars(bar)
+            if model_path:
+                m = model_from_kdtr(model_path, s, progress)
+            elif checkpoint:
+                m = model_from_checkpoint(checkpoint, s, progress)
+            else:
+                m = model_from_preset(s, progress)
+            fig = generate_bundle(apply_quant(m, s), s, out, progress)
+    except (GenError, KdtrError, CheckpointError) as e:
+        console.print(f"[red]kdtr gen: {e}[/red]")
+        sys.exit(ExitCode.INVALID_FILE if isinstance(e, KdtrError) else ExitCode.USAGE)
+    table = Table(title=f"bundle {out}")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for k, v in fig.items():
+        table.add_row(k, str(v))
+    Console().print(table)
