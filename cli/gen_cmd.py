@@ -7,6 +7,7 @@ import sys
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -106,7 +107,7 @@ def gen_cmd(preset, quant, int4_scope, checkpoint, model_path, prompts_file, pro
                 m = model_from_preset(s, progress)
             fig = generate_bundle(apply_quant(m, s), s, out, progress)
     except (GenError, KdtrError, CheckpointError) as e:
-        console.print(f"[red]kdtr gen: {e}[/red]")
+        console.print(f"[red]kdtr gen: {escape(str(e))}[/red]")
         sys.exit(ExitCode.INVALID_FILE if isinstance(e, KdtrError) else ExitCode.USAGE)
     table = Table(title=f"bundle {out}")
     table.add_column("figure")

@@ -1,0 +1,85 @@
+"""`kdtr verify`: judge an engine (or an external engine's run dump) against golden bundles."""
+from __future__ import annotations
+
+import sys
+
+import click
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from conformance.engines import ENGINES, EngineUnavailable, pick_engine
+from conformance.exit_codes import ExitCode
+from conformance.report import print_console, write_html, write_json, write_junit
+from conformance.runner import verify
+from conformance.tolerance import load_rules_file
+
+
+def _suffixed(path: str | None, bundle: str, many: bool) -> str | None:
+    """With several bundles, one report per bundle: report.json -> report.model_tiny.json."""
+    if path is None or not many:
+        return path
+    stem = bundle.rsplit("/", 1)[-1].rsplit(".", 1)[0]
+    head, dot, ext = path.rpartition(".")
+    return f"{head}.{stem}.{ext}" if dot else f"{path}.{stem}"
+
+
+@click.command("verify")
+@click.argument("bundles", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.option("--engine", "engine_name", type=click.Choice(["auto"] + sorted(ENGINES)), default="auto",
+              show_default=True, help="Engine under test; auto = cuda when a GPU and pycuda are present, "
+                                      "else reference.")
+@click.option("--dump", type=click.Path(exists=True, dir_okay=False),
+              help="Judge an external engine's run dump (docs/run-dump.md) instead of running an engine.")
+@click.option("--rules", type=click.Path(exists=True, dir_okay=False),
+              help="Tolerance overrides: TOML/JSON, glob over check names -> rule (docs/conformance.md).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the JSON report here.")
+@click.option("--junit", "junit_path", type=click.Path(dir_okay=False), help="Write a JUnit XML report here.")
+@click.option("--html", "html_path", type=click.Path(dir_okay=False), help="Write a static HTML report here.")
+@click.option("--save-dump", type=click.Path(dir_okay=False),
+              help="Also write the engine's outputs as a run dump (the format external engines write).")
+@click.option("-v", "--verbose", is_flag=True, help="List every check, not only failures.")
+def verify_cmd(bundles, engine_name, dump, rules, json_path, junit_path, html_path, save_dump, verbose):
+    """Verify an engine against golden BUNDLES: every tap of every layer, the AR token stream and
+    the DDTree rounds. Exit 0 pass, 1 numeric, 3 tokens, 4 DDTree, 5 invalid/corrupt bundle, 6 engine error.
+    """
+    console = Console(stderr=True)
+    try:
+        overrides = load_rules_file(rules) if rules else ()
+    except (OSError, ValueError) as e:
+        raise click.BadParameter(str(e), param_hint="--rules") from None
+    if dump and len(bundles) > 1:
+        raise click.UsageError("--dump judges one run against one bundle: pass a single BUNDLE")
+    worst = ExitCode.OK
+    for bundle in bundles:
+        engine = None
+        if not dump:
+            try:
+                engine, why = pick_engine(engine_name)
+            except EngineUnavailable as e:
+                console.print(f"[red]kdtr verify: {escape(str(e))}[/red]")
+                sys.exit(ExitCode.ENGINE_ERROR)
+            console.print(f"engine: [bold]{engine.name}[/bold] ({escape(why)})")
+        cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*cols, console=console, transient=True) as bar:
+            task = {}
+
+            def progress(stage, done, total, _info):
+                if stage not in task:
+                    task[stage] = bar.add_task(f"{bundle}: {stage}", total=total)
+                bar.update(task[stage], completed=done)
+
+            v = verify(bundle, engine=engine, dump=dump, overrides=overrides, progress=progress,
+                       save_dump=save_dump)
+        print_console(v, Console(), verbose=verbose)
+        many = len(bundles) > 1
+        for path, write in ((json_path, write_json), (junit_path, write_junit), (html_path, write_html)):
+            if path:
+                write(v, _suffixed(path, bundle, many))
+        worst = max(worst, v.exit_code, key=_severity)
+    sys.exit(int(worst))
+
+
+def _severity(code: ExitCode) -> int:
+    from conformance.report import PRECEDENCE
+    return len(PRECEDENCE) - PRECEDENCE.index(code) if code in PRECEDENCE else 0

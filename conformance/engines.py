@@ -1,0 +1,48 @@
+"""The built-in engines `kdtr verify --engine` can run, and how `auto` picks one."""
+from __future__ import annotations
+
+import importlib.util
+
+from conformance.reference_engine import ReferenceEngine
+
+ENGINES = ("cuda", "reference")
+
+
+class EngineUnavailable(RuntimeError):
+    """The requested engine cannot run here (no GPU, no pycuda, not built yet)."""
+
+
+def _cuda_engine_class():
+    """cuda_engine.engine.CudaEngine when pycuda imports and a device answers; else (None, why)."""
+    if importlib.util.find_spec("pycuda") is None:
+        return None, "pycuda is not installed (pip install -e '.[cuda]')"
+    if importlib.util.find_spec("cuda_engine.engine") is None:
+        return None, "cuda_engine has no engine yet (the CUDA engine issues add it)"
+    try:
+        import pycuda.driver as drv
+
+        drv.init()
+        if drv.Device.count() == 0:
+            return None, "no CUDA device"
+    except Exception as e:  # noqa: BLE001 - any driver failure means: no usable GPU here
+        return None, f"CUDA driver unavailable ({type(e).__name__}: {e})"
+    from cuda_engine.engine import CudaEngine
+
+    return CudaEngine, "a CUDA device and pycuda are present"
+
+
+def pick_engine(name: str):
+    """(engine instance, why it was chosen). `auto`: cuda when it can run, else reference."""
+    if name == "reference":
+        return ReferenceEngine(), "requested; the refmodel in float32"
+    if name == "cuda":
+        cls, why = _cuda_engine_class()
+        if cls is None:
+            raise EngineUnavailable(f"--engine cuda cannot run here: {why}; use --engine reference")
+        return cls(), why
+    if name == "auto":
+        cls, why = _cuda_engine_class()
+        if cls is not None:
+            return cls(), f"auto: {why}"
+        return ReferenceEngine(), f"auto: no CUDA engine ({why}), so the refmodel in float32"
+    raise EngineUnavailable(f"unknown engine {name!r}; choose one of auto, {', '.join(ENGINES)}")

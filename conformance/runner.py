@@ -1,0 +1,403 @@
+"""The conformance runner behind `kdtr verify`: one verdict over taps, token streams and DDTree.
+
+Two ways in, one judge. A live engine (conformance.engine.Engine) is driven by `collect`, which writes
+its outputs under the run-dump names of docs/run-dump.md; an external engine writes a `.kdtr` run dump
+with the same names itself. `judge` compares either against the bundle's goldens:
+
+1. numeric: every tap, in execution order (prefill L0..L{n-1}, final_hidden, logits; then the decode
+   steps, teacher-forced with the golden tokens), with the bundle's derived tolerances or a rules file;
+2. tokens: the engine's argmax at every golden step equals the golden token (exact); a mismatch reports
+   the step, both tokens, the golden top-1/top-2 margin and the engine's logit error there;
+3. ddtree: the engine's DDTree stream equals the golden stream and its own AR stream (100%), every
+   round's verify argmax, accepted path and bonus equal the golden ones, target-forward counts equal.
+
+The first numeric failure in execution order is the first divergence; with a live engine that can run
+one layer alone, that layer is re-run on golden inputs to tell a local fault from inherited error.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from conformance.report import CheckResult, Divergence, make_verdict
+from conformance.tolerance import DerivedTolerance, Rule, check_tap, resolve_rule
+from kdtr_format import KdtrError, open_kdtr
+from refmodel.config import ModelConfig
+from refmodel.ddtree import Tree, compile_tree, walk
+from refmodel.model import tap_names
+
+BUNDLE_SCHEMA = "kdtr-bundle/1"
+
+
+class BundleSchemaError(KdtrError):
+    """A well-formed .kdtr file that is not a golden bundle of a schema this kdtr understands."""
+
+
+# ---------------------------------------------------------------- bundle layout
+
+def prompts_of(f) -> list[int]:
+    return sorted(int(n.split("/")[1][1:]) for n in f.names if n.startswith("golden/p") and n.endswith("/prompt_ids"))
+
+
+def check_schema(f, path: str) -> None:
+    meta = f.metadata
+    if meta.get("schema") != BUNDLE_SCHEMA:
+        raise BundleSchemaError(f"{path}: metadata schema is {meta.get('schema')!r}, expected {BUNDLE_SCHEMA!r}: "
+                                f"not a golden bundle (or a newer one); regenerate it with the command in "
+                                f"bundles/MANIFEST.md")
+    for key in ("model_config", "tolerances", "taps", "ddtree"):
+        if key not in meta:
+            raise BundleSchemaError(f"{path}: metadata lacks {key!r}; regenerate the bundle with `kdtr gen`")
+    if not prompts_of(f):
+        raise BundleSchemaError(f"{path}: no golden/p{{i}}/prompt_ids tensor; regenerate the bundle with `kdtr gen`")
+
+
+def numeric_keys(cfg: ModelConfig, ar_taps) -> list[str]:
+    """Golden keys relative to golden/p{i}/, in execution order."""
+    keys = [f"prefill/L{l}/{t}" for l in range(cfg.num_hidden_layers) for t in tap_names(cfg, l)]
+    keys += ["prefill/final_hidden", "prefill/logits", "ar/logits"]
+    keys += [f"ar/L{l}/{t}" for l in range(cfg.num_hidden_layers) for t in tap_names(cfg, l) if t in ar_taps]
+    return keys
+
+
+def golden_tree(f, p: str, r: int) -> Tree:
+    """Round r's tree from the ragged golden records (row 0 = root)."""
+    o = f[p + "ddtree/tree_offsets"]
+    lo, hi = int(o[r]), int(o[r + 1])
+    tokens = np.asarray(f[p + "ddtree/tree_tokens"][lo + 1:hi], np.int64)
+    parents = np.asarray(f[p + "ddtree/tree_parents"][lo:hi], np.int64)
+    depths = np.asarray(f[p + "ddtree/tree_depths"][lo + 1:hi], np.int64)
+    n = len(tokens)
+    child_maps = [{} for _ in range(n + 1)]
+    vis = np.zeros((n + 1, n + 1), bool)
+    vis[0, 0] = True
+    for i in range(1, n + 1):
+        child_maps[parents[i]][int(tokens[i - 1])] = i
+        vis[i, :i] = vis[parents[i], :i]
+        vis[i, i] = True
+    ranks = np.asarray(f[p + "ddtree/tree_ranks"][lo + 1:hi], np.int64)
+    return Tree(tokens, depths, parents, child_maps, vis, ranks, np.zeros(n))
+
+
+# ---------------------------------------------------------------- driving a live engine
+
+def collect(engine, f, progress=None) -> dict:
+    """Drive `engine` through every golden prompt; returns outputs under run-dump names."""
+    out, ps = {}, prompts_of(f)
+    ar_taps = set(f.metadata["taps"]["ar"])
+    for n, i in enumerate(ps):
+        p = f"golden/p{i}/"
+        prompt, tokens = np.asarray(f[p + "prompt_ids"]), np.asarray(f[p + "ar/tokens"])
+        P = len(prompt)
+        engine.reset()
+        logits, taps = engine.prefill(prompt, np.arange(P))
+        out.update({f"p{i}/prefill/{k}": np.asarray(v) for k, v in taps.items()})
+        rows, steps = [np.asarray(logits)[-1]], {}
+        for s, tok in enumerate(tokens[:-1]):                            # teacher forcing: golden tokens in
+            lg, tp = engine.decode(int(tok), P + s)
+            rows.append(np.asarray(lg)[-1])
+            for k, v in tp.items():
+                if k.split("/")[-1] in ar_taps and k.startswith("L"):
+                    steps.setdefault(f"p{i}/ar/{k}", []).append(np.asarray(v)[0])
+        out[f"p{i}/ar/logits"] = np.stack(rows)                          # [n, V]
+        out[f"p{i}/ar/tokens"] = np.argmax(out[f"p{i}/ar/logits"], axis=-1).astype(np.int64)
+        out.update({k: np.stack(v) for k, v in steps.items()})
+        out.update(replay_ddtree(engine, f, i, prompt, len(tokens)))
+        if progress:
+            progress("engine", n + 1, len(ps), None)
+    return out
+
+
+def replay_ddtree(engine, f, i: int, prompt, n_tokens: int) -> dict:
+    """Verify the golden trees with the engine: depth positions, ancestor-only mask, walk, compaction.
+    The roots are the engine's own bonus tokens, so its DDTree stream is its own."""
+    p = f"golden/p{i}/"
+    engine.reset()
+    P = len(prompt)
+    logits, _ = engine.prefill(prompt, np.arange(P))
+    emitted, start, forwards = [int(np.argmax(np.asarray(logits)[-1]))], P, 1
+    argmaxes, accepted, acc_sizes, bonuses = [], [], [], []
+    for r, golden_start in enumerate(np.asarray(f[p + "ddtree/round_start"])):
+        if start != golden_start:
+            break                                                        # already diverged: judged below
+        tree = golden_tree(f, p, r)
+        ids, positions, mask = compile_tree(tree, emitted[-1], start)
+        lg, _ = engine.verify_tree(ids, positions, mask)
+        forwards += 1
+        post = np.argmax(np.asarray(lg), axis=-1)
+        acc, bonus = walk(tree.child_maps, post)
+        engine.compact(start, np.asarray(acc))
+        emitted += [int(t) for t in ids[acc[1:]]] + [int(bonus)]
+        start += len(acc)
+        argmaxes.append(post)
+        accepted.append(acc)
+        acc_sizes.append(len(acc))
+        bonuses.append(bonus)
+    cat = lambda xs: np.concatenate([np.asarray(x, np.int64) for x in xs]) if xs else np.zeros(0, np.int64)  # noqa
+    return {
+        f"p{i}/ddtree/tokens": np.asarray(emitted[:n_tokens], np.int64),
+        f"p{i}/ddtree/verify_argmax": cat(argmaxes),
+        f"p{i}/ddtree/accepted": cat(accepted),
+        f"p{i}/ddtree/accepted_offsets": np.concatenate([[0], np.cumsum(acc_sizes)]).astype(np.int64),
+        f"p{i}/ddtree/round_bonus": np.asarray(bonuses, np.int64),
+        f"p{i}/ddtree/counters": np.array([forwards, len(bonuses)], np.int64),
+    }
+
+
+# ---------------------------------------------------------------- judging outputs against goldens
+
+def _manifest_rule(entry: dict | None):
+    if entry and "baseline_max_abs" in entry:
+        return DerivedTolerance.from_dict(entry)
+    return Rule(mode="exact", source="manifest (exact tap)")
+
+
+def judge(f, out: dict, overrides=(), dtype: str = "float32") -> tuple[list[CheckResult], Divergence | None]:
+    """All checks for outputs `out` (run-dump names) against the open bundle `f`."""
+    meta = f.metadata
+    cfg = ModelConfig.from_dict(meta["model_config"])
+    man = meta["tolerances"]["taps"]
+    keys = numeric_keys(cfg, set(meta["taps"]["ar"]))
+    checks, first = [], None
+    for i in prompts_of(f):
+        g = f"golden/p{i}/"
+        for key in keys:
+            name = f"p{i}/{key}"
+            if g + key not in f:
+                continue
+            c, failed = _numeric_check(name, f[g + key], out.get(name), man.get(key), overrides, dtype)
+            checks.append(c)
+            if failed and first is None:
+                first = _divergence(c, len(f[g + "prompt_ids"]))
+        checks.append(_token_check(f, g, i, out))
+        checks += _ddtree_checks(f, g, i, out)
+    return checks, first
+
+
+def _numeric_check(name, golden, actual, entry, overrides, dtype) -> tuple[CheckResult, bool]:
+    if actual is None:
+        return CheckResult(name, "skip", "numeric", message="the engine did not report this tap"), False
+    derived = _manifest_rule(entry)
+    rule = resolve_rule(name, derived, overrides)
+    golden, actual = np.asarray(golden), np.asarray(actual)
+    if golden.shape != actual.shape:
+        return CheckResult(name, "fail", "numeric", tolerance=rule.to_dict(),
+                           message=f"shape {actual.shape} but the golden is {golden.shape}"), True
+    r = check_tap(golden, actual, rule, dtype, derived=derived if isinstance(derived, DerivedTolerance) else None)
+    return CheckResult(name, "pass" if r.passed else "fail", "numeric", r.metrics, rule.to_dict(),
+                       "; ".join(r.failures), r.min_passing), not r.passed
+
+
+def _divergence(c: CheckResult, P: int) -> Divergence:
+    """Where a failed numeric check points: layer, tap, phase, step, token position, worst element."""
+    parts = c.name.split("/")                                            # p{i}/{phase}/[L{l}/]{tap}
+    phase, tap = parts[1], parts[-1]
+    layer = int(parts[2][1:]) if len(parts) == 4 else None
+    worst = c.metrics.get("worst_index") or c.metrics.get("first_mismatch")
+    worst = tuple(int(x) for x in worst) if worst is not None else None
+    row = worst[0] if worst else None
+    if phase == "prefill":
+        step, pos = None, row
+    elif tap == "logits":                                                # ar/logits row s: from position P-1+s
+        step, pos = row, None if row is None else P - 1 + row
+    else:                                                                # decode forward s at position P+s
+        step, pos = row, None if row is None else P + row
+    golden = c.metrics.get("golden_at_worst", c.metrics.get("golden_at_first"))
+    actual = c.metrics.get("actual_at_worst", c.metrics.get("actual_at_first"))
+    return Divergence(c.name, layer, tap, phase, step, pos, worst, golden, actual)
+
+
+def _token_check(f, g: str, i: int, out: dict) -> CheckResult:
+    name = f"p{i}/ar/tokens"
+    gold, got = np.asarray(f[g + "ar/tokens"]), out.get(name)
+    if got is None:
+        return CheckResult(name, "skip", "tokens", message="the engine reported no AR tokens")
+    got = np.asarray(got)
+    n = min(len(gold), len(got))
+    bad = np.nonzero(gold[:n] != got[:n])[0]
+    metrics = {"tokens": int(len(gold)), "matching_prefix": int(bad[0]) if bad.size else n}
+    if not bad.size and len(got) == len(gold):
+        return CheckResult(name, "pass", "tokens", metrics, {"exact": True})
+    if not bad.size:
+        return CheckResult(name, "fail", "tokens", metrics, {"exact": True},
+                           f"{len(got)} tokens, the golden stream has {len(gold)}")
+    s = int(bad[0])
+    margin = float(f[g + "ar/margins"][s])
+    msg = f"step {s}: golden token {int(gold[s])}, engine {int(got[s])}; golden top-1/top-2 margin {margin:.4g}"
+    logits = out.get(f"p{i}/ar/logits")
+    if logits is not None and len(logits) > s:
+        err = float(np.max(np.abs(np.asarray(logits[s], np.float64) - np.asarray(f[g + "ar/logits"][s]))))
+        metrics.update(step=s, golden_token=int(gold[s]), engine_token=int(got[s]), margin=margin,
+                       logit_error=err)
+        why = ("its logit error exceeds half the margin: a numeric fault big enough to flip a decisive token"
+               if 2 * err >= margin else
+               "its logit error is under half the margin, so noise cannot explain the flip: "
+               "look at argmax / tie-breaking / the token fed back")
+        msg += f", engine logit error there {err:.4g}: {why}"
+    return CheckResult(name, "fail", "tokens", metrics, {"exact": True}, msg)
+
+
+def _ddtree_checks(f, g: str, i: int, out: dict) -> list[CheckResult]:
+    p = f"p{i}/ddtree/"
+    if p + "tokens" not in out:
+        return [CheckResult(p + "tokens", "skip", "ddtree", message="the engine reported no DDTree run")]
+    checks = []
+    mine, gold = np.asarray(out[p + "tokens"]), np.asarray(f[g + "ddtree/tokens"])
+    ar = out.get(f"p{i}/ar/tokens")
+    for name, ref, what in ((p + "tokens", gold, "the golden DDTree stream"),
+                            (p + "tokens_vs_own_ar", None if ar is None else np.asarray(ar), "the engine's own AR stream")):
+        if ref is None:
+            continue
+        n = min(len(ref), len(mine))
+        bad = np.nonzero(ref[:n] != mine[:n])[0]
+        ok = not bad.size and len(ref) == len(mine)
+        msg = "" if ok else (f"differs from {what} at token {int(bad[0])}: expected {int(ref[bad[0]])}, "
+                             f"got {int(mine[bad[0]])}" if bad.size else f"{len(mine)} tokens, {what} has {len(ref)}")
+        checks.append(CheckResult(name, "pass" if ok else "fail", "ddtree", {"tokens": int(len(mine))},
+                                  {"exact": True}, msg))
+    checks.append(_rounds_check(f, g, p, out))
+    fw, gfw = out.get(p + "counters"), np.asarray(f[g + "ddtree/counters"])
+    if fw is not None:
+        ok = int(fw[0]) == int(gfw[0])
+        checks.append(CheckResult(p + "target_forwards", "pass" if ok else "fail", "ddtree",
+                                  {"engine": int(fw[0]), "golden": int(gfw[0])}, {"exact": True},
+                                  "" if ok else f"{int(fw[0])} target forwards, golden {int(gfw[0])}"))
+    return checks
+
+
+def _rounds_check(f, g: str, p: str, out: dict) -> CheckResult:
+    """Round by round: verify argmax over the tree, accepted node path and bonus equal the golden ones."""
+    go, ga = np.asarray(f[g + "ddtree/tree_offsets"]), np.asarray(f[g + "ddtree/accepted_offsets"])
+    eo = out.get(p + "accepted_offsets")
+    if eo is None:
+        return CheckResult(p + "rounds", "skip", "ddtree", message="the engine reported no per-round records")
+    R = len(go) - 1
+    for r in range(R):
+        if r + 1 >= len(eo):
+            return CheckResult(p + "rounds", "fail", "ddtree", {"rounds": R, "matching": r}, {"exact": True},
+                               f"the engine ran {len(eo) - 1} rounds, the golden run {R}")
+        pairs = (("verify_argmax", go, go), ("accepted", ga, np.asarray(eo)))
+        for key, gof, eof in pairs:
+            gv = np.asarray(f[g + "ddtree/" + key][gof[r]:gof[r + 1]])
+            if key == "verify_argmax":
+                ev = np.asarray(out[p + key])[gof[r]:gof[r + 1]] if len(out[p + key]) >= gof[r + 1] else None
+            else:
+                ev = np.asarray(out[p + key])[eof[r]:eof[r + 1]]
+            if ev is None or not np.array_equal(gv, ev):
+                return CheckResult(p + "rounds", "fail", "ddtree", {"rounds": R, "matching": r}, {"exact": True},
+                                   f"round {r}: {key} {None if ev is None else ev.tolist()} but golden {gv.tolist()}")
+        if int(out[p + "round_bonus"][r]) != int(f[g + "ddtree/round_bonus"][r]):
+            return CheckResult(p + "rounds", "fail", "ddtree", {"rounds": R, "matching": r}, {"exact": True},
+                               f"round {r}: bonus {int(out[p + 'round_bonus'][r])}, golden "
+                               f"{int(f[g + 'ddtree/round_bonus'][r])}")
+    return CheckResult(p + "rounds", "pass", "ddtree", {"rounds": R}, {"exact": True})
+
+
+# ---------------------------------------------------------------- localisation
+
+def layer_inputs(f, div: Divergence) -> dict:
+    """The golden inputs of the diverging layer: its input hidden, positions and cache rows before."""
+    i = int(div.name.split("/")[0][1:])
+    g, l = f"golden/p{i}/", div.layer
+    prompt, tokens = np.asarray(f[g + "prompt_ids"]), np.asarray(f[g + "ar/tokens"])
+    embed = f.get("model.embed_tokens.weight")
+    if div.phase == "prefill":
+        hidden = embed[prompt] if l == 0 else f[g + f"prefill/L{l - 1}/resid_out"]
+        C, R = f[g + f"prefill/L{l}/kv_latent"].shape[1], f[g + f"prefill/L{l}/k_pe"].shape[1]
+        return {"hidden": np.asarray(hidden), "positions": np.arange(len(prompt)),
+                "c_kv": np.zeros((0, C), np.float32), "k_pe": np.zeros((0, R), np.float32)}
+    s = div.step
+    hidden = embed[tokens[s:s + 1]] if l == 0 else f[g + f"ar/L{l - 1}/resid_out"][s:s + 1]
+    cat = lambda t: np.concatenate([f[g + f"prefill/L{l}/{t}"], f[g + f"ar/L{l}/{t}"][:s]])  # noqa: E731
+    return {"hidden": np.asarray(hidden), "positions": np.array([len(prompt) + s]),
+            "c_kv": cat("kv_latent"), "k_pe": cat("k_pe")}
+
+
+def localize(engine, f, div: Divergence, overrides=(), dtype="float32") -> Divergence:
+    """Re-run the diverging layer on golden inputs: over tolerance there too = a local fault;
+    within = error inherited from earlier layers (each under tolerance, together over it)."""
+    if div.layer is None or not getattr(engine, "supports_teacher_forcing", False):
+        return div
+    if div.phase == "ar" and div.tap not in ("kv_latent", "k_pe", "topk_ids", "resid_out"):
+        return div
+    taps = engine.run_layer(div.layer, layer_inputs(f, div))
+    key = f"L{div.layer}/{div.tap}"
+    if key not in taps:
+        return div
+    i = int(div.name.split("/")[0][1:])
+    golden = f[f"golden/p{i}/{div.name.split('/', 1)[1]}"]
+    if div.phase == "ar":
+        golden = golden[div.step:div.step + 1]
+    derived = _manifest_rule(f.metadata["tolerances"]["taps"].get(div.name.split("/", 1)[1]))
+    rule = resolve_rule(div.name, derived, overrides)
+    local = check_tap(golden, np.asarray(taps[key]), rule, dtype)
+    div.local_error = {k: local.metrics.get(k) for k in ("max_abs", "nmse", "max_ulp", "mismatch_count")
+                       if k in local.metrics}
+    div.local_error["passed"] = local.passed
+    div.cause = "inherited" if local.passed else "local"
+    return div
+
+
+# ---------------------------------------------------------------- the verdict
+
+def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), progress=None,
+           save_dump: str | None = None):
+    """Judge `engine` (live) or `dump` (a run dump) against `bundle`; returns a report.Verdict."""
+    t0 = time.perf_counter()
+    name = "dump" if dump else getattr(engine, "name", "engine")
+    try:
+        f = open_kdtr(bundle, verify=True)
+        check_schema(f, bundle)
+    except KdtrError as e:
+        return make_verdict(name, bundle, [CheckResult("bundle/integrity", "error", "integrity", message=str(e))])
+    with f:
+        checks = [CheckResult("bundle/integrity", "pass", "integrity",
+                              {"tensors": len(f.names), "checksums": "verified"})]
+        dtype = "float32"
+        try:
+            out, dtype = _outputs(f, engine, dump, progress)
+        except KdtrError as e:
+            checks.append(CheckResult("dump/integrity", "error", "integrity", message=f"{dump}: {e}"))
+            return make_verdict(name, bundle, checks)
+        except Exception as e:  # noqa: BLE001 - any failure inside the engine under test is its error
+            checks.append(CheckResult("engine/run", "error", "numeric",
+                                      message=f"{type(e).__name__}: {e}"))
+            return make_verdict(name, bundle, checks)
+        if save_dump and dump is None:
+            write_dump(out, save_dump, name, dtype)
+        t1 = time.perf_counter()
+        judged, first = judge(f, out, overrides, dtype)
+        if first is not None and engine is not None and dump is None:
+            try:
+                first = localize(engine, f, first, overrides, dtype)
+            except Exception as e:  # noqa: BLE001 - localisation is best effort; the verdict stands
+                first.cause = f"not localised: run_layer raised {type(e).__name__}: {e}"
+        info = {"dtype": dtype, "engine_seconds": round(t1 - t0, 3),
+                "judge_seconds": round(time.perf_counter() - t1, 3), "prompts": len(prompts_of(f)),
+                "bundle_figures": f.metadata.get("figures", {})}
+        return make_verdict(name, os.fspath(bundle), checks + judged, first, info)
+
+
+def _outputs(f, engine, dump, progress) -> tuple[dict, str]:
+    if dump is not None:
+        with open_kdtr(dump, verify=True) as d:
+            meta = d.metadata
+            if meta.get("schema") != DUMP_SCHEMA:
+                raise BundleSchemaError(f"metadata schema is {meta.get('schema')!r}, expected {DUMP_SCHEMA!r} "
+                                        f"(docs/run-dump.md)")
+            return {n: np.array(d.get(n)) for n in d.names}, meta.get("dtype", "float32")
+    engine.load(f)
+    return collect(engine, f, progress), engine.dtype
+
+
+DUMP_SCHEMA = "kdtr-run-dump/1"
+
+
+def write_dump(out: dict, path: str, engine_name: str, dtype: str, bundle_sha256: str = "") -> None:
+    """A run dump (docs/run-dump.md) of a live engine's outputs: what an external engine writes."""
+    from kdtr_format import write_kdtr
+
+    meta = {"schema": DUMP_SCHEMA, "engine": engine_name, "dtype": dtype, "bundle_sha256": bundle_sha256}
+    write_kdtr(path, ((k, np.ascontiguousarray(v)) for k, v in out.items()), meta)
