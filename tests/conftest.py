@@ -1,0 +1,25 @@
+"""Shared fixtures: small golden bundles made once per test session (untrained drafter, 2 prompts,
+8 new tokens) so the conformance tests run the real generator and runner in seconds."""
+import pytest
+
+from conformance.gen import GenSettings, apply_quant, generate_bundle, model_from_preset
+
+
+def _make(tmp_path_factory, quant: str):
+    s = GenSettings(quant=quant, num_prompts=2, max_new_tokens=8, distill_steps=0, seed=0,
+                    command=f"test fixture ({quant})")
+    out = tmp_path_factory.mktemp(f"bundle_{quant}") / f"small_{quant}.kdtr"
+    generate_bundle(apply_quant(model_from_preset(s), s), s, str(out))
+    return out
+
+
+@pytest.fixture(scope="session")
+def small_bundle(tmp_path_factory):
+    """A small FP32 golden bundle (path)."""
+    return _make(tmp_path_factory, "fp32")
+
+
+@pytest.fixture(scope="session")
+def small_int4_bundle(tmp_path_factory):
+    """A small INT4 (routed experts) golden bundle (path)."""
+    return _make(tmp_path_factory, "int4")
