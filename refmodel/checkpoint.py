@@ -216,7 +216,7 @@ def check_quantization_config(qc: dict | None, has_int4: bool) -> int | None:
 
 
 def plan(cfg: ModelConfig, found: dict[str, StEntry], group_size: int | None) -> tuple[list, str | None]:
-    """Validate every tensor against expected_shapes(cfg); return [(out_name, [entries])] and the INT4 scope."""
+    """Validate every tensor against expected_shapes(cfg); return the INT4 modules (sorted) and their scope."""
     expected = expected_shapes(cfg)
     unknown = [n for n in found if n not in expected and not n.endswith(INT4_SUFFIXES)]
     for n in found:
@@ -302,7 +302,7 @@ def import_checkpoint(ckpt_dir, out_path, progress=None) -> ImportSummary:
     paths = shard_paths(ckpt_dir)
     found, dropped = inventory(paths)
     has_int4 = any(n.endswith(".weight_packed") for n in found)
-    group_size = check_quantization_config(qc, has_int4) if (qc is not None or has_int4) else None
+    group_size = check_quantization_config(qc, has_int4)
     int4, scope = plan(cfg, found, group_size)
     int4_set = set(int4)
     total = sum(e.nbytes for e in found.values())
