@@ -154,6 +154,28 @@ def _manifest_rule(entry: dict | None):
     return Rule(mode="exact", source="manifest (exact tap)")
 
 
+def canonical_routing(ids: np.ndarray, weights: np.ndarray | None):
+    """Routing as per-row sets: ids sorted ascending, weights permuted alike. The order of the top-k
+    is a tie rule, not arithmetic (docs/golden-bundles.md): engines may list the same experts otherwise."""
+    order = np.argsort(ids, axis=-1, kind="stable")
+    ids = np.take_along_axis(ids, order, axis=-1)
+    return ids, None if weights is None else np.take_along_axis(weights, order, axis=-1)
+
+
+def _routing_views(f, g: str, key: str, out: dict, name: str):
+    """(golden, actual) for a tap, with topk_ids/topk_weights in canonical per-row order."""
+    golden, actual = f[g + key], out.get(name)
+    tap = key.rsplit("/", 1)[-1]
+    if tap not in ("topk_ids", "topk_weights") or actual is None:
+        return golden, actual
+    ids_key, ids_name = key[: -len(tap)] + "topk_ids", name[: -len(tap)] + "topk_ids"
+    if ids_name not in out or np.asarray(out[ids_name]).shape != f[g + ids_key].shape:
+        return golden, actual
+    gi, gv = canonical_routing(np.asarray(f[g + ids_key]), np.asarray(golden) if tap == "topk_weights" else None)
+    ai, av = canonical_routing(np.asarray(out[ids_name]), np.asarray(actual) if tap == "topk_weights" else None)
+    return (gi, ai) if tap == "topk_ids" else (gv, av)
+
+
 def judge(f, out: dict, overrides=(), dtype: str = "float32") -> tuple[list[CheckResult], Divergence | None]:
     """All checks for outputs `out` (run-dump names) against the open bundle `f`."""
     meta = f.metadata
@@ -167,7 +189,8 @@ def judge(f, out: dict, overrides=(), dtype: str = "float32") -> tuple[list[Chec
             name = f"p{i}/{key}"
             if g + key not in f:
                 continue
-            c, failed = _numeric_check(name, f[g + key], out.get(name), man.get(key), overrides, dtype)
+            golden, actual = _routing_views(f, g, key, out, name)
+            c, failed = _numeric_check(name, golden, actual, man.get(key), overrides, dtype)
             checks.append(c)
             if failed and first is None:
                 first = _divergence(c, len(f[g + "prompt_ids"]))
