@@ -223,6 +223,11 @@ def test_invalid_dtype(p):
         open_kdtr(craft(p, tensors=[entry(dtype="float8")]))
 
 
+def test_unhashable_dtype(p):  # regression: a list dtype once escaped as TypeError from a dict lookup
+    with pytest.raises(InvalidDtypeError, match=r"tensor 'w': dtype \[\] is not a kdtr dtype"):
+        open_kdtr(craft(p, tensors=[entry(dtype=[])]))
+
+
 def test_too_many_dims(p):
     with pytest.raises(InvalidShapeError, match="tensor 'w': 9 dims exceed the limit of 8"):
         open_kdtr(craft(p, tensors=[entry(shape=[1] * 7 + [2, 1])]))

@@ -14,7 +14,7 @@ import pytest
 from kdtr_format import KdtrError, Tensor, open_kdtr, write_kdtr
 
 SEED = 20260501
-SLOW_CASE_S = 1.0          # a case above this is a hang as far as we are concerned
+SLOW_CASE_S = 5.0          # a hang detector, not a speed test: cases take ~1 ms, but a loaded CI VM stalls
 ALLOC_SLACK = 256 << 10    # Python objects of a parsed header; a size-field-driven allocation is far larger
 
 
