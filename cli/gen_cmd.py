@@ -107,7 +107,7 @@ def gen_cmd(preset, quant, int4_scope, checkpoint, model_path, prompts_file, pro
                 m = model_from_preset(s, progress)
             fig = generate_bundle(apply_quant(m, s), s, out, progress)
     except (GenError, KdtrError, CheckpointError) as e:
-        console.print(f"[red]kdtr gen: {escape(str(e))}[/red]")
+        console.print(f"[red]kdtr gen: {escape(str(e))}[/red]", soft_wrap=True)
         sys.exit(ExitCode.INVALID_FILE if isinstance(e, KdtrError) else ExitCode.USAGE)
     table = Table(title=f"bundle {out}")
     table.add_column("figure")

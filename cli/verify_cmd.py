@@ -57,7 +57,7 @@ def verify_cmd(bundles, engine_name, dump, rules, json_path, junit_path, html_pa
             try:
                 engine, why = pick_engine(engine_name)
             except EngineUnavailable as e:
-                console.print(f"[red]kdtr verify: {escape(str(e))}[/red]")
+                console.print(f"[red]kdtr verify: {escape(str(e))}[/red]", soft_wrap=True)
                 sys.exit(ExitCode.ENGINE_ERROR)
             console.print(f"engine: [bold]{engine.name}[/bold] ({escape(why)})")
         cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())

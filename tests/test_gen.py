@@ -1,0 +1,104 @@
+"""`kdtr gen`: goldens equal transformers on an imported checkpoint, bytes are deterministic, undecisive
+prompts are rejected, and the bundle's records are self-consistent (DDTree == AR, a tolerance per tap)."""
+import hashlib
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+import conformance.gen as gen
+from cli.main import main
+from conformance.gen import GenSettings, apply_quant, generate_bundle, model_from_preset
+from conformance.runner import numeric_keys
+from hf_oracle import hf_logits, hf_model
+from kdtr_format import open_kdtr
+from refmodel.config import ModelConfig
+from test_import_checkpoint import CFG, build_checkpoint
+
+
+def sha(path) -> str:
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def test_gen_from_checkpoint_prefill_logits_equal_transformers(tmp_path):
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    deq = build_checkpoint(str(root), wrapper=True, shape_dtype=torch.int32)   # K2.6 layout, INT4 experts
+    out = tmp_path / "b.kdtr"
+    prompt = [3, 17, 42, 9, 100, 5, 77]
+    r = CliRunner().invoke(main, ["gen", "--from-checkpoint", str(root), "--quant", "int4", "--prompt-ids",
+                                  ",".join(map(str, prompt)), "--max-new-tokens", "4", "--distill-steps", "0",
+                                  "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    with open_kdtr(out, verify=True) as f:
+        assert ModelConfig.from_dict(f.metadata["model_config"]) == CFG
+        ours = np.array(f["golden/p0/prefill/logits"], dtype=np.float64)
+    theirs = hf_logits(hf_model(CFG, deq, torch.float64), prompt)
+    diff = np.abs(ours - theirs).max()
+    print(f"\ngen --from-checkpoint: prefill logits vs transformers (float64, dequantized): {diff:.3e}")
+    assert diff <= 1e-4
+
+
+def test_same_settings_give_the_same_bytes(small_bundle, tmp_path):
+    s = GenSettings(quant="fp32", num_prompts=2, max_new_tokens=8, distill_steps=0, seed=0,
+                    command="test fixture (fp32)")                    # exactly the fixture's settings
+    out = tmp_path / "again.kdtr"
+    generate_bundle(apply_quant(model_from_preset(s), s), s, str(out))
+    assert sha(out) == sha(small_bundle)
+
+
+@pytest.mark.parametrize("bundle", ["small_bundle", "small_int4_bundle"])
+def test_bundle_records_are_consistent(bundle, request):
+    with open_kdtr(request.getfixturevalue(bundle), verify=True) as f:
+        meta = f.metadata
+        cfg = ModelConfig.from_dict(meta["model_config"])
+        man = meta["tolerances"]["taps"]
+        for i in range(meta["prompts"]):
+            g = f"golden/p{i}/"
+            assert np.array_equal(f[g + "ddtree/tokens"], f[g + "ar/tokens"])
+            assert np.array_equal(f[g + "ar/tokens"], np.argmax(f[g + "ar/logits"], axis=-1))
+            assert f[g + "ar/margins"].min() > 4 * 16 * man["ar/logits"]["baseline_max_abs"]
+            for key in numeric_keys(cfg, set(meta["taps"]["ar"])):
+                assert g + key in f, key
+                assert key in man, key
+        assert meta["figures"]["ddtree_target_forwards"] <= meta["figures"]["ar_target_forwards"]
+        if "int4" in bundle:
+            assert meta["quantization"]["bits"] == 4
+            assert any(f.info(n).int4_shape for n in f.names)
+
+
+def test_undecisive_prompt_is_rejected(monkeypatch, tmp_path):
+    monkeypatch.setattr(gen, "MARGIN_SAFETY", 1e9)                  # no margin can be that decisive
+    r = CliRunner().invoke(main, ["gen", "--prompt-ids", "5,6,7", "--max-new-tokens", "3",
+                                  "--distill-steps", "0", "--out", str(tmp_path / "x.kdtr")])
+    assert r.exit_code == 2
+    assert "prompt 0 ([5, 6, 7]...) rejected: greedy step" in r.output
+    assert not (tmp_path / "x.kdtr").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt-ids", "5,x"], "write prompts as comma-separated ids"),
+    (["--prompt-ids", "399"], "prompt token 399 is outside [0, 399)"),
+    (["--preset", "k26"], "cannot be generated whole"),
+])
+def test_bad_gen_options_are_clear(args, message, tmp_path):
+    r = CliRunner().invoke(main, ["gen", "--distill-steps", "0", "--max-new-tokens", "2", *args,
+                                  "--out", str(tmp_path / "x.kdtr")])
+    assert r.exit_code == 2, r.output
+    assert message in r.output
+    assert "Traceback" not in r.output
+
+
+def test_float32_reference_stays_float32():
+    """The same-precision baseline must really be float32: no silent upcast anywhere in the forward."""
+    from refmodel.config import PRESETS
+    from refmodel.model import KVCache, forward
+    from refmodel.weights import init_weights
+    cfg = PRESETS["tiny"]
+    W32 = {k: v.astype(np.float32) for k, v in init_weights(cfg, 0).items()}
+    taps, cache = {}, KVCache(cfg, np.float32)
+    logits, hiddens = forward(cfg, W32, [1, 2, 3], [0, 1, 2], cache, taps=taps)
+    assert logits.dtype == np.float32 and all(h.dtype == np.float32 for h in hiddens)
+    assert {v.dtype for k, v in taps.items() if not k.endswith("topk_ids")} == {np.dtype(np.float32)}
+    assert cache.c_kv[0].dtype == np.float32
