@@ -5,9 +5,12 @@ Legend: V vocab, L draft depth (= block_size - 1), N node budget (non-root nodes
 S committed context length (= start), T rows in one target forward.
 """
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
+
+from refmodel.drafter import DrafterCache, DrafterConfig, drafter_forward, target_features
+from refmodel.model import KVCache, forward
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -85,3 +88,147 @@ def build_ddtree(draft_logits: np.ndarray, budget: int, topk: int | None = None)
     i64 = np.int64
     return Tree(np.array(tokens, i64), np.array(depths, i64), np.array(parents, i64), child_maps, vis,
                 np.array(ranks, i64), np.array(scores, np.float64))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Verification (spec §3): compile, one target forward, greedy walk, in-order compaction
+
+
+def compile_tree(tree: Tree, root: int, start: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Target inputs for one verify forward: ids [T] = [root, tokens], positions [T] = start + depth
+    (depth-based, not sequential), additive mask [T, start + T]: the committed context is visible to every
+    row, inside the tree only ancestors and self (spec §3.1)."""
+    ids = np.concatenate([[root], tree.tokens]).astype(np.int64)               # [T]
+    positions = start + np.concatenate([[0], tree.depths]).astype(np.int64)   # [T]
+    mask = np.zeros((tree.size, start + tree.size))                           # [T, S+T]
+    mask[:, start:] = np.where(tree.visibility, 0.0, -np.inf)
+    return ids, positions, mask
+
+
+def walk(child_maps: list, post: np.ndarray) -> tuple[list, int]:
+    """Greedy acceptance (spec §3.3): follow the target's argmax down the tree while it matches a child.
+    Returns the accepted node indices (root first, strictly increasing) and the bonus token."""
+    acc, cur, nxt = [0], 0, int(post[0])
+    while nxt in child_maps[cur]:
+        cur = child_maps[cur][nxt]
+        acc.append(cur)
+        nxt = int(post[cur])
+    return acc, nxt
+
+
+# ----------------------------------------------------------------------------------------------------
+# Generation: one loop for DDTree (budget N), the DFlash chain (topk=1, N=B-1) and plain AR (N=0: the tree
+# is the root alone, no drafter call, one token per target forward). Stops by length only (spec §3.4).
+
+
+@dataclass
+class Round:
+    """One draft-verify round, recorded for golden bundles and engine comparison."""
+    start: int                  # committed length before the round; the root sits at position start
+    tree_tokens: np.ndarray     # [n] node tokens (verify ids = [root, tree_tokens])
+    parents: np.ndarray         # [n+1]
+    depths: np.ndarray          # [n]
+    ranks: np.ndarray           # [n] per-depth draft rank; an accepted rank >= 1 node leaves the top-1 spine
+    verify_argmax: np.ndarray   # [n+1] target argmax at every verified row
+    accepted: list              # accepted node indices, root first
+    bonus: int                  # the target's token after the last accepted node
+    tree_size: int              # n+1 verified rows
+    accepted_depth: int         # accepted draft tokens (len(accepted) - 1); tokens this round = depth + 1
+
+
+@dataclass
+class Counters:
+    target_forwards: int = 0    # prefill included
+    drafter_forwards: int = 0
+    tokens_per_round: list = field(default_factory=list)   # len(accepted) per round (root included)
+
+
+@dataclass
+class GenResult:
+    tokens: list                # exactly max_new_tokens generated tokens (the prompt excluded)
+    rounds: list                # Round per round when record=True, else empty
+    counters: Counters
+
+
+@dataclass
+class Decoder:
+    """Between rounds: out[:start] is committed and in `cache`; out[start] is the pending bonus (next root);
+    ctx holds the fused target features of the rows committed since the last drafter call; the drafter
+    cache holds context positions [0, start - len(ctx))."""
+    out: list
+    start: int
+    cache: KVCache
+    dcache: DrafterCache | None
+    ctx: np.ndarray | None
+    counters: Counters
+
+
+def prefill(cfg, W, prompt, dcfg: DrafterConfig | None = None) -> Decoder:
+    """Causal forward over the prompt; its argmax is the first bonus and its features the first context."""
+    P = len(prompt)
+    if P < 1:
+        raise ValueError("prompt must hold at least one token")
+    cache = KVCache(cfg)
+    logits, hiddens = forward(cfg, W, np.asarray(prompt, dtype=np.int64), np.arange(P), cache)  # [P, V]
+    ctx = None if dcfg is None else target_features(dcfg, hiddens)                           # [P, F]
+    dcache = None if dcfg is None else DrafterCache(dcfg)
+    out = [int(t) for t in prompt] + [int(np.argmax(logits[-1]))]
+    return Decoder(out, P, cache, dcache, ctx, Counters(target_forwards=1))
+
+
+def draft_tree(W, dcfg, DW, dec: Decoder, budget: int, topk: int | None) -> Tree:
+    """One drafter call on [bonus, MASK x (B-1)] and the best-first tree over its B-1 marginals."""
+    if budget <= 0:
+        return _root_only()
+    block = [dec.out[dec.start]] + [dcfg.mask_token_id] * (dcfg.block_size - 1)
+    q_logits = drafter_forward(dcfg, DW, W, block, dec.ctx, dec.dcache, dec.start)   # [B-1, V]
+    dec.counters.drafter_forwards += 1
+    dec.ctx = None                       # consumed: those rows now live in the drafter cache
+    return build_ddtree(q_logits, budget, topk)
+
+
+def verify_round(cfg, W, dcfg, dec: Decoder, tree: Tree) -> Round:
+    """One target forward over the compiled tree, greedy walk, commit and in-order KV compaction."""
+    start = dec.start
+    ids, positions, mask = compile_tree(tree, dec.out[start], start)
+    logits, hiddens = forward(cfg, W, ids, positions, dec.cache, mask)   # appends T rows at [start, start+T)
+    dec.counters.target_forwards += 1
+    post = np.argmax(logits, axis=-1)                                  # [T]
+    acc, bonus = walk(tree.child_maps, post)
+    dec.cache.compact(start, acc)                                      # rows start+acc[i] -> start+i
+    if dcfg is not None:
+        dec.ctx = target_features(dcfg, hiddens)[acc]                  # [len(acc), F], path order
+    dec.out[start + 1:] = [int(t) for t in ids[acc[1:]]] + [bonus]     # out[start] = root, already there
+    dec.start = start + len(acc)
+    dec.counters.tokens_per_round.append(len(acc))
+    return Round(start, tree.tokens, tree.parents, tree.depths, tree.ranks, post, acc, bonus, tree.size,
+                 len(acc) - 1)
+
+
+def generate(cfg, W, prompt, max_new_tokens: int, dcfg=None, DW=None, budget: int = 0,
+             topk: int | None = None, record: bool = True) -> GenResult:
+    """Greedy speculative generation; budget 0 is plain AR and needs no drafter."""
+    if budget > 0 and (dcfg is None or DW is None):
+        raise ValueError(f"budget {budget} needs a drafter (dcfg and DW); budget 0 runs plain AR")
+    dec = prefill(cfg, W, prompt, dcfg if budget > 0 else None)
+    rounds, P = [], len(prompt)
+    while len(dec.out) - P < max_new_tokens:
+        tree = draft_tree(W, dcfg, DW, dec, budget, topk)
+        r = verify_round(cfg, W, dcfg if budget > 0 else None, dec, tree)
+        if record:
+            rounds.append(r)
+    return GenResult(dec.out[P:P + max(max_new_tokens, 0)], rounds, dec.counters)
+
+
+def ddtree_generate(cfg, W, dcfg, DW, prompt, max_new_tokens: int, budget: int = 32, topk: int | None = None,
+                    record: bool = True) -> GenResult:
+    return generate(cfg, W, prompt, max_new_tokens, dcfg, DW, budget, topk, record)
+
+
+def chain_generate(cfg, W, dcfg, DW, prompt, max_new_tokens: int, record: bool = True) -> GenResult:
+    """Vanilla DFlash: the drafter's argmax at every depth, verified as one causal chain."""
+    return generate(cfg, W, prompt, max_new_tokens, dcfg, DW, dcfg.block_size - 1, 1, record)
+
+
+def ar_generate(cfg, W, prompt, max_new_tokens: int, record: bool = True) -> GenResult:
+    return generate(cfg, W, prompt, max_new_tokens, budget=0, record=record)
