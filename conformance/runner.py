@@ -407,6 +407,9 @@ def _outputs(f, engine, dump, progress) -> tuple[dict, str]:
     if dump is not None:
         with open_kdtr(dump, verify=True) as d:
             meta = d.metadata
+            if meta.get("schema") == BUNDLE_SCHEMA:                      # a regenerated bundle: its goldens
+                return {n[len("golden/"):]: np.array(d.get(n)) for n in d.names if n.startswith("golden/")}, \
+                    "float32"
             if meta.get("schema") != DUMP_SCHEMA:
                 raise BundleSchemaError(f"metadata schema is {meta.get('schema')!r}, expected {DUMP_SCHEMA!r} "
                                         f"(docs/run-dump.md)")
