@@ -345,3 +345,12 @@ def test_run_dump_without_the_schema_is_exit_5(small_bundle, saved_dump, tmp_pat
     v = verify(small_bundle, dump=str(tmp_path / "x.kdtr"))
     assert v.exit_code == ExitCode.INVALID_FILE, where(v)
     assert "expected 'kdtr-run-dump/1' (docs/run-dump.md)" in check(v, "dump/integrity").message
+
+
+@pytest.mark.xfail(strict=True, reason="runner.judge turns every missing output into 'skip' and make_verdict "
+                                       "passes a verdict with no failures, so an empty dump exits 0")
+def test_run_dump_that_reports_nothing_does_not_pass(small_bundle, tmp_path):
+    write_kdtr(tmp_path / "empty.kdtr", {"unrelated": np.zeros(1, np.float32)},
+               {"schema": DUMP_SCHEMA, "engine": "nothing", "dtype": "float32"})
+    v = verify(small_bundle, dump=str(tmp_path / "empty.kdtr"))
+    assert v.exit_code != ExitCode.OK, where(v)
