@@ -1,6 +1,7 @@
 """`kdtr verify`: judge an engine (or an external engine's run dump) against golden bundles."""
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -48,6 +49,9 @@ def verify_cmd(bundles, engine_name, dump, rules, json_path, junit_path, html_pa
         overrides = load_rules_file(rules) if rules else ()
     except (OSError, ValueError) as e:
         raise click.BadParameter(str(e), param_hint="--rules") from None
+    for path, hint in ((json_path, "--json"), (junit_path, "--junit"), (html_path, "--html"),
+                       (save_dump, "--save-dump")):
+        _check_writable(path, hint)
     if dump and len(bundles) > 1:
         raise click.UsageError("--dump judges one run against one bundle: pass a single BUNDLE")
     worst = ExitCode.OK
@@ -78,6 +82,15 @@ def verify_cmd(bundles, engine_name, dump, rules, json_path, junit_path, html_pa
                 write(v, _suffixed(path, bundle, many))
         worst = max(worst, v.exit_code, key=_severity)
     sys.exit(int(worst))
+
+
+def _check_writable(path: str | None, hint: str) -> None:
+    """Fail before a long run, not after it, when a report cannot be written."""
+    if path is None:
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise click.BadParameter(f"cannot write {path}: {parent} is not a writable directory", param_hint=hint)
 
 
 def _severity(code: ExitCode) -> int:

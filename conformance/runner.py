@@ -176,8 +176,12 @@ def _routing_views(f, g: str, key: str, out: dict, name: str):
     return (gi, ai) if tap == "topk_ids" else (gv, av)
 
 
+REQUIRED = ("prefill/logits", "ar/logits")    # an engine may skip taps, never these
+
+
 def judge(f, out: dict, overrides=(), dtype: str = "float32") -> tuple[list[CheckResult], Divergence | None]:
-    """All checks for outputs `out` (run-dump names) against the open bundle `f`."""
+    """All checks for outputs `out` (run-dump names) against the open bundle `f`, and the first
+    divergence in execution order (earliest prompt, then prefill, then the earliest decode step)."""
     meta = f.metadata
     cfg = ModelConfig.from_dict(meta["model_config"])
     man = meta["tolerances"]["taps"]
@@ -185,18 +189,34 @@ def judge(f, out: dict, overrides=(), dtype: str = "float32") -> tuple[list[Chec
     checks, first = [], None
     for i in prompts_of(f):
         g = f"golden/p{i}/"
-        for key in keys:
+        failed_here = []
+        for order, key in enumerate(keys):
             name = f"p{i}/{key}"
             if g + key not in f:
                 continue
             golden, actual = _routing_views(f, g, key, out, name)
             c, failed = _numeric_check(name, golden, actual, man.get(key), overrides, dtype)
+            if actual is None and key in REQUIRED:
+                c = CheckResult(name, "fail", "numeric", message="the engine did not report it (required)")
             checks.append(c)
-            if failed and first is None:
-                first = _divergence(c, len(f[g + "prompt_ids"]))
+            if failed:
+                failed_here.append((_time_key(key, c, order, cfg), c))
+        if failed_here and first is None:
+            first = _divergence(min(failed_here, key=lambda t: t[0])[1], len(f[g + "prompt_ids"]))
         checks.append(_token_check(f, g, i, out))
         checks += _ddtree_checks(f, g, i, out)
     return checks, first
+
+
+def _time_key(key: str, c: CheckResult, order: int, cfg: ModelConfig) -> tuple:
+    """When a failing check's first bad value was computed: prefill first (in tap order), then decode
+    step s (layer taps of step s in order, then logits row s + 1, which step s produced)."""
+    row = c.metrics.get("first_bad_row", 0) or 0
+    if key.startswith("prefill/"):
+        return (-2, 0, order)
+    if key == "ar/logits":
+        return (row - 1, 1, order)                                       # row 0 came from the prefill
+    return (row, 0, order)
 
 
 def _numeric_check(name, golden, actual, entry, overrides, dtype) -> tuple[CheckResult, bool]:
@@ -209,8 +229,25 @@ def _numeric_check(name, golden, actual, entry, overrides, dtype) -> tuple[Check
         return CheckResult(name, "fail", "numeric", tolerance=rule.to_dict(),
                            message=f"shape {actual.shape} but the golden is {golden.shape}"), True
     r = check_tap(golden, actual, rule, dtype, derived=derived if isinstance(derived, DerivedTolerance) else None)
+    if not r.passed:
+        r.metrics["first_bad_row"] = first_bad_row(golden, actual, rule)
     return CheckResult(name, "pass" if r.passed else "fail", "numeric", r.metrics, rule.to_dict(),
                        "; ".join(r.failures), r.min_passing), not r.passed
+
+
+def first_bad_row(golden: np.ndarray, actual: np.ndarray, rule: Rule) -> int:
+    """The first row (token or step) with an element over the elementwise bound: where the error began,
+    which the worst element need not be. Aggregate-only failures point at row 0."""
+    g, a = np.asarray(golden), np.asarray(actual)
+    if g.ndim == 0 or g.shape[0] == 0:
+        return 0
+    g64, a64 = g.astype(np.float64), a.astype(np.float64)
+    if g.dtype.kind in "iu" or rule.mode == "exact":
+        bad = g64 != a64
+    else:
+        bad = ~(np.abs(a64 - g64) <= rule.atol + rule.rtol * np.abs(g64))  # NaN counts as bad
+    rows = np.nonzero(bad.reshape(g.shape[0], -1).any(axis=1))[0]
+    return int(rows[0]) if rows.size else 0
 
 
 def _divergence(c: CheckResult, P: int) -> Divergence:
@@ -220,7 +257,7 @@ def _divergence(c: CheckResult, P: int) -> Divergence:
     layer = int(parts[2][1:]) if len(parts) == 4 else None
     worst = c.metrics.get("worst_index") or c.metrics.get("first_mismatch")
     worst = tuple(int(x) for x in worst) if worst is not None else None
-    row = worst[0] if worst else None
+    row = c.metrics.get("first_bad_row", worst[0] if worst else None)
     if phase == "prefill":
         step, pos = None, row
     elif tap == "logits":                                                # ar/logits row s: from position P-1+s
@@ -236,7 +273,7 @@ def _token_check(f, g: str, i: int, out: dict) -> CheckResult:
     name = f"p{i}/ar/tokens"
     gold, got = np.asarray(f[g + "ar/tokens"]), out.get(name)
     if got is None:
-        return CheckResult(name, "skip", "tokens", message="the engine reported no AR tokens")
+        return CheckResult(name, "fail", "tokens", message="the engine reported no AR tokens (required)")
     got = np.asarray(got)
     n = min(len(gold), len(got))
     bad = np.nonzero(gold[:n] != got[:n])[0]
@@ -265,7 +302,7 @@ def _token_check(f, g: str, i: int, out: dict) -> CheckResult:
 def _ddtree_checks(f, g: str, i: int, out: dict) -> list[CheckResult]:
     p = f"p{i}/ddtree/"
     if p + "tokens" not in out:
-        return [CheckResult(p + "tokens", "skip", "ddtree", message="the engine reported no DDTree run")]
+        return [CheckResult(p + "tokens", "fail", "ddtree", message="the engine reported no DDTree run (required)")]
     checks = []
     mine, gold = np.asarray(out[p + "tokens"]), np.asarray(f[g + "ddtree/tokens"])
     ar = out.get(f"p{i}/ar/tokens")
@@ -291,31 +328,34 @@ def _ddtree_checks(f, g: str, i: int, out: dict) -> list[CheckResult]:
 
 
 def _rounds_check(f, g: str, p: str, out: dict) -> CheckResult:
-    """Round by round: verify argmax over the tree, accepted node path and bonus equal the golden ones."""
+    """Round by round: the accepted node path, the target's argmax on it and the bonus equal the golden
+    ones. Off-path rows are reported, not judged: their argmax changes no output and, unlike every
+    decision on the path (an AR decision, margin-checked by `kdtr gen`), has no margin guarantee."""
     go, ga = np.asarray(f[g + "ddtree/tree_offsets"]), np.asarray(f[g + "ddtree/accepted_offsets"])
     eo = out.get(p + "accepted_offsets")
     if eo is None:
-        return CheckResult(p + "rounds", "skip", "ddtree", message="the engine reported no per-round records")
-    R = len(go) - 1
+        return CheckResult(p + "rounds", "fail", "ddtree", message="the engine reported no per-round records")
+    eo, R, off_path = np.asarray(eo), len(go) - 1, 0
+    fail = lambda r, msg: CheckResult(p + "rounds", "fail", "ddtree", {"rounds": R, "matching": r},  # noqa: E731
+                                      {"exact": True}, f"round {r}: {msg}")
     for r in range(R):
         if r + 1 >= len(eo):
-            return CheckResult(p + "rounds", "fail", "ddtree", {"rounds": R, "matching": r}, {"exact": True},
-                               f"the engine ran {len(eo) - 1} rounds, the golden run {R}")
-        pairs = (("verify_argmax", go, go), ("accepted", ga, np.asarray(eo)))
-        for key, gof, eof in pairs:
-            gv = np.asarray(f[g + "ddtree/" + key][gof[r]:gof[r + 1]])
-            if key == "verify_argmax":
-                ev = np.asarray(out[p + key])[gof[r]:gof[r + 1]] if len(out[p + key]) >= gof[r + 1] else None
-            else:
-                ev = np.asarray(out[p + key])[eof[r]:eof[r + 1]]
-            if ev is None or not np.array_equal(gv, ev):
-                return CheckResult(p + "rounds", "fail", "ddtree", {"rounds": R, "matching": r}, {"exact": True},
-                                   f"round {r}: {key} {None if ev is None else ev.tolist()} but golden {gv.tolist()}")
+            return fail(r, f"the engine ran {len(eo) - 1} rounds, the golden run {R}")
+        acc_g = np.asarray(f[g + "ddtree/accepted"][ga[r]:ga[r + 1]])
+        acc_e = np.asarray(out[p + "accepted"])[eo[r]:eo[r + 1]]
+        if not np.array_equal(acc_g, acc_e):
+            return fail(r, f"accepted rows {acc_e.tolist()} but golden {acc_g.tolist()}")
+        post_g = np.asarray(f[g + "ddtree/verify_argmax"][go[r]:go[r + 1]])
+        post_e = np.asarray(out.get(p + "verify_argmax", np.zeros(0)))[go[r]:go[r + 1]]
+        if len(post_e) == len(post_g):
+            if not np.array_equal(post_g[acc_g], post_e[acc_g]):
+                return fail(r, f"target argmax on the accepted path {post_e[acc_g].tolist()} but golden "
+                               f"{post_g[acc_g].tolist()}")
+            off_path += int(np.count_nonzero(post_g != post_e))
         if int(out[p + "round_bonus"][r]) != int(f[g + "ddtree/round_bonus"][r]):
-            return CheckResult(p + "rounds", "fail", "ddtree", {"rounds": R, "matching": r}, {"exact": True},
-                               f"round {r}: bonus {int(out[p + 'round_bonus'][r])}, golden "
-                               f"{int(f[g + 'ddtree/round_bonus'][r])}")
-    return CheckResult(p + "rounds", "pass", "ddtree", {"rounds": R}, {"exact": True})
+            return fail(r, f"bonus {int(out[p + 'round_bonus'][r])}, golden {int(f[g + 'ddtree/round_bonus'][r])}")
+    return CheckResult(p + "rounds", "pass", "ddtree", {"rounds": R, "off_path_argmax_differences": off_path},
+                       {"exact": True})
 
 
 # ---------------------------------------------------------------- localisation
@@ -425,5 +465,9 @@ def write_dump(out: dict, path: str, engine_name: str, dtype: str, bundle_sha256
     """A run dump (docs/run-dump.md) of a live engine's outputs: what an external engine writes."""
     from kdtr_format import write_kdtr
 
+    from kdtr_format import Tensor
+
     meta = {"schema": DUMP_SCHEMA, "engine": engine_name, "dtype": dtype, "bundle_sha256": bundle_sha256}
-    write_kdtr(path, ((k, np.ascontiguousarray(v)) for k, v in out.items()), meta)
+    bf16 = lambda v: dtype == "bfloat16" and v.dtype == np.uint16  # noqa: E731 - raw bf16 bit patterns
+    write_kdtr(path, ((k, Tensor(np.ascontiguousarray(v), dtype="bfloat16") if bf16(v) else np.ascontiguousarray(v))
+                      for k, v in out.items()), meta)
