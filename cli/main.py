@@ -27,3 +27,4 @@ from cli.format_cmds import convert_cmd, export_cmd, inspect_cmd; main.add_comma
 from cli.import_cmd import import_cmd; main.add_command(import_cmd)  # noqa: E402,E702
 from cli.gen_cmd import gen_cmd; main.add_command(gen_cmd)  # noqa: E402,E702
 from cli.verify_cmd import verify_cmd; main.add_command(verify_cmd)  # noqa: E402,E702
+from cli.distill_cmd import distill_cmd; main.add_command(distill_cmd)  # noqa: E402,E702

@@ -1,0 +1,32 @@
+"""`kdtr distill MODEL.kdtr`: train the DDTree drafter on the target's own greedy continuations and save
+its weights (`drafter.*`, float64) into the model file. torch is imported only when the command runs."""
+import sys
+
+import click
+
+from conformance.exit_codes import ExitCode
+
+
+@click.command("distill")
+@click.argument("model", type=click.Path(exists=True, dir_okay=False, readable=True))
+@click.option("--steps", default=1500, show_default=True, type=click.IntRange(min=1), help="Training steps.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seeds the corpus, the init and torch.")
+@click.option("--out", type=click.Path(dir_okay=False), default=None,
+              help="Write here instead of updating MODEL in place.")
+def distill_cmd(model: str, steps: int, seed: int, out: str | None) -> None:
+    """Distill the drafter for MODEL (deterministic given --seed) and save it into the .kdtr."""
+    try:
+        from refmodel.distill import distill_model_file, rich_progress
+    except ImportError as e:
+        click.echo(f"error: kdtr distill needs torch ({e}); pip install torch==2.13.0 first", err=True)
+        sys.exit(int(ExitCode.USAGE))
+    from kdtr_format import KdtrError
+
+    bar, progress = rich_progress()
+    try:
+        with bar:
+            info = distill_model_file(model, out or model, seed, steps, progress)
+    except (KdtrError, ValueError) as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(int(ExitCode.INVALID_FILE))
+    click.echo(f"drafter distilled: {steps} steps, seed {seed}, {info['seconds']} s -> {out or model}")

@@ -1,0 +1,112 @@
+"""The drafter: config round trip, the torch training forward against the NumPy drafter (float64), the
+batched corpus generator against greedy_generate, the block-anchor loss, determinism, `kdtr distill`."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from click.testing import CliRunner
+
+from cli.main import main
+from kdtr_format import open_kdtr, write_kdtr
+from refmodel.distill import (DistillSettings, batched_greedy, block_anchor_loss, distill_drafter,
+                              torch_drafter_logits)
+from refmodel.drafter import (DrafterCache, DrafterConfig, drafter_forward, drafter_preset, init_drafter,
+                              target_features)
+from refmodel.generate import greedy_generate
+from refmodel.model import forward
+from refmodel.weights import init_weights
+from test_ddtree_verify import MICRO, MICRO_DRAFTER
+
+SMALL = DistillSettings(sequences=8, batch_gen=4, prompt_len=(1, 4), seq_len=24, batch=4, anchors=2)
+
+
+def test_config_round_trip_and_validation():
+    d = drafter_preset("tiny")
+    assert DrafterConfig.from_dict(d.to_dict()) == d
+    assert d.block_size == 16 and d.num_hidden_layers == 2 and d.mask_token_id == 399
+    with pytest.raises(ValueError, match=r"target_layer_ids = \[1, 1\]: need distinct layers in \[0, 6\)"):
+        DrafterConfig(**{**d.to_dict(), "target_layer_ids": [1, 1]})
+
+
+def test_torch_training_forward_equals_numpy_drafter():
+    W = init_weights(MICRO, 2)
+    DW = init_drafter(MICRO_DRAFTER, 2)
+    ids = np.random.default_rng(2).integers(0, 47, size=(2, 30))
+    feats = np.stack([target_features(MICRO_DRAFTER, forward(MICRO, W, s, np.arange(30))[1]) for s in ids])
+    anchors = np.array([[1, 9, 22], [4, 5, 17]])
+    P = {k: torch.tensor(v) for k, v in DW.items()}
+    got = torch_drafter_logits(MICRO_DRAFTER, P, torch.tensor(W["model.embed_tokens.weight"]),
+                               torch.tensor(W["lm_head.weight"]), torch.tensor(feats), torch.tensor(ids),
+                               torch.tensor(anchors)).numpy()                               # [2, 3, 7, V]
+    for n in range(2):
+        for m, a in enumerate(anchors[n]):
+            block = [ids[n, a]] + [MICRO_DRAFTER.mask_token_id] * 7
+            want = drafter_forward(MICRO_DRAFTER, DW, W, block, feats[n, :a], DrafterCache(MICRO_DRAFTER), a)
+            err = float(np.abs(got[n, m] - want).max())
+            assert err <= 1e-10, dict(n=n, anchor=a, err=err)
+
+
+def test_batched_greedy_equals_greedy_generate():
+    W = init_weights(MICRO, 3)
+    prompts = np.random.default_rng(3).integers(0, 47, size=(5, 3))
+    seq, hiddens = batched_greedy(MICRO, W, prompts, 12)
+    for n in range(5):
+        assert seq[n, 3:].tolist() == greedy_generate(MICRO, W, prompts[n], 12).tokens
+        _, h = forward(MICRO, W, seq[n, :-1], np.arange(14))
+        assert max(float(np.abs(a[n] - b).max()) for a, b in zip(hiddens, h)) <= 1e-10
+
+
+def test_block_anchor_loss_weights_offsets():
+    V, L = 5, 3
+    logits = torch.zeros(1, 1, L, V, dtype=torch.float64)
+    logits[0, 0, 0, 2] = 50.0                        # offset 1 right (loss ~0); offsets 2, 3 uniform
+    ids = torch.tensor([[0, 2, 1, 1, 0]])
+    loss = block_anchor_loss(logits, ids, torch.tensor([[0]]), gamma=7.0)
+    w = np.exp(-np.arange(L) / 7.0)
+    assert float(loss) == pytest.approx((w[1] + w[2]) * np.log(V) / w.sum(), rel=1e-12)
+
+
+def test_distill_is_deterministic_and_returns_every_weight():
+    W = init_weights(MICRO, 0)
+    a = distill_drafter(MICRO, W, MICRO_DRAFTER, seed=5, steps=4, settings=SMALL)
+    b = distill_drafter(MICRO, W, MICRO_DRAFTER, seed=5, steps=4, settings=SMALL)
+    c = distill_drafter(MICRO, W, MICRO_DRAFTER, seed=6, steps=4, settings=SMALL)
+    init = init_drafter(MICRO_DRAFTER, 5)
+    assert set(a) == set(init) and all(a[k].dtype == np.float64 and a[k].shape == init[k].shape for k in a)
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert not all(np.array_equal(a[k], c[k]) for k in a)
+    assert not all(np.array_equal(a[k], init[k]) for k in a)     # it trained
+
+
+def _micro_model_file(path, with_drafter_config=True):
+    W = init_weights(MICRO, 0)
+    meta = {"model_config": MICRO.to_dict()}
+    if with_drafter_config:
+        meta["drafter_config"] = MICRO_DRAFTER.to_dict()
+    write_kdtr(path, {k: v.astype(np.float32) for k, v in W.items()}, meta)
+
+
+def test_kdtr_distill_writes_the_drafter_into_the_model(tmp_path, monkeypatch):
+    import refmodel.distill as distill
+
+    monkeypatch.setattr(distill, "DistillSettings", lambda: SMALL)   # a tiny corpus: the CLI path, quickly
+    src, out = tmp_path / "m.kdtr", tmp_path / "d.kdtr"
+    _micro_model_file(src)
+    res = CliRunner().invoke(main, ["distill", str(src), "--steps", "3", "--seed", "1", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    with open_kdtr(src) as f0, open_kdtr(out, verify=True) as f:
+        assert [n for n in f.names if not n.startswith("drafter.")] == f0.names
+        assert all(np.array_equal(f[n], f0[n]) for n in f0.names)
+        assert {n for n in f.names if n.startswith("drafter.")} == set(init_drafter(MICRO_DRAFTER, 0))
+        assert f.info("drafter.fc.weight").dtype == "float64"
+        assert DrafterConfig.from_dict(f.metadata["drafter_config"]) == MICRO_DRAFTER
+        assert f.metadata["drafter_distill"]["steps"] == 3 and f.metadata["drafter_distill"]["seed"] == 1
+
+
+def test_kdtr_distill_rejects_a_file_without_model_config(tmp_path):
+    p = tmp_path / "x.kdtr"
+    write_kdtr(p, {"w": np.zeros(2, np.float32)}, {"note": "not a model"})
+    res = CliRunner().invoke(main, ["distill", str(p), "--steps", "1"])
+    assert res.exit_code == 5
+    assert f"error: {p} has no model_config in its metadata" in res.output
