@@ -47,7 +47,7 @@ class GenSettings:
     num_prompts: int = 4
     max_new_tokens: int = 64
     budget: int = 32                      # DDTree node budget
-    distill_steps: int = 1500
+    distill_steps: int = 500
     command: str = ""                     # provenance: the command line that made the bundle
 
 
@@ -91,7 +91,7 @@ def model_from_kdtr(path: str, s: GenSettings, progress=None) -> Model:
                            f"make one with `kdtr gen --preset tiny --out MODEL.kdtr` or `kdtr import`")
         cfg = ModelConfig.from_dict(conf)
         W = {n: _read(f, n) for n in f.names if not n.startswith(("golden/", "drafter."))}
-        DW = {n: np.array(f.get(n), dtype=np.float32) for n in f.names if n.startswith("drafter.")}
+        DW = _bf16_round({n: np.array(f.get(n)) for n in f.names if n.startswith("drafter.")})  # as stored
     keep = {k: meta[k] for k in ("construction", "quantization", "source", "provenance_of_weights")
             if meta.get(k)}
     if "drafter_config" in meta:

@@ -1,0 +1,93 @@
+"""The committed golden bundles: current (they regenerate from their MANIFEST commands and the
+regenerated goldens match within the bundles' own tolerances), light to clone, self-consistent, and
+passing with the reference engine."""
+import os
+import re
+import shlex
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from cli.main import main
+from conformance.exit_codes import ExitCode
+from conformance.reference_engine import ReferenceEngine
+from conformance.runner import verify
+from kdtr_format import open_kdtr
+
+ROOT = Path(__file__).resolve().parent.parent
+BUNDLES = ["bundles/model_tiny.kdtr", "bundles/model_int4_tiny.kdtr"]
+MB = 1 << 20
+
+
+def manifest_commands() -> dict[str, list[str]]:
+    """bundle path -> the `kdtr gen` argv recorded in bundles/MANIFEST.md."""
+    text = (ROOT / "bundles" / "MANIFEST.md").read_text()
+    cmds = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("kdtr gen "):
+            argv = shlex.split(line)[1:]
+            cmds[argv[argv.index("--out") + 1]] = argv
+    return cmds
+
+
+def test_manifest_lists_every_bundle_with_its_sha256():
+    import hashlib
+    text = (ROOT / "bundles" / "MANIFEST.md").read_text()
+    assert set(manifest_commands()) == set(BUNDLES)
+    for b in BUNDLES:
+        digest = hashlib.sha256((ROOT / b).read_bytes()).hexdigest()
+        assert digest in text, f"{b}: sha256 {digest} not in MANIFEST.md (regenerated without updating it?)"
+
+
+def test_bundles_are_light_to_clone():
+    sizes = [os.path.getsize(ROOT / b) for b in BUNDLES]
+    assert all(s <= 20 * MB for s in sizes), sizes
+    assert sum(sizes) <= 32 * MB, sizes
+
+
+@pytest.mark.parametrize("bundle", BUNDLES)
+def test_bundle_records(bundle):
+    with open_kdtr(ROOT / bundle, verify=True) as f:
+        meta = f.metadata
+        lengths = [len(f[f"golden/p{i}/prompt_ids"]) for i in range(meta["prompts"])]
+        assert meta["prompts"] >= 4 and 1 in lengths and len(set(lengths)) == len(lengths)
+        assert meta["max_new_tokens"] >= 64
+        for i in range(meta["prompts"]):
+            assert np.array_equal(f[f"golden/p{i}/ddtree/tokens"], f[f"golden/p{i}/ar/tokens"])
+        fig = meta["figures"]
+        print(f"\n{bundle}: forward ratio {fig['forward_ratio']}, tokens/round {fig['mean_tokens_per_round']}, "
+              f"accepted depths {fig['accepted_depth_histogram']}, off-spine rounds {fig['off_spine_rounds']}, "
+              f"min margin {fig['min_margin']:.3g}")
+        assert fig["forward_ratio"] == round(fig["ar_target_forwards"] / fig["ddtree_target_forwards"], 4)
+        # coverage for engines: bonus-only rounds and rounds that leave the top-1 spine
+        assert fig["accepted_depth_histogram"][0] > 0
+        assert fig["off_spine_rounds"] > 0
+
+
+@pytest.mark.parametrize("bundle", BUNDLES)
+def test_committed_bundle_passes_with_the_reference_engine(bundle):
+    v = verify(str(ROOT / bundle), engine=ReferenceEngine())
+    assert v.exit_code == ExitCode.OK, [(c.name, c.message) for c in v.checks if c.status != "pass"]
+
+
+@pytest.mark.slow
+def test_bundles_regenerate_from_their_manifest_commands(tmp_path, monkeypatch):
+    """CI runs this on every push: the MANIFEST commands, run on this machine, give goldens that match
+    the committed ones within the committed tolerances (target weights bit-exact)."""
+    monkeypatch.chdir(ROOT)                                # commands use repo-relative paths
+    for bundle, argv in manifest_commands().items():
+        out = tmp_path / Path(bundle).name
+        argv = list(argv)
+        argv[argv.index("--out") + 1] = str(out)
+        r = CliRunner().invoke(main, argv)
+        assert r.exit_code == 0, r.output
+        v = verify(bundle, dump=str(out))
+        assert v.exit_code == ExitCode.OK, [(c.name, c.message) for c in v.checks if c.status != "pass"]
+        with open_kdtr(bundle) as a, open_kdtr(out) as b:
+            weights = [n for n in a.names if not n.startswith(("golden/", "drafter."))]
+            assert weights == [n for n in b.names if not n.startswith(("golden/", "drafter."))]
+            for n in weights:
+                assert a.info(n).checksum == b.info(n).checksum, n
