@@ -147,6 +147,7 @@ def _atomic_write(path: str | Path, data: str) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)                 # mkstemp makes 0600; a report is for CI and people to read
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)

@@ -21,6 +21,7 @@ import time
 
 import numpy as np
 
+from conformance.metrics import logits_metrics
 from conformance.report import CheckResult, Divergence, make_verdict
 from conformance.tolerance import DerivedTolerance, Rule, check_tap, resolve_rule
 from kdtr_format import KdtrError, open_kdtr
@@ -231,6 +232,9 @@ def _numeric_check(name, golden, actual, entry, overrides, dtype) -> tuple[Check
     r = check_tap(golden, actual, rule, dtype, derived=derived if isinstance(derived, DerivedTolerance) else None)
     if not r.passed:
         r.metrics["first_bad_row"] = first_bad_row(golden, actual, rule)
+    if name.endswith("/logits") and golden.ndim == 2:                   # distribution-level view, reported
+        lm = logits_metrics(golden, actual)
+        r.metrics.update({k: lm[k] for k in ("topk_overlap_min", "kl_max", "argmax_agreement")})
     return CheckResult(name, "pass" if r.passed else "fail", "numeric", r.metrics, rule.to_dict(),
                        "; ".join(r.failures), r.min_passing), not r.passed
 
@@ -378,9 +382,11 @@ def layer_inputs(f, div: Divergence) -> dict:
             "c_kv": cat("kv_latent"), "k_pe": cat("k_pe")}
 
 
-def localize(engine, f, div: Divergence, overrides=(), dtype="float32") -> Divergence:
+def localize(engine, f, div: Divergence, overrides=(), dtype="float32", full_metrics=None) -> Divergence:
     """Re-run the diverging layer on golden inputs: over tolerance there too = a local fault;
-    within = error inherited from earlier layers (each under tolerance, together over it)."""
+    within = error inherited from earlier layers (each under tolerance, together over it).
+    local_error: the tap's error on golden inputs; inherited_error: its error in the full run
+    (`full_metrics`), which carries what earlier layers passed on."""
     if div.layer is None or not getattr(engine, "supports_teacher_forcing", False):
         return div
     if div.phase == "ar" and div.tap not in ("kv_latent", "k_pe", "topk_ids", "resid_out"):
@@ -399,6 +405,8 @@ def localize(engine, f, div: Divergence, overrides=(), dtype="float32") -> Diver
     div.local_error = {k: local.metrics.get(k) for k in ("max_abs", "nmse", "max_ulp", "mismatch_count")
                        if k in local.metrics}
     div.local_error["passed"] = local.passed
+    if full_metrics:                         # the same tap in the full run, on the engine's own inputs
+        div.inherited_error = {k: full_metrics[k] for k in ("max_abs", "nmse", "max_ulp") if k in full_metrics}
     div.cause = "inherited" if local.passed else "local"
     return div
 
@@ -434,7 +442,8 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
         judged, first = judge(f, out, overrides, dtype)
         if first is not None and engine is not None and dump is None:
             try:
-                first = localize(engine, f, first, overrides, dtype)
+                full = next(c.metrics for c in judged if c.name == first.name)
+                first = localize(engine, f, first, overrides, dtype, full)
             except Exception as e:  # noqa: BLE001 - localisation is best effort; the verdict stands
                 first.cause = f"not localised: run_layer raised {type(e).__name__}: {e}"
         info = {"dtype": dtype, "engine_seconds": round(t1 - t0, 3),
