@@ -119,7 +119,7 @@ def replay_ddtree(engine, f, i: int, prompt, n_tokens: int) -> dict:
     P = len(prompt)
     logits, _ = engine.prefill(prompt, np.arange(P))
     emitted, start, forwards = [int(np.argmax(np.asarray(logits)[-1]))], P, 1
-    argmaxes, accepted, acc_sizes, bonuses = [], [], [], []
+    argmaxes, accepted, acc_sizes, bonuses, path = [], [], [], [], []
     for r, golden_start in enumerate(np.asarray(f[p + "ddtree/round_start"])):
         if start != golden_start:
             break                                                        # already diverged: judged below
@@ -133,6 +133,7 @@ def replay_ddtree(engine, f, i: int, prompt, n_tokens: int) -> dict:
         emitted += [int(t) for t in ids[acc[1:]]] + [int(bonus)]
         start += len(acc)
         argmaxes.append(post)
+        path.append(np.asarray(lg)[acc])                                 # the rows that were committed
         accepted.append(acc)
         acc_sizes.append(len(acc))
         bonuses.append(bonus)
@@ -144,6 +145,7 @@ def replay_ddtree(engine, f, i: int, prompt, n_tokens: int) -> dict:
         f"p{i}/ddtree/accepted_offsets": np.concatenate([[0], np.cumsum(acc_sizes)]).astype(np.int64),
         f"p{i}/ddtree/round_bonus": np.asarray(bonuses, np.int64),
         f"p{i}/ddtree/counters": np.array([forwards, len(bonuses)], np.int64),
+        f"p{i}/ddtree/path_logits": np.concatenate(path) if path else np.zeros((0, np.asarray(logits).shape[-1])),
     }
 
 
@@ -167,8 +169,8 @@ def _routing_views(f, g: str, key: str, out: dict, name: str):
     """(golden, actual) for a tap, with topk_ids/topk_weights in canonical per-row order."""
     golden, actual = f[g + key], out.get(name)
     tap = key.rsplit("/", 1)[-1]
-    if tap not in ("topk_ids", "topk_weights") or actual is None:
-        return golden, actual
+    if tap not in ("topk_ids", "topk_weights") or actual is None or np.shape(actual) != golden.shape:
+        return golden, actual                                            # a wrong shape fails as such
     ids_key, ids_name = key[: -len(tap)] + "topk_ids", name[: -len(tap)] + "topk_ids"
     if ids_name not in out or np.asarray(out[ids_name]).shape != f[g + ids_key].shape:
         return golden, actual
@@ -205,7 +207,8 @@ def judge(f, out: dict, overrides=(), dtype: str = "float32") -> tuple[list[Chec
         if failed_here and first is None:
             first = _divergence(min(failed_here, key=lambda t: t[0])[1], len(f[g + "prompt_ids"]))
         checks.append(_token_check(f, g, i, out))
-        checks += _ddtree_checks(f, g, i, out)
+        ar_ok = all(c.status == "pass" for c in checks if c.name == f"p{i}/ar/logits")
+        checks += _ddtree_checks(f, g, i, out, overrides, dtype, ar_ok)
     return checks, first
 
 
@@ -218,6 +221,50 @@ def _time_key(key: str, c: CheckResult, order: int, cfg: ModelConfig) -> tuple:
     if key == "ar/logits":
         return (row - 1, 1, order)                                       # row 0 came from the prefill
     return (row, 0, order)
+
+
+def validate_outputs(f, out: dict) -> list[str]:
+    """Structural problems of an engine's outputs (run-dump names) that would make judging meaningless:
+    required names, ranks, integer dtypes, consistent DDTree offsets. Empty when judging can proceed."""
+    V = ModelConfig.from_dict(f.metadata["model_config"]).vocab_size
+    problems = []
+
+    def need(name, ndim, kind, rows=None):
+        if name not in out:
+            problems.append(f"{name} is missing (required)")
+            return None
+        a = np.asarray(out[name])
+        if a.ndim != ndim or (kind == "int" and a.dtype.kind not in "iu") or (kind == "float" and a.dtype.kind != "f"):
+            problems.append(f"{name} is {a.dtype}{list(a.shape)}, expected a {ndim}-D {kind} tensor")
+            return None
+        if ndim == 2 and a.shape[1] != V:
+            problems.append(f"{name} has {a.shape[1]} columns, the vocabulary has {V}")
+            return None
+        if rows is not None and a.shape[0] != rows:
+            problems.append(f"{name} has {a.shape[0]} rows, expected {rows}")
+            return None
+        return a
+
+    for i in prompts_of(f):
+        p, n = f"p{i}/", len(f[f"golden/p{i}/ar/tokens"])
+        need(p + "prefill/logits", 2, "float", len(f[f"golden/p{i}/prompt_ids"]))
+        need(p + "ar/logits", 2, "float", n)
+        for name in ("ar/tokens", "ddtree/tokens", "ddtree/verify_argmax", "ddtree/round_bonus"):
+            need(p + name, 1, "int")
+        need(p + "ddtree/counters", 1, "int", 2)
+        offsets, acc = need(p + "ddtree/accepted_offsets", 1, "int"), need(p + "ddtree/accepted", 1, "int")
+        bonus, path = out.get(p + "ddtree/round_bonus"), need(p + "ddtree/path_logits", 2, "float")
+        if offsets is None or acc is None:
+            continue
+        if len(offsets) < 1 or offsets[0] != 0 or np.any(np.diff(offsets) < 1) or offsets[-1] != len(acc):
+            problems.append(f"{p}ddtree/accepted_offsets must start at 0, increase, and end at len(accepted) "
+                            f"= {len(acc)}; got {offsets[:8].tolist()}...")
+        elif bonus is not None and len(bonus) != len(offsets) - 1:
+            problems.append(f"{p}ddtree/round_bonus has {len(bonus)} rounds, accepted_offsets {len(offsets) - 1}")
+        elif path is not None and len(path) != offsets[-1]:
+            problems.append(f"{p}ddtree/path_logits has {len(path)} rows, expected one per accepted row "
+                            f"({int(offsets[-1])})")
+    return problems
 
 
 def _numeric_check(name, golden, actual, entry, overrides, dtype) -> tuple[CheckResult, bool]:
@@ -303,7 +350,7 @@ def _token_check(f, g: str, i: int, out: dict) -> CheckResult:
     return CheckResult(name, "fail", "tokens", metrics, {"exact": True}, msg)
 
 
-def _ddtree_checks(f, g: str, i: int, out: dict) -> list[CheckResult]:
+def _ddtree_checks(f, g: str, i: int, out: dict, overrides=(), dtype="float32", ar_ok=True) -> list[CheckResult]:
     p = f"p{i}/ddtree/"
     if p + "tokens" not in out:
         return [CheckResult(p + "tokens", "fail", "ddtree", message="the engine reported no DDTree run (required)")]
@@ -322,13 +369,40 @@ def _ddtree_checks(f, g: str, i: int, out: dict) -> list[CheckResult]:
         checks.append(CheckResult(name, "pass" if ok else "fail", "ddtree", {"tokens": int(len(mine))},
                                   {"exact": True}, msg))
     checks.append(_rounds_check(f, g, p, out))
+    checks.append(_path_logits_check(f, g, p, out, overrides, dtype, "ddtree" if ar_ok else "numeric"))
     fw, gfw = out.get(p + "counters"), np.asarray(f[g + "ddtree/counters"])
-    if fw is not None:
+    if fw is None:
+        checks.append(CheckResult(p + "target_forwards", "fail", "ddtree", message="no ddtree/counters (required)"))
+    else:
         ok = int(fw[0]) == int(gfw[0])
         checks.append(CheckResult(p + "target_forwards", "pass" if ok else "fail", "ddtree",
                                   {"engine": int(fw[0]), "golden": int(gfw[0])}, {"exact": True},
                                   "" if ok else f"{int(fw[0])} target forwards, golden {int(gfw[0])}"))
     return checks
+
+
+def _path_logits_check(f, g: str, p: str, out: dict, overrides, dtype, kind: str) -> CheckResult:
+    """The tree forward's logits on the committed rows, against the golden AR logits with the AR logits
+    tolerance. Committed row j sits at position P + j and predicts token j + 1: in exact arithmetic it is
+    AR row j + 1 (spec ddtree.md §4.1). Argmax checks alone would let a tree-only numeric bug smaller
+    than the token margins pass; this catches it. Compared while the engine's stream is golden. `kind`:
+    "ddtree" when the AR logits passed (the tree path alone is off: a DDTree failure), else "numeric"
+    (the same drift as the AR path, not a DDTree-specific fault)."""
+    name = p + "path_logits"
+    got = out.get(name)
+    if got is None:
+        return CheckResult(name, "fail", kind, message="no ddtree/path_logits (required)")
+    gold_ar, mine, gold = f[g + "ar/logits"], np.asarray(out[p + "tokens"]), np.asarray(f[g + "ar/tokens"])
+    n = min(len(mine), len(gold))
+    bad = np.nonzero(mine[:n] != gold[:n])[0]
+    k = min(len(got), len(gold_ar) - 1, int(bad[0]) if bad.size else n)
+    derived = _manifest_rule(f.metadata["tolerances"]["taps"].get("ar/logits"))
+    rule = resolve_rule(name, derived, overrides)
+    r = check_tap(np.asarray(gold_ar[1:1 + k]), np.asarray(got[:k]), rule, dtype,
+                  derived=derived if isinstance(derived, DerivedTolerance) else None)
+    r.metrics["rows"] = k
+    return CheckResult(name, "pass" if r.passed else "fail", kind, r.metrics, rule.to_dict(),
+                       "; ".join(r.failures), r.min_passing)
 
 
 def _rounds_check(f, g: str, p: str, out: dict) -> CheckResult:
@@ -436,6 +510,12 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
             checks.append(CheckResult("engine/run", "error", "numeric",
                                       message=f"{type(e).__name__}: {e}"))
             return make_verdict(name, bundle, checks)
+        problems = validate_outputs(f, out)
+        if problems:                                                     # a bad dump is a bad file (5);
+            kind, label = ("integrity", "dump/structure") if dump else ("numeric", "engine/outputs")  # a bad engine, 6
+            checks.append(CheckResult(label, "error", kind, {"problems": problems},
+                                      message=f"{len(problems)} problem(s), first: {problems[0]} (docs/run-dump.md)"))
+            return make_verdict(name, bundle, checks)
         if save_dump and dump is None:
             write_dump(out, save_dump, name, dtype)
         t1 = time.perf_counter()
@@ -457,17 +537,32 @@ def _outputs(f, engine, dump, progress) -> tuple[dict, str]:
         with open_kdtr(dump, verify=True) as d:
             meta = d.metadata
             if meta.get("schema") == BUNDLE_SCHEMA:                      # a regenerated bundle: its goldens
-                return {n[len("golden/"):]: np.array(d.get(n)) for n in d.names if n.startswith("golden/")}, \
-                    "float32"
+                return bundle_as_outputs(d), "float32"
             if meta.get("schema") != DUMP_SCHEMA:
                 raise BundleSchemaError(f"metadata schema is {meta.get('schema')!r}, expected {DUMP_SCHEMA!r} "
                                         f"(docs/run-dump.md)")
-            return {n: np.array(d.get(n)) for n in d.names}, meta.get("dtype", "float32")
+            dtype = meta.get("dtype", "float32")
+            if dtype not in ("float32", "bfloat16", "float16"):
+                raise BundleSchemaError(f"metadata dtype {dtype!r}: the engine's compute dtype must be float32, "
+                                        f"bfloat16 or float16 (docs/run-dump.md)")
+            return {n: np.array(d.get(n)) for n in d.names}, dtype
     engine.load(f)
     return collect(engine, f, progress), engine.dtype
 
 
 DUMP_SCHEMA = "kdtr-run-dump/1"
+
+
+def bundle_as_outputs(d) -> dict:
+    """A bundle's goldens under run-dump names (to judge a regenerated bundle against a committed one).
+    Its float64 tree forwards equal its AR forwards (to ~1e-10, tests/test_ddtree_verify.py), so the
+    committed path rows are its AR logits rows 1.. (see _path_logits_check)."""
+    out = {n[len("golden/"):]: np.array(d.get(n)) for n in d.names if n.startswith("golden/")}
+    for i in prompts_of(d):
+        p = f"p{i}/"
+        rows = int(out[p + "ddtree/accepted_offsets"][-1])
+        out[p + "ddtree/path_logits"] = out[p + "ar/logits"][1:1 + rows]
+    return out
 
 
 def write_dump(out: dict, path: str, engine_name: str, dtype: str, bundle_sha256: str = "") -> None:

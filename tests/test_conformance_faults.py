@@ -353,3 +353,53 @@ def test_run_dump_that_reports_nothing_does_not_pass(small_bundle, tmp_path):
                {"schema": DUMP_SCHEMA, "engine": "nothing", "dtype": "float32"})
     v = verify(small_bundle, dump=str(tmp_path / "empty.kdtr"))
     assert v.exit_code != ExitCode.OK, where(v)
+
+
+# ---------------------------------------------------------------- DDTree-only numerics, malformed dumps
+
+class TreeOnlyDrift(ReferenceEngine):
+    """o_proj x (1 + 1e-4) in the tree-verify forward only: every argmax, accepted path and bonus stays
+    golden, so only the committed rows' logits (ddtree/path_logits) can see it."""
+    name = "tree-only-drift"
+
+    def verify_tree(self, ids, positions, mask):
+        saved = {k: v for k, v in self.W.items() if k.endswith("self_attn.o_proj.weight")}
+        self.W.update({k: v * np.float32(1 + 1e-4) for k, v in saved.items()})
+        try:
+            return super().verify_tree(ids, positions, mask)
+        finally:
+            self.W.update(saved)
+
+
+def test_tree_only_numeric_drift_is_a_ddtree_failure(small_bundle):
+    v = verify(small_bundle, engine=TreeOnlyDrift())
+    assert v.exit_code == ExitCode.DDTREE, where(v)
+    assert v.first_divergence is None                      # prefill and AR are clean
+    assert set(failing(v)) == {"p0/ddtree/path_logits", "p1/ddtree/path_logits"}, where(v)
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda o: o.pop("p0/ddtree/round_bonus"), "p0/ddtree/round_bonus is missing (required)"),
+    (lambda o: o.update({"p1/ar/tokens": o["p1/ar/tokens"][None, :]}), "p1/ar/tokens is int64[1, 8]"),
+    (lambda o: o.update({"p0/ddtree/accepted_offsets": o["p0/ddtree/accepted_offsets"][::-1].copy()}),
+     "p0/ddtree/accepted_offsets must start at 0"),
+    (lambda o: o.update({"p0/ddtree/path_logits": o["p0/ddtree/path_logits"][:1]}), "p0/ddtree/path_logits has 1 rows"),
+])
+def test_malformed_run_dump_is_an_invalid_file_naming_the_tensor(small_bundle, saved_dump, tmp_path, edit, says):
+    path, _ = saved_dump
+    with open_kdtr(path) as d:
+        out, meta = {n: np.array(d[n]) for n in d.names}, d.metadata
+    edit(out)
+    write_kdtr(tmp_path / "bad.kdtr", out, meta)
+    v = verify(small_bundle, dump=str(tmp_path / "bad.kdtr"))
+    assert v.exit_code == ExitCode.INVALID_FILE, where(v)
+    assert says in check(v, "dump/structure").message
+
+
+def test_run_dump_with_an_unknown_dtype_is_an_invalid_file(small_bundle, saved_dump, tmp_path):
+    path, _ = saved_dump
+    with open_kdtr(path) as d:
+        write_kdtr(tmp_path / "x.kdtr", {n: np.array(d[n]) for n in d.names}, {**d.metadata, "dtype": "bf16"})
+    v = verify(small_bundle, dump=str(tmp_path / "x.kdtr"))
+    assert v.exit_code == ExitCode.INVALID_FILE, where(v)
+    assert "metadata dtype 'bf16'" in check(v, "dump/integrity").message
