@@ -26,7 +26,7 @@ def _suffixed(path: str | None, bundle: str, many: bool) -> str | None:
 
 
 @click.command("verify")
-@click.argument("bundles", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.argument("bundles", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("--engine", "engine_name", type=click.Choice(["auto"] + sorted(ENGINES)), default="auto",
               show_default=True, help="Engine under test; auto = cuda when a GPU and pycuda are present, "
                                       "else reference.")
@@ -42,7 +42,8 @@ def _suffixed(path: str | None, bundle: str, many: bool) -> str | None:
 @click.option("-v", "--verbose", is_flag=True, help="List every check, not only failures.")
 def verify_cmd(bundles, engine_name, dump, rules, json_path, junit_path, html_path, save_dump, verbose):
     """Verify an engine against golden BUNDLES: every tap of every layer, the AR token stream and
-    the DDTree rounds. Exit 0 pass, 1 numeric, 3 tokens, 4 DDTree, 5 invalid/corrupt bundle, 6 engine error.
+    the DDTree rounds. Exit 0 pass, 1 numeric, 2 usage, 3 tokens, 4 DDTree, 5 invalid/corrupt bundle or
+    dump, 6 engine error (the most severe wins when several occur).
     """
     console = Console(stderr=True)
     try:
@@ -74,7 +75,7 @@ def verify_cmd(bundles, engine_name, dump, rules, json_path, junit_path, html_pa
                 bar.update(task[stage], completed=done)
 
             v = verify(bundle, engine=engine, dump=dump, overrides=overrides, progress=progress,
-                       save_dump=save_dump)
+                       save_dump=_suffixed(save_dump, bundle, len(bundles) > 1))
         print_console(v, Console(), verbose=verbose)
         many = len(bundles) > 1
         for path, write in ((json_path, write_json), (junit_path, write_junit), (html_path, write_html)):

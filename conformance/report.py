@@ -58,8 +58,11 @@ class CheckResult:
 @dataclass
 class Divergence:
     """The first tap over tolerance in execution order. `local_error` is the tap's error when the
-    layer ran on golden inputs (teacher forcing), `inherited_error` the part carried in from earlier
-    layers; both None when the engine cannot run a layer alone. `cause`: "local", "inherited" or None."""
+    layer ran on golden inputs (teacher forcing), `inherited_error` its error in the full run, on the
+    engine's own inputs (what earlier layers passed on plus the local part); both None when the engine
+    cannot run a layer alone. `cause`: "local" (over tolerance on golden inputs too), "inherited"
+    (within tolerance there: sub-tolerance errors of earlier layers added up) or None. The local check
+    uses the same end-to-end tolerance, so a local fault smaller than it is labelled inherited."""
     name: str                                # the check name, e.g. golden/p0/prefill/L3/q
     layer: int | None
     tap: str
