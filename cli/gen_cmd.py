@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
 
@@ -23,10 +24,13 @@ def _parse_prompt_ids(text: str | None) -> list | None:
     if text is None:
         return None
     try:
-        return [[int(t) for t in p.split(",") if t.strip()] for p in text.split(";") if p.strip()]
+        prompts = [[int(t) for t in p.split(",") if t.strip()] for p in text.split(";") if p.strip()]
     except ValueError:
+        prompts = []
+    if not prompts or not all(prompts):
         raise click.BadParameter(f"{text!r}: write prompts as comma-separated ids, prompts separated by ';' "
-                                 f"(e.g. '12;5,7,9')", param_hint="--prompt-ids") from None
+                                 f"(e.g. '12;5,7,9')", param_hint="--prompt-ids")
+    return prompts
 
 
 def _read_prompts(path: str | None) -> list | None:
@@ -38,10 +42,23 @@ def _read_prompts(path: str | None) -> list | None:
             data = json.load(fh)
     except (OSError, json.JSONDecodeError) as e:
         raise click.BadParameter(f"{path}: {e}; expected JSON like [[1, 2, 3], [7]]", param_hint="--prompts")
-    if not isinstance(data, list) or not all(isinstance(p, list) and p for p in data):
+    ok = isinstance(data, list) and data and all(
+        isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in data)
+    if not ok:
         raise click.BadParameter(f"{path}: expected a JSON list of non-empty id lists, like [[1, 2, 3], [7]]",
                                  param_hint="--prompts")
     return data
+
+
+def _canonical_command(ctx: click.Context) -> str:
+    """The command as parsed, every option spelled out (defaults too): provenance that regenerates the
+    bundle whatever the shell, the option order or the kdtr defaults of the day."""
+    argv = ["kdtr", ctx.info_name]
+    for p in ctx.command.params:
+        v = ctx.params.get(p.name)
+        if v is not None:
+            argv += [p.opts[0], str(v)]
+    return shlex.join(argv)
 
 
 class _Bars:
@@ -69,8 +86,8 @@ class _Bars:
 @click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False),
               help="JSON file: a list of prompts, each a list of token ids.")
 @click.option("--prompt-ids", help="Prompts inline: ids separated by ',', prompts by ';' (e.g. '12;5,7,9').")
-@click.option("--num-prompts", type=click.IntRange(1, 64), default=4, show_default=True,
-              help="Random prompts of different lengths (the first of length 1) when none are given.")
+@click.option("--num-prompts", type=click.IntRange(1, 8), default=4, show_default=True,
+              help="Random prompts of lengths 1, 5, 10, 18, 33, 63, 118, 224 (the first N) when none are given.")
 @click.option("--max-new-tokens", type=click.IntRange(2, 4096), default=64, show_default=True)
 @click.option("--budget", type=click.IntRange(1, 1024), default=32, show_default=True, help="DDTree node budget.")
 @click.option("--distill-steps", type=click.IntRange(0), default=500, show_default=True,
@@ -90,9 +107,13 @@ def gen_cmd(preset, quant, int4_scope, checkpoint, model_path, prompts_file, pro
     if prompts_file and prompt_ids:
         raise click.UsageError("--prompts and --prompt-ids both give prompts: pass one")
     prompts = _read_prompts(prompts_file) or _parse_prompt_ids(prompt_ids)
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):         # fail now, not after the work
+        raise click.BadParameter(f"cannot write {out}: {parent} is not a writable directory", param_hint="--out")
+    command = _canonical_command(click.get_current_context())
     s = GenSettings(preset=preset, quant=quant, int4_scope=int4_scope, seed=seed, prompts=prompts,
                     num_prompts=num_prompts, max_new_tokens=max_new_tokens, budget=budget,
-                    distill_steps=distill_steps, command=shlex.join(["kdtr"] + sys.argv[1:]))
+                    distill_steps=distill_steps, command=command)
     console = Console(stderr=True)
     cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             TextColumn("{task.fields[info]}"))
@@ -112,6 +133,8 @@ def gen_cmd(preset, quant, int4_scope, checkpoint, model_path, prompts_file, pro
     table = Table(title=f"bundle {out}")
     table.add_column("figure")
     table.add_column("value", justify="right")
+    table.add_row("bundle size", f"{os.path.getsize(out) / 2**20:.2f} MiB")
+    table.add_row("prompts x new tokens", f"{len(s.prompts) if s.prompts else num_prompts} x {max_new_tokens}")
     for k, v in fig.items():
         table.add_row(k, str(v))
     Console().print(table)
