@@ -441,13 +441,3 @@ def _version() -> str:
         return version("kdtr")
     except PackageNotFoundError:
         return "0+unknown"
-
-
-def save_model(m: Model, out: str, command: str = "") -> None:
-    """A model file (weights + drafter, no goldens): what `kdtr distill` and `kdtr gen --model` share."""
-    meta = {"schema": SCHEMA, "model_config": m.cfg.to_dict(), "drafter_config": m.dcfg.to_dict(),
-            "quantization": m.meta.get("quantization", {"method": "none", "weights": "float32"}),
-            "provenance": {"generator": f"kdtr {_version()}", "command": command, "numpy": np.__version__,
-                           "python": platform.python_version()},
-            **{k: v for k, v in m.meta.items() if k != "quantization"}}
-    write_kdtr(out, bundle_tensors(m, []), meta)

@@ -12,7 +12,7 @@ import numpy as np
 
 from kdtr_format import open_kdtr
 from refmodel.config import ModelConfig
-from refmodel.model import KVCache, block, forward, rope_cos_sin
+from refmodel.model import KVCache, block, causal_mask, forward, rope_cos_sin
 from refmodel.quant import dequantize_model
 
 
@@ -75,9 +75,7 @@ class ReferenceEngine:
         cache.k_pe[layer] = np.asarray(inputs["k_pe"], dt)
         h = np.asarray(inputs["hidden"], dt)
         positions = np.asarray(inputs["positions"], np.int64)
-        T, S = h.shape[0], cache.c_kv[layer].shape[0]
-        j, i = np.arange(S + T)[None, :], np.arange(T)[:, None] + S
-        mask = np.where(j <= i, 0.0, -np.inf).astype(dt)                 # causal [T, S + T]
+        mask = causal_mask(h.shape[0], cache.c_kv[layer].shape[0]).astype(dt)   # [T, S + T]
         cos, sin = rope_cos_sin(cfg, positions, dt)
         taps = {}
         block(cfg, self.W, layer, h, cos, sin, cache, mask, False, taps)

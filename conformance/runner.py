@@ -21,15 +21,16 @@ import time
 
 import numpy as np
 
+from conformance.gen import SCHEMA as GEN_SCHEMA
 from conformance.metrics import logits_metrics
 from conformance.report import CheckResult, Divergence, make_verdict
 from conformance.tolerance import DerivedTolerance, Rule, check_tap, resolve_rule
-from kdtr_format import KdtrError, open_kdtr
+from kdtr_format import KdtrError, Tensor, open_kdtr, write_kdtr
 from refmodel.config import ModelConfig
 from refmodel.ddtree import Tree, compile_tree, walk
 from refmodel.model import tap_names
 
-BUNDLE_SCHEMA = "kdtr-bundle/1"
+BUNDLE_SCHEMA = GEN_SCHEMA
 
 
 class BundleSchemaError(KdtrError):
@@ -44,6 +45,9 @@ def prompts_of(f) -> list[int]:
 
 def check_schema(f, path: str) -> None:
     meta = f.metadata
+    if meta.get("schema") is None and "config" in meta:
+        raise BundleSchemaError(f"{path} is a model file (from `kdtr import`), not a golden bundle: make one "
+                                f"from it with `kdtr gen --model {path} --out BUNDLE.kdtr`")
     if meta.get("schema") != BUNDLE_SCHEMA:
         raise BundleSchemaError(f"{path}: metadata schema is {meta.get('schema')!r}, expected {BUNDLE_SCHEMA!r}: "
                                 f"not a golden bundle (or a newer one); regenerate it with the command in "
@@ -423,6 +427,11 @@ def _rounds_check(f, g: str, p: str, out: dict) -> CheckResult:
     for r in range(R):
         if r + 1 >= len(eo):
             return fail(r, f"the engine ran {len(eo) - 1} rounds, the golden run {R}")
+        for key in ("tree_tokens", "tree_parents"):                      # an engine with its own drafter
+            if p + key in out and len(out[p + key]) >= go[r + 1]:
+                tg, te = np.asarray(f[g + "ddtree/" + key][go[r]:go[r + 1]]), np.asarray(out[p + key])[go[r]:go[r + 1]]
+                if not np.array_equal(tg, te):
+                    return fail(r, f"{key} {te.tolist()} but golden {tg.tolist()} (the drafter proposed another tree)")
         acc_g = np.asarray(f[g + "ddtree/accepted"][ga[r]:ga[r + 1]])
         acc_e = np.asarray(out[p + "accepted"])[eo[r]:eo[r + 1]]
         if not np.array_equal(acc_g, acc_e):
@@ -529,7 +538,7 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
                                       message=f"{len(problems)} problem(s), first: {problems[0]} (docs/run-dump.md)"))
             return make_verdict(name, bundle, checks)
         if save_dump and dump is None:
-            write_dump(out, save_dump, name, dtype)
+            write_dump(out, save_dump, name, dtype, f.metadata.get("provenance", {}).get("command", ""))
         t1 = time.perf_counter()
         judged, first = judge(f, out, overrides, dtype)
         if first is not None and engine is not None and dump is None:
@@ -577,13 +586,10 @@ def bundle_as_outputs(d) -> dict:
     return out
 
 
-def write_dump(out: dict, path: str, engine_name: str, dtype: str, bundle_sha256: str = "") -> None:
+def write_dump(out: dict, path: str, engine_name: str, dtype: str, bundle_command: str = "") -> None:
     """A run dump (docs/run-dump.md) of a live engine's outputs: what an external engine writes."""
-    from kdtr_format import write_kdtr
 
-    from kdtr_format import Tensor
-
-    meta = {"schema": DUMP_SCHEMA, "engine": engine_name, "dtype": dtype, "bundle_sha256": bundle_sha256}
+    meta = {"schema": DUMP_SCHEMA, "engine": engine_name, "dtype": dtype, "bundle_command": bundle_command}
     bf16 = lambda v: dtype == "bfloat16" and v.dtype == np.uint16  # noqa: E731 - raw bf16 bit patterns
     write_kdtr(path, ((k, Tensor(np.ascontiguousarray(v), dtype="bfloat16") if bf16(v) else np.ascontiguousarray(v))
                       for k, v in out.items()), meta)
