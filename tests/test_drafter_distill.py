@@ -24,25 +24,33 @@ SMALL = DistillSettings(sequences=8, batch_gen=4, prompt_len=(1, 4), seq_len=24,
 def test_config_round_trip_and_validation():
     d = drafter_preset("tiny")
     assert DrafterConfig.from_dict(d.to_dict()) == d
-    assert d.block_size == 16 and d.num_hidden_layers == 2 and d.mask_token_id == 399
+    assert d.block_size == 16 and d.num_hidden_layers == 2 and d.mask_token_id == 399 and d.block_pos_embed
+    assert init_drafter(d, 0)["drafter.block_pos_embed"].shape == (16, 192)
+    old = {k: v for k, v in d.to_dict().items() if k != "block_pos_embed"}     # bundles made before the field
+    assert DrafterConfig.from_dict(old).block_pos_embed is False
     with pytest.raises(ValueError, match=r"target_layer_ids = \[1, 1\]: need distinct layers in \[0, 6\)"):
         DrafterConfig(**{**d.to_dict(), "target_layer_ids": [1, 1]})
 
 
-def test_torch_training_forward_equals_numpy_drafter():
+@pytest.mark.parametrize("pos_embed", [False, True])
+def test_torch_training_forward_equals_numpy_drafter(pos_embed):
+    dcfg = DrafterConfig(**{**MICRO_DRAFTER.to_dict(), "block_pos_embed": pos_embed})
     W = init_weights(MICRO, 2)
-    DW = init_drafter(MICRO_DRAFTER, 2)
+    DW = init_drafter(dcfg, 2)
+    assert ("drafter.block_pos_embed" in DW) == pos_embed
+    if pos_embed:
+        DW["drafter.block_pos_embed"] *= 10.0        # make the offsets matter in the comparison
     ids = np.random.default_rng(2).integers(0, 47, size=(2, 30))
-    feats = np.stack([target_features(MICRO_DRAFTER, forward(MICRO, W, s, np.arange(30))[1]) for s in ids])
+    feats = np.stack([target_features(dcfg, forward(MICRO, W, s, np.arange(30))[1]) for s in ids])
     anchors = np.array([[1, 9, 22], [4, 5, 17]])
     P = {k: torch.tensor(v) for k, v in DW.items()}
-    got = torch_drafter_logits(MICRO_DRAFTER, P, torch.tensor(W["model.embed_tokens.weight"]),
+    got = torch_drafter_logits(dcfg, P, torch.tensor(W["model.embed_tokens.weight"]),
                                torch.tensor(W["lm_head.weight"]), torch.tensor(feats), torch.tensor(ids),
                                torch.tensor(anchors)).numpy()                               # [2, 3, 7, V]
     for n in range(2):
         for m, a in enumerate(anchors[n]):
-            block = [ids[n, a]] + [MICRO_DRAFTER.mask_token_id] * 7
-            want = drafter_forward(MICRO_DRAFTER, DW, W, block, feats[n, :a], DrafterCache(MICRO_DRAFTER), a)
+            block = [ids[n, a]] + [dcfg.mask_token_id] * 7
+            want = drafter_forward(dcfg, DW, W, block, feats[n, :a], DrafterCache(dcfg), a)
             err = float(np.abs(got[n, m] - want).max())
             assert err <= 1e-10, dict(n=n, anchor=a, err=err)
 
