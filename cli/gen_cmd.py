@@ -90,7 +90,7 @@ class _Bars:
               help="Random prompts of lengths 1, 5, 10, 18, 33, 63, 118, 224 (the first N) when none are given.")
 @click.option("--max-new-tokens", type=click.IntRange(2, 4096), default=64, show_default=True)
 @click.option("--budget", type=click.IntRange(1, 1024), default=32, show_default=True, help="DDTree node budget.")
-@click.option("--distill-steps", type=click.IntRange(0), default=500, show_default=True,
+@click.option("--distill-steps", type=click.IntRange(0), default=650, show_default=True,
               help="Drafter distillation steps (0: untrained drafter).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Weights, drafter and prompt seed.")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="The bundle to write (atomically).")

@@ -47,7 +47,7 @@ class GenSettings:
     num_prompts: int = 4
     max_new_tokens: int = 64
     budget: int = 32                      # DDTree node budget
-    distill_steps: int = 500
+    distill_steps: int = 650
     command: str = ""                     # provenance: the command line that made the bundle
 
 
@@ -293,11 +293,18 @@ def manifest(pgs: list[PromptGoldens], quant: str) -> dict:
 
 # ---------------------------------------------------------------- prompts
 
-def default_prompts(cfg: ModelConfig, n: int, seed: int) -> list[np.ndarray]:
-    """n prompts of different lengths (the first of length 1), ids drawn from the seed, never the mask id."""
-    rng = np.random.Generator(np.random.PCG64(seed + 1_000_003))
-    lengths = [1] + [int(round(5 * 1.9 ** i)) for i in range(max(0, n - 1))]   # 1, 5, 10, 18, 33, ...
-    return [rng.integers(0, mask_token_id(cfg), size=L).astype(np.int64) for L in lengths[:n]]
+MAX_REDRAWS = 8         # random prompts: candidates tried per length before giving up
+
+
+def prompt_length(i: int) -> int:
+    """Length of random prompt i: 1, 5, 10, 18, 33, 63, 118, 224."""
+    return 1 if i == 0 else int(round(5 * 1.9 ** (i - 1)))
+
+
+def random_prompt(cfg: ModelConfig, seed: int, i: int, draw: int) -> np.ndarray:
+    """Candidate `draw` for random prompt i: ids from (seed, i, draw), never the mask id."""
+    rng = np.random.Generator(np.random.PCG64([seed, 1_000_003, i, draw]))
+    return rng.integers(0, mask_token_id(cfg), size=prompt_length(i)).astype(np.int64)
 
 
 def check_prompt(cfg: ModelConfig, prompt) -> np.ndarray:
@@ -395,21 +402,32 @@ def generate_bundle(m: Model, s: GenSettings, out: str, progress=None) -> dict:
     Returns the summary figures (also stored in the metadata)."""
     if s.max_new_tokens < 2:
         raise GenError(f"--max-new-tokens {s.max_new_tokens}: need at least 2 (one prefill, one decode)")
-    prompts = [check_prompt(m.cfg, p) for p in s.prompts] if s.prompts else \
-        default_prompts(m.cfg, s.num_prompts, s.seed)
-    pgs, W64 = [], dequantize_model(m.W)
+    W64 = dequantize_model(m.W)
+    explicit = bool(s.prompts)
+    prompts = [check_prompt(m.cfg, p) for p in s.prompts] if explicit else \
+        [random_prompt(m.cfg, s.seed, i, 0) for i in range(s.num_prompts)]
+    pgs = []
     for i, p in enumerate(prompts):
         pgs.append(golden_for_prompt(m, W64, p, s.max_new_tokens, s.budget))
         if progress:
             progress("goldens", i + 1, len(prompts), None)
-    quant = s.quant
-    man = manifest(pgs, quant)
-    logits_atol = max(_atol(man, "prefill/logits"), _atol(man, "ar/logits"))
-    router_atol = max([_atol(man, k) for k in man["taps"] if k.endswith("/router_scores")], default=0.0)
-    rejected = [(i, why) for i, pg in enumerate(pgs) if (why := check_decisive(pg, logits_atol, router_atol))]
-    if rejected:
-        raise GenError("; ".join(f"prompt {i} ({pgs[i].prompt.tolist()[:8]}...) rejected: {why}"
-                                 for i, why in rejected) + ". Choose other prompts or another --seed.")
+    draws = [0] * len(pgs)
+    while True:                          # the tolerances depend on the prompt set: judge, redraw, repeat
+        man = manifest(pgs, s.quant)
+        logits_atol = max(_atol(man, "prefill/logits"), _atol(man, "ar/logits"))
+        router_atol = max([_atol(man, k) for k in man["taps"] if k.endswith("/router_scores")], default=0.0)
+        rejected = [(i, why) for i, pg in enumerate(pgs) if (why := check_decisive(pg, logits_atol, router_atol))]
+        if not rejected:
+            break
+        if explicit or any(draws[i] + 1 >= MAX_REDRAWS for i, _ in rejected):
+            raise GenError("; ".join(f"prompt {i} ({pgs[i].prompt.tolist()[:8]}...) rejected: {why}"
+                                     for i, why in rejected) + ". Choose other prompts or another --seed.")
+        for i, why in rejected:          # a random prompt that is not decisive is redrawn (and said so)
+            draws[i] += 1
+            if progress:
+                progress(f"redraw p{i}: {why[:60]}", 1, 1, None)
+            pgs[i] = golden_for_prompt(m, W64, random_prompt(m.cfg, s.seed, i, draws[i]), s.max_new_tokens,
+                                       s.budget)
     meta = {
         "schema": SCHEMA,
         "model_config": m.cfg.to_dict(),
