@@ -102,3 +102,18 @@ def test_float32_reference_stays_float32():
     assert logits.dtype == np.float32 and all(h.dtype == np.float32 for h in hiddens)
     assert {v.dtype for k, v in taps.items() if not k.endswith("topk_ids")} == {np.dtype(np.float32)}
     assert cache.c_kv[0].dtype == np.float32
+
+
+def test_undecisive_random_prompt_is_redrawn(monkeypatch, tmp_path):
+    """A random prompt that fails the decisiveness rules is replaced by the next candidate of its length."""
+    cfg = gen.PRESETS["tiny"]
+    first_p1 = gen.random_prompt(cfg, 0, 1, 0)
+    real = gen.check_decisive
+    monkeypatch.setattr(gen, "check_decisive", lambda pg, *a: "planted" if np.array_equal(pg.prompt, first_p1)
+                        else real(pg, *a))
+    s = GenSettings(num_prompts=2, max_new_tokens=4, distill_steps=0, seed=0)
+    out = tmp_path / "b.kdtr"
+    generate_bundle(apply_quant(model_from_preset(s), s), s, str(out))
+    with open_kdtr(out) as f:
+        assert np.array_equal(f["golden/p1/prompt_ids"], gen.random_prompt(cfg, 0, 1, 1))
+        assert np.array_equal(f["golden/p0/prompt_ids"], gen.random_prompt(cfg, 0, 0, 0))
