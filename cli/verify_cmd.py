@@ -11,7 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from conformance.engines import ENGINES, EngineUnavailable, pick_engine
 from conformance.exit_codes import ExitCode
-from conformance.report import print_console, write_html, write_json, write_junit
+from conformance.report import PRECEDENCE, print_console, write_html, write_json, write_junit
 from conformance.runner import verify
 from conformance.tolerance import load_rules_file
 
@@ -95,5 +95,4 @@ def _check_writable(path: str | None, hint: str) -> None:
 
 
 def _severity(code: ExitCode) -> int:
-    from conformance.report import PRECEDENCE
     return len(PRECEDENCE) - PRECEDENCE.index(code) if code in PRECEDENCE else 0

@@ -321,25 +321,32 @@ def check_prompt(cfg: ModelConfig, prompt) -> np.ndarray:
 
 # ---------------------------------------------------------------- the bundle
 
+def ragged(rows) -> np.ndarray:
+    """Per-round int records concatenated into one int64 tensor (read back with `offsets`)."""
+    return np.concatenate([np.asarray(x, np.int64).reshape(-1) for x in rows]) if rows else np.zeros(0, np.int64)
+
+
+def offsets(sizes) -> np.ndarray:
+    """[R+1] int64: round r's rows of a ragged tensor are [o[r], o[r+1])."""
+    return np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+
+
 def ddtree_tensors(dd) -> dict:
     """Per-round DDTree records as ragged tensors with offsets (docs/golden-bundles.md)."""
     R = dd.rounds
-    cat = lambda xs, dt=np.int64: np.concatenate([np.asarray(x, dt).reshape(-1) for x in xs]) if xs else \
-        np.zeros(0, dt)                                                   # noqa: E731
-    off = lambda sizes: np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)  # noqa: E731
     return {
         "ddtree/tokens": np.asarray(dd.tokens, np.int64),
         "ddtree/round_start": np.array([r.start for r in R], np.int64),
         "ddtree/round_bonus": np.array([r.bonus for r in R], np.int64),
         "ddtree/round_accepted_depth": np.array([r.accepted_depth for r in R], np.int64),
-        "ddtree/tree_offsets": off([r.tree_size for r in R]),            # rows of round r: [o[r], o[r+1])
-        "ddtree/tree_tokens": cat([[-1] + list(r.tree_tokens) for r in R]),   # row 0 of a round = root (-1 here)
-        "ddtree/tree_parents": cat([r.parents for r in R]),
-        "ddtree/tree_depths": cat([[0] + list(r.depths) for r in R]),
-        "ddtree/tree_ranks": cat([[0] + list(r.ranks) for r in R]),
-        "ddtree/verify_argmax": cat([r.verify_argmax for r in R]),
-        "ddtree/accepted_offsets": off([len(r.accepted) for r in R]),
-        "ddtree/accepted": cat([r.accepted for r in R]),
+        "ddtree/tree_offsets": offsets([r.tree_size for r in R]),            # rows of round r: [o[r], o[r+1])
+        "ddtree/tree_tokens": ragged([[-1] + list(r.tree_tokens) for r in R]),   # row 0 of a round = root (-1 here)
+        "ddtree/tree_parents": ragged([r.parents for r in R]),
+        "ddtree/tree_depths": ragged([[0] + list(r.depths) for r in R]),
+        "ddtree/tree_ranks": ragged([[0] + list(r.ranks) for r in R]),
+        "ddtree/verify_argmax": ragged([r.verify_argmax for r in R]),
+        "ddtree/accepted_offsets": offsets([len(r.accepted) for r in R]),
+        "ddtree/accepted": ragged([r.accepted for r in R]),
         "ddtree/counters": np.array([dd.counters.target_forwards, dd.counters.drafter_forwards], np.int64),
     }
 

@@ -21,13 +21,13 @@ import time
 
 import numpy as np
 
-from conformance.gen import SCHEMA as GEN_SCHEMA
+from conformance.gen import SCHEMA as GEN_SCHEMA, offsets, ragged
 from conformance.metrics import logits_metrics
 from conformance.report import CheckResult, Divergence, make_verdict
 from conformance.tolerance import DerivedTolerance, Rule, check_tap, resolve_rule
 from kdtr_format import KdtrError, Tensor, open_kdtr, write_kdtr
 from refmodel.config import ModelConfig
-from refmodel.ddtree import Tree, compile_tree, walk
+from refmodel.ddtree import Tree, compile_tree, visibility, walk
 from refmodel.model import tap_names
 
 BUNDLE_SCHEMA = GEN_SCHEMA
@@ -74,16 +74,11 @@ def golden_tree(f, p: str, r: int) -> Tree:
     tokens = np.asarray(f[p + "ddtree/tree_tokens"][lo + 1:hi], np.int64)
     parents = np.asarray(f[p + "ddtree/tree_parents"][lo:hi], np.int64)
     depths = np.asarray(f[p + "ddtree/tree_depths"][lo + 1:hi], np.int64)
-    n = len(tokens)
-    child_maps = [{} for _ in range(n + 1)]
-    vis = np.zeros((n + 1, n + 1), bool)
-    vis[0, 0] = True
-    for i in range(1, n + 1):
+    child_maps = [{} for _ in range(len(tokens) + 1)]
+    for i in range(1, len(tokens) + 1):
         child_maps[parents[i]][int(tokens[i - 1])] = i
-        vis[i, :i] = vis[parents[i], :i]
-        vis[i, i] = True
     ranks = np.asarray(f[p + "ddtree/tree_ranks"][lo + 1:hi], np.int64)
-    return Tree(tokens, depths, parents, child_maps, vis, ranks, np.zeros(n))
+    return Tree(tokens, depths, parents, child_maps, visibility(parents), ranks, np.zeros(len(tokens)))
 
 
 # ---------------------------------------------------------------- driving a live engine
@@ -141,12 +136,11 @@ def replay_ddtree(engine, f, i: int, prompt, n_tokens: int) -> dict:
         accepted.append(acc)
         acc_sizes.append(len(acc))
         bonuses.append(bonus)
-    cat = lambda xs: np.concatenate([np.asarray(x, np.int64) for x in xs]) if xs else np.zeros(0, np.int64)  # noqa
     return {
         f"p{i}/ddtree/tokens": np.asarray(emitted[:n_tokens], np.int64),
-        f"p{i}/ddtree/verify_argmax": cat(argmaxes),
-        f"p{i}/ddtree/accepted": cat(accepted),
-        f"p{i}/ddtree/accepted_offsets": np.concatenate([[0], np.cumsum(acc_sizes)]).astype(np.int64),
+        f"p{i}/ddtree/verify_argmax": ragged(argmaxes),
+        f"p{i}/ddtree/accepted": ragged(accepted),
+        f"p{i}/ddtree/accepted_offsets": offsets(acc_sizes),
         f"p{i}/ddtree/round_bonus": np.asarray(bonuses, np.int64),
         f"p{i}/ddtree/counters": np.array([forwards, len(bonuses)], np.int64),
         f"p{i}/ddtree/path_logits": np.concatenate(path) if path else np.zeros((0, np.asarray(logits).shape[-1])),

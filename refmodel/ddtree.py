@@ -79,15 +79,20 @@ def build_ddtree(draft_logits: np.ndarray, budget: int, topk: int | None = None)
         if d < L:      # first child: the rank-0 token one level deeper
             c = logw + float(lp[d, 0])
             heapq.heappush(heap, (-c, path + (0,), idx, d + 1, 0, c))
-    n = len(tokens)
+    i64 = np.int64
+    return Tree(np.array(tokens, i64), np.array(depths, i64), np.array(parents, i64), child_maps,
+                visibility(parents), np.array(ranks, i64), np.array(scores, np.float64))
+
+
+def visibility(parents) -> np.ndarray:
+    """[n+1, n+1] bool: row i = the ancestors of i (root included) and i itself (spec §2.2)."""
+    n = len(parents) - 1
     vis = np.zeros((n + 1, n + 1), dtype=bool)                          # [n+1, n+1]
     vis[0, 0] = True
     for i in range(1, n + 1):  # parents[i] < i, so the parent's row is final already
         vis[i, :i] = vis[parents[i], :i]
         vis[i, i] = True
-    i64 = np.int64
-    return Tree(np.array(tokens, i64), np.array(depths, i64), np.array(parents, i64), child_maps, vis,
-                np.array(ranks, i64), np.array(scores, np.float64))
+    return vis
 
 
 # ----------------------------------------------------------------------------------------------------
