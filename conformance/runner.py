@@ -539,7 +539,8 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
                                       message=f"{len(problems)} problem(s), first: {problems[0]} (docs/run-dump.md)"))
             return make_verdict(name, bundle, checks)
         if save_dump and dump is None:
-            write_dump(out, save_dump, name, dtype, f.metadata.get("provenance", {}).get("command", ""))
+            info = engine.dump_metadata() if callable(getattr(engine, "dump_metadata", None)) else None
+            write_dump(out, save_dump, name, dtype, f.metadata.get("provenance", {}).get("command", ""), info)
         t1 = time.perf_counter()
         judged, first = judge(f, out, overrides, dtype)
         if first is not None and engine is not None and dump is None:
@@ -587,10 +588,15 @@ def bundle_as_outputs(d) -> dict:
     return out
 
 
-def write_dump(out: dict, path: str, engine_name: str, dtype: str, bundle_command: str = "") -> None:
-    """A run dump (docs/run-dump.md) of a live engine's outputs: what an external engine writes."""
+def write_dump(out: dict, path: str, engine_name: str, dtype: str, bundle_command: str = "",
+               engine_info: dict | None = None) -> None:
+    """A run dump (docs/run-dump.md) of a live engine's outputs: what an external engine writes.
+    engine_info: the engine's own provenance (`dump_metadata()`, e.g. the CUDA engine's device and source
+    hash), stored under metadata "engine_info"."""
 
     meta = {"schema": DUMP_SCHEMA, "engine": engine_name, "dtype": dtype, "bundle_command": bundle_command}
+    if engine_info:
+        meta["engine_info"] = engine_info
     bf16 = lambda v: dtype == "bfloat16" and v.dtype == np.uint16  # noqa: E731 - raw bf16 bit patterns
     write_kdtr(path, ((k, Tensor(np.ascontiguousarray(v), dtype="bfloat16") if bf16(v) else np.ascontiguousarray(v))
                       for k, v in out.items()), meta)
