@@ -118,15 +118,11 @@ moe_combine_kernel(const float* __restrict__ y, const int* __restrict__ slot_ids
                    float* __restrict__ out, int K, int S, int D) {
     __shared__ int order[MOE_MAX_SLOTS];
     const int t = blockIdx.x;
-    if (threadIdx.x == 0) {                                   // routed slots by ascending expert id
-        for (int k = 0; k < K; ++k) {
-            int j = k;
-            while (j > 0 && slot_ids[(size_t)t * S + order[j - 1]] > slot_ids[(size_t)t * S + k]) {
-                order[j] = order[j - 1];
-                --j;
-            }
-            order[j] = k;
-        }
+    const int* ids = slot_ids + (size_t)t * S;
+    for (int k = threadIdx.x; k < K; k += blockDim.x) {       // routed slots by ascending expert id:
+        int rank = 0;                                         // a slot's rank = how many ids sort before it
+        for (int j = 0; j < K; ++j) rank += ids[j] < ids[k] || (ids[j] == ids[k] && j < k);
+        order[rank] = k;
     }
     __syncthreads();
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
