@@ -19,7 +19,7 @@ import numpy as np
 
 from cuda_engine.build import engine_source_hash
 from cuda_engine.device import CudaEngineError, DevBuf, device_info, driver
-from cuda_engine.ops import ATTN_MAX_QK, MOE_MAX_SLOTS, ROUTER_MAX_E, ROUTER_MAX_GROUPS, Ops
+from cuda_engine.ops import ATTN_MAX_C, ATTN_MAX_N, ATTN_MAX_R, MOE_MAX_SLOTS, ROUTER_MAX_E, ROUTER_MAX_GROUPS, Ops
 from cuda_engine.weights import layer_arrays, load_weights
 from refmodel.config import ModelConfig
 from refmodel.model import tap_names, yarn_inv_freq
@@ -30,7 +30,9 @@ T_CAP0, S_CAP0 = 64, 512            # first capacities (tokens per forward, cach
 def check_config(cfg: ModelConfig) -> None:
     """CudaEngineError naming the field and the limit when the kernels cannot run this config."""
     limits = [
-        ("kv_lora_rank + qk_rope_head_dim", cfg.kv_lora_rank + cfg.qk_rope_head_dim, ATTN_MAX_QK),
+        ("kv_lora_rank", cfg.kv_lora_rank, ATTN_MAX_C),
+        ("qk_rope_head_dim", cfg.qk_rope_head_dim, ATTN_MAX_R),
+        ("qk_nope_head_dim", cfg.qk_nope_head_dim, ATTN_MAX_N),
         ("n_routed_experts", cfg.n_routed_experts, ROUTER_MAX_E),
         ("n_group", cfg.n_group, ROUTER_MAX_GROUPS),
         ("num_experts_per_tok + n_shared_experts", cfg.num_experts_per_tok + cfg.n_shared_experts, MOE_MAX_SLOTS),
@@ -81,13 +83,13 @@ class CudaEngine:
         E, S = c.n_routed_experts, c.num_experts_per_tok + c.n_shared_experts
         I = max(c.intermediate_size, c.moe_intermediate_size)
         f, i = np.float32, np.int32
-        per_layer = {"attn_in": D, "q": H * A, "kv": C + R, "kv_latent": C, "attn_out": D, "resid_attn": D,
+        per_layer = {"attn_in": D, "q": H * A, "qkv_a": c.q_lora_rank + C + R, "kv_latent": C, "attn_out": D, "resid_attn": D,
                      "mlp_in": D, "router_scores": E, "slot_w": S, "mlp_out": D, "resid_out": D}
         self.buf = {k: DevBuf((L, T_cap, w), f) for k, w in per_layer.items()}
         self.buf["slot_ids"] = DevBuf((L, T_cap, S), i)
         self.layer_keys = list(per_layer) + ["slot_ids"]             # the [L, T_cap, width] tap buffers
-        for k, shape, dt in (("x0", (T_cap, D), f), ("cq", (T_cap, c.q_lora_rank), f), ("q_lat", (T_cap, H, C), f),
-                             ("o_lat", (T_cap, H, C), f), ("o", (T_cap, H * U), f), ("router_logits", (T_cap, E), f),
+        for k, shape, dt in (("x0", (T_cap, D), f), ("cq", (T_cap, c.q_lora_rank), f),
+                             ("o", (T_cap, H * U), f), ("router_logits", (T_cap, E), f),
                              ("act", (T_cap * S, I), f), ("y_slots", (T_cap * S, D), f), ("final", (T_cap, D), f),
                              ("logits", (T_cap, c.vocab_size), f), ("ids", (T_cap,), i), ("positions", (T_cap,), i),
                              ("argmax", (T_cap,), i), ("keep", (T_cap,), i), ("mask", (T_cap, S_cap), f),
@@ -242,23 +244,19 @@ class CudaEngine:
         c, o, b, w = self.cfg, self.ops, self.buf, self.layers[l]
         D, H, A, N, R, C, Q, U = (c.hidden_size, c.num_attention_heads, c.qk_head_dim, c.qk_nope_head_dim,
                                   c.qk_rope_head_dim, c.kv_lora_rank, c.q_lora_rank, c.v_head_dim)
-        x, q, kv, lat = b["attn_in"].view(l), b["q"].view(l), b["kv"].view(l), b["kv_latent"].view(l)
+        x, q, qkv, lat = b["attn_in"].view(l), b["q"].view(l), b["qkv_a"].view(l), b["kv_latent"].view(l)
+        W_a = Q + C + R                                                               # fused q_a / kv_a width
+        k_pe = qkv.ptr + (Q + C) * 4                                                  # [T, R] inside qkv_a rows
         # attention: queries, latent KV, rope, cache append
-        o.linear(x, w["q_a"], b["cq"], T, D, Q)                                       # [T, D] -> [T, Q]
-        o.rms_norm(b["cq"], Q, w["q_a_ln"], b["cq"], Q, Q, T, c.latent_norm_eps)
+        o.linear(x, w["qkv_a"], qkv, T, D, W_a)                                       # [T, D] -> [T, Q + C + R]
+        o.rms_norm(qkv, W_a, w["q_a_ln"], b["cq"], Q, Q, T, c.latent_norm_eps)         # c_q [T, Q]
+        o.rms_norm(qkv.ptr + Q * 4, W_a, w["kv_a_ln"], lat, C, C, T, c.latent_norm_eps)  # c_kv; k_pe never normed
         o.linear(b["cq"], w["q_b"], q, T, Q, H * A)                                   # [T, Q] -> [T, H, A]
-        o.rope(q, T, H * A, A, N, H, R, b["positions"], self.inv_freq, c.rope_attention_factor)
-        o.linear(x, w["kv_a"], kv, T, D, C + R)                                       # [T, D] -> [T, C + R]
-        o.rms_norm(kv, C + R, w["kv_a_ln"], lat, C, C, T, c.latent_norm_eps)          # c_kv, k_pe never normed
-        o.rope(kv, T, C + R, 0, C, 1, R, b["positions"], self.inv_freq, c.rope_attention_factor)
-        o.kv_append(lat, kv, ckv, kpe, self.meta, T, C, R)
-        # absorbed MLA: q_lat = q_nope W_uk, attention over the latent cache, o = o_lat W_uv^T
-        o.linear(q, w["w_ukT"], b["q_lat"], T, N, C, x_stride=H * A, y_stride=H * C,  # [T, H, N] -> [T, H, C]
-                 B=H, x_bstride=A, w_bstride=C * N, y_bstride=C)
-        o.mla_attention(b["q_lat"], q, ckv, kpe, self.meta, b["mask"] if masked else None, self.S_cap,
-                        b["scores"], self.S_cap, b["o_lat"], T, H, C, R, A, N, c.softmax_scale)
-        o.linear(b["o_lat"], w["w_uv"], b["o"], T, C, U, x_stride=H * C, y_stride=H * U,  # [T, H, C] -> [T, H, U]
-                 B=H, x_bstride=C, w_bstride=U * C, y_bstride=U)
+        o.rope(q, T, H * A, A, N, H, k_pe, W_a, 0, R, b["positions"], self.inv_freq, c.rope_attention_factor)
+        o.kv_append(lat, k_pe, W_a, ckv, kpe, self.meta, T, C, R)
+        # absorbed MLA over the latent cache (W_uk, W_uv applied inside), then o_proj
+        o.mla_attention(q, w["w_uk"], w["w_uv"], ckv, kpe, self.meta, b["mask"] if masked else None, self.S_cap,
+                        b["scores"], self.S_cap, b["o"], T, R, c.softmax_scale)         # [T, H, A] -> [T, H, U]
         o.linear(b["o"], w["o_proj"], b["attn_out"].view(l), T, H * U, D)             # [T, H U] -> [T, D]
         o.add_rms_norm(h_in, b["attn_out"].view(l), b["resid_attn"].view(l), w["post_ln"], b["mlp_in"].view(l),
                        T, c.rms_norm_eps)
@@ -275,11 +273,11 @@ class CudaEngine:
             K, S, slots = 0, 1, b["dense_slots"]
         o.swiglu_gate_up(xm, w["gate_proj"], w["up_proj"], slots, b["act"], T, S)     # [T S, I]
         o.expert_down(b["act"], w["down_proj"], slots, b["y_slots"], T, S)            # [T S, D]
-        o.moe_combine(b["y_slots"], slots, b["slot_w"].view(l), b["mlp_out"].view(l), T, K, S, D)
-        last = l == c.num_hidden_layers - 1
-        o.add_rms_norm(b["resid_attn"].view(l), b["mlp_out"].view(l), b["resid_out"].view(l),
-                       self.norm if last else self.layers[l + 1]["input_ln"],
-                       b["final"] if last else b["attn_in"].view(l + 1), T, c.rms_norm_eps)
+        last = l == c.num_hidden_layers - 1                                           # + residual, next norm:
+        o.moe_combine(b["y_slots"], slots, b["slot_w"].view(l), b["mlp_out"].view(l), T, K, S,
+                      b["resid_attn"].view(l), b["resid_out"].view(l),
+                      self.norm if last else self.layers[l + 1]["input_ln"],
+                      b["final"] if last else b["attn_in"].view(l + 1), c.rms_norm_eps)
 
     # ------------------------------------------------------------ taps back to the host
     def _host(self, key: str, T: int) -> np.ndarray:
@@ -291,8 +289,9 @@ class CudaEngine:
         H, A, C = c.num_attention_heads, c.qk_head_dim, c.kv_lora_rank
         K = c.num_experts_per_tok
         host = host or {k: self._host(k, T) for k in self.layer_keys}
+        QC = c.q_lora_rank + C
         values = {"attn_in": host["attn_in"][l], "q": host["q"][l].reshape(T, H, A),
-                  "kv_latent": host["kv_latent"][l], "k_pe": host["kv"][l][:, C:], "attn_out": host["attn_out"][l],
+                  "kv_latent": host["kv_latent"][l], "k_pe": host["qkv_a"][l][:, QC:], "attn_out": host["attn_out"][l],
                   "resid_attn": host["resid_attn"][l], "mlp_in": host["mlp_in"][l],
                   "router_scores": host["router_scores"][l], "topk_ids": host["slot_ids"][l][:, :K].astype(np.int64),
                   "topk_weights": host["slot_w"][l][:, :K], "mlp_out": host["mlp_out"][l],

@@ -15,7 +15,7 @@ from cuda_engine.device import CudaEngineError, DevBuf, driver
 
 WARPS_PER_BLOCK = 8                 # kernels/common.cuh
 BLOCK = (32 * WARPS_PER_BLOCK, 1, 1)
-ATTN_MAX_QK = 1024                  # kernels/attention.cu
+ATTN_MAX_C, ATTN_MAX_R, ATTN_MAX_N = 512, 128, 256   # kernels/attention.cu
 ROUTER_MAX_E, ROUTER_MAX_GROUPS, MOE_MAX_SLOTS = 1024, 64, 64   # kernels/moe.cu
 
 # kernel name -> argument types (struct codes: P pointer, i int32, q int64, f float32, d float64)
@@ -24,14 +24,14 @@ SIGNATURES = {
     "rms_norm_kernel": "PiPPiif",
     "add_rms_norm_kernel": "PPPPPif",
     "linear_kernel": "PPPiiiiqqq",
-    "rope_kernel": "PiiiiiPPd",
-    "mla_attention_kernel": "PPPPPPiPiPiiiiif",
-    "kv_append_kernel": "PPPPPii",
+    "rope_kernel": "PiiiiPiiiPPd",
+    "mla_attention_kernel": "PPPPPPPiPiPiiiiif",
+    "kv_append_kernel": "PPiPPPii",
     "kv_compact_kernel": "PPPiiiii",
     "router_kernel": "PPPPPiiiiiif",
     "swiglu_gate_up_kernel": "PPPPPiii",
     "expert_down_kernel": "PPPPii",
-    "moe_combine_kernel": "PPPPiii",
+    "moe_combine_kernel": "PPPPiiiPPPPf",
     "argmax_kernel": "PiP",
     "decode_advance_kernel": "PP",
 }
@@ -107,24 +107,32 @@ class Ops:
         self._launch("linear_kernel", grid, _ptr(x), _ptr(W), _ptr(y), I, O, x_stride, y_stride,
                      x_bstride, w_bstride, y_bstride)
 
-    def rope(self, x, T: int, row_stride: int, head_stride: int, offset: int, n_heads: int, R: int,
-             positions: DevBuf, inv_freq: DevBuf, attn_factor: float) -> None:
+    def rope(self, q, T: int, q_row_stride: int, q_head_stride: int, q_offset: int, n_heads: int, k,
+             k_row_stride: int, k_offset: int, R: int, positions: DevBuf, inv_freq: DevBuf, attn_factor: float) -> None:
+        """Rotate n_heads query heads and (k not None) the shared rope key of each token, in place."""
         _need(R % 2 == 0 and inv_freq.shape == (R // 2,), "rope", f"R={R} must be even, inv_freq {inv_freq.shape}")
-        self._launch("rope_kernel", (T,), _ptr(x), row_stride, head_stride, offset, n_heads, R,
-                     positions.ptr, inv_freq.ptr, attn_factor)
+        self._launch("rope_kernel", (T,), _ptr(q), q_row_stride, q_head_stride, q_offset, n_heads,
+                     0 if k is None else _ptr(k), k_row_stride, k_offset, R, positions.ptr, inv_freq.ptr, attn_factor)
 
     # ------------------------------------------------------------ attention and cache
-    def mla_attention(self, q_lat, q, c_kv, k_pe, meta: DevBuf, mask, mask_stride: int, scores: DevBuf,
-                      S_cap: int, o_lat, T: int, H: int, C: int, R: int, A: int, N: int, scale: float) -> None:
-        _need(C + R <= ATTN_MAX_QK, "mla_attention", f"kv_lora_rank + qk_rope_head_dim = {C + R} > {ATTN_MAX_QK}")
+    def mla_attention(self, q, w_uk: DevBuf, w_uv: DevBuf, c_kv, k_pe, meta: DevBuf, mask, mask_stride: int,
+                      scores: DevBuf, S_cap: int, o, T: int, R: int, scale: float) -> None:
+        """o [T, H, U] from q [T, H, N + R] over the cache rows; w_uk [H, N, C], w_uv [H, U, C]."""
+        H, N, C = w_uk.shape
+        U = w_uv.shape[1]
+        _need(w_uv.shape == (H, U, C), "mla_attention", f"w_uv {w_uv.shape} != [H={H}, U, C={C}]")
+        _need(C <= ATTN_MAX_C and R <= ATTN_MAX_R and N <= ATTN_MAX_N, "mla_attention",
+              f"kv_lora_rank={C} (max {ATTN_MAX_C}), qk_rope_head_dim={R} (max {ATTN_MAX_R}), "
+              f"qk_nope_head_dim={N} (max {ATTN_MAX_N})")
         _need(scores.nbytes >= T * H * S_cap * 4, "mla_attention", f"scores scratch {scores.shape} < [{T * H}, {S_cap}]")
-        self._launch("mla_attention_kernel", (T * H,), _ptr(q_lat), _ptr(q), _ptr(c_kv), _ptr(k_pe), meta.ptr,
-                     0 if mask is None else _ptr(mask), mask_stride, scores.ptr, S_cap, _ptr(o_lat),
-                     H, C, R, A, N, scale)
+        self._launch("mla_attention_kernel", (T * H,), _ptr(q), w_uk.ptr, w_uv.ptr, _ptr(c_kv), _ptr(k_pe), meta.ptr,
+                     0 if mask is None else _ptr(mask), mask_stride, scores.ptr, S_cap, _ptr(o), H, C, R, N, U, scale)
 
-    def kv_append(self, c_kv_new, kv, ckv_layer, kpe_layer, meta: DevBuf, T: int, C: int, R: int) -> None:
-        self._launch("kv_append_kernel", (T,), _ptr(c_kv_new), _ptr(kv), _ptr(ckv_layer), _ptr(kpe_layer),
-                     meta.ptr, C, R)
+    def kv_append(self, c_kv_new, k_pe_new, kpe_stride: int, ckv_layer, kpe_layer, meta: DevBuf, T: int, C: int,
+                  R: int) -> None:
+        _need(kpe_stride >= R, "kv_append", f"k_pe row stride {kpe_stride} < R={R}")
+        self._launch("kv_append_kernel", (T,), _ptr(c_kv_new), _ptr(k_pe_new), kpe_stride, _ptr(ckv_layer),
+                     _ptr(kpe_layer), meta.ptr, C, R)
 
     def kv_compact(self, cache_ckv: DevBuf, cache_kpe: DevBuf, keep: DevBuf, n: int, start: int) -> None:
         L, S_cap, C = cache_ckv.shape
@@ -152,9 +160,13 @@ class Ops:
         self._launch("expert_down_kernel", (-(-D // WARPS_PER_BLOCK), T * S), _ptr(act), Wd.ptr, _ptr(slot_ids),
                      _ptr(y), I, D)
 
-    def moe_combine(self, y, slot_ids, slot_w, out, T: int, K: int, S: int, D: int) -> None:
+    def moe_combine(self, y, slot_ids, slot_w, out, T: int, K: int, S: int, h, h_out, w_norm: DevBuf, y_norm,
+                    eps: float) -> None:
+        """out = weighted sum of the slots; then h_out = h + out and y_norm = rms_norm(h_out, w_norm)."""
+        D = w_norm.shape[0]
         _need(0 <= K <= S <= MOE_MAX_SLOTS, "moe_combine", f"K={K}, S={S} (max {MOE_MAX_SLOTS})")
-        self._launch("moe_combine_kernel", (T,), _ptr(y), _ptr(slot_ids), _ptr(slot_w), _ptr(out), K, S, D)
+        self._launch("moe_combine_kernel", (T,), _ptr(y), _ptr(slot_ids), _ptr(slot_w), _ptr(out), K, S, D,
+                     _ptr(h), _ptr(h_out), w_norm.ptr, _ptr(y_norm), eps)
 
     # ------------------------------------------------------------ sampling
     def argmax(self, logits, V: int, out, T: int) -> None:

@@ -39,12 +39,12 @@ def layer_arrays(cfg: ModelConfig, W: dict, l: int) -> dict:
     w_kvb = W[p + "self_attn.kv_b_proj.weight"].reshape(H, N + U, C)     # [H(N+U), C] -> [H, N+U, C]
     out = {
         "input_ln": W[p + "input_layernorm.weight"],
-        "q_a": W[p + "self_attn.q_a_proj.weight"],
+        # q_a and kv_a read the same input: one GEMV for both, [Q + C + R, D]
+        "qkv_a": np.concatenate([W[p + "self_attn.q_a_proj.weight"], W[p + "self_attn.kv_a_proj_with_mqa.weight"]]),
         "q_a_ln": W[p + "self_attn.q_a_layernorm.weight"],
         "q_b": W[p + "self_attn.q_b_proj.weight"],
-        "kv_a": W[p + "self_attn.kv_a_proj_with_mqa.weight"],
         "kv_a_ln": W[p + "self_attn.kv_a_layernorm.weight"],
-        "w_ukT": np.transpose(w_kvb[:, :N], (0, 2, 1)),                  # [H, N, C] -> [H, C, N]
+        "w_uk": w_kvb[:, :N],                                            # [H, N, C]
         "w_uv": w_kvb[:, N:],                                            # [H, U, C]
         "o_proj": W[p + "self_attn.o_proj.weight"],
         "post_ln": W[p + "post_attention_layernorm.weight"],

@@ -98,43 +98,52 @@ def test_linear_batched_heads(ops, T, B, I, O):
     ("k26", 1, [2**17, 2**17 + 1, 262143]),        # past 2^17: float32 angles would be off by ~1e-2 rad
 ])
 def test_rope(ops, cfg_name, heads, positions):
+    """Query heads (rope part at offset 5, after q_nope) and the shared key (offset 3 of a wider row) at once."""
     cfg = PRESETS[cfg_name]
     R, T = cfg.qk_rope_head_dim, len(positions)
     rng = np.random.default_rng(heads)
-    x = rand(rng, T, heads, R + 5)                               # rope part at offset 5 (as q_pe after q_nope)
-    buf = dev(x)
+    q, k = rand(rng, T, heads, R + 5), rand(rng, T, R + 7)
+    qd, kd = dev(q), dev(k)
     pos = np.asarray(positions, np.int64)
-    run(ops, ops.rope, buf, T, heads * (R + 5), R + 5, 5, heads, R, dev(pos, np.int32), dev(yarn_inv_freq(cfg)),
-        cfg.rope_attention_factor)
-    got = buf.get()
-    np.testing.assert_array_equal(got[..., :5], x[..., :5])
+    run(ops, ops.rope, qd, T, heads * (R + 5), R + 5, 5, heads, kd, R + 7, 3, R, dev(pos, np.int32),
+        dev(yarn_inv_freq(cfg)), cfg.rope_attention_factor)
+    gq, gk = qd.get(), kd.get()
+    np.testing.assert_array_equal(gq[..., :5], q[..., :5])
+    np.testing.assert_array_equal(gk[:, :3], k[:, :3])
+    np.testing.assert_array_equal(gk[:, 3 + R:], k[:, 3 + R:])
     cos, sin = rope_cos_sin(cfg, pos)
     c32, s32 = rope_cos_sin(cfg, pos, np.float32)
-    check(f"rope {cfg_name} heads={heads} pos={positions}", got[..., 5:],
-          apply_rope(x[..., 5:].astype(np.float64), cos, sin), apply_rope(x[..., 5:], c32, s32))
+    case = f"rope {cfg_name} heads={heads} pos={positions}"
+    check(case + " q", gq[..., 5:], apply_rope(q[..., 5:].astype(np.float64), cos, sin), apply_rope(q[..., 5:], c32, s32))
+    check(case + " k", gk[:, 3:3 + R], apply_rope(k[:, 3:3 + R].astype(np.float64), cos, sin),
+          apply_rope(k[:, 3:3 + R], c32, s32))
 
 
 # ---------------------------------------------------------------- attention
 
-def attention_oracle(q_lat, q_pe, ckv, kpe, mask, scale):
-    """Absorbed MLA core as refmodel.mla writes it: [T, H, C] -> o_lat [T, H, C]."""
-    scores = np.einsum("thc,sc->hts", q_lat, ckv) + np.einsum("thr,sr->hts", q_pe, kpe)
+def attention_oracle(q, w_uk, w_uv, ckv, kpe, mask, scale, N):
+    """Absorbed MLA as refmodel.mla writes it: q [T, H, N + R] -> o [T, H, U]."""
+    q_lat = np.einsum("thn,hnc->thc", q[..., :N], w_uk)
+    scores = np.einsum("thc,sc->hts", q_lat, ckv) + np.einsum("thr,sr->hts", q[..., N:], kpe)
     probs = softmax(scores * scale + mask)
-    return np.einsum("hts,sc->thc", probs, ckv)
+    o_lat = np.einsum("hts,sc->thc", probs, ckv)
+    return np.einsum("thc,huc->thu", o_lat, w_uv)
 
 
-@pytest.mark.parametrize("T,H,C,R,S0,tree", [
-    (1, 1, 1, 2, 0, False), (3, 5, 17, 6, 11, False), (7, 2, 33, 4, 0, True), (5, 3, 64, 16, 9, True),
-    (1, 64, 512, 64, 300, False),                                 # K2.6 decode
-    (4, 64, 512, 64, 257, True),                                  # K2.6 tree verify
+@pytest.mark.parametrize("T,H,C,R,N,U,S0,tree", [
+    (1, 1, 1, 2, 1, 1, 0, False), (3, 5, 17, 6, 3, 7, 11, False), (7, 2, 33, 4, 9, 5, 0, True),
+    (5, 3, 64, 16, 32, 32, 9, True),                              # the golden model's shapes
+    (2, 2, 64, 16, 32, 32, 255, False),                           # 257 rows: score passes of 32 rows + 1
+    (1, 64, 512, 64, 128, 128, 300, False),                       # K2.6 decode
+    (4, 64, 512, 64, 128, 128, 257, True),                        # K2.6 tree verify
 ])
-def test_mla_attention(ops, T, H, C, R, S0, tree):
+def test_mla_attention(ops, T, H, C, R, N, U, S0, tree):
     rng = np.random.default_rng(T * H + C)
-    S, N = S0 + T, 3
-    A = N + R
-    q_lat, q = rand(rng, T, H, C, scale=0.3), rand(rng, T, H, A)
+    S = S0 + T
+    q = rand(rng, T, H, N + R)
+    w_uk, w_uv = rand(rng, H, N, C, scale=0.3 * N ** -0.5), rand(rng, H, U, C, scale=C ** -0.5)
     ckv, kpe = rand(rng, S, C), rand(rng, S, R)
-    scale = float(A ** -0.5)
+    scale = float((N + R) ** -0.5)
     if tree:                                                      # random ancestor-like visibility, diagonal on
         vis = rng.random((T, T)) < 0.5
         vis |= np.eye(T, dtype=bool)
@@ -145,13 +154,13 @@ def test_mla_attention(ops, T, H, C, R, S0, tree):
     ckv_d, kpe_d = dev(np.pad(ckv, ((0, 3), (0, 0)))), dev(np.pad(kpe, ((0, 3), (0, 0))))
     mask_d = dev(np.pad(mask, ((0, 0), (0, 3)), constant_values=-np.inf).astype(np.float32)) if tree else None
     scores = dev(np.zeros((T * H, S_cap), np.float32))
-    o_lat = dev(np.zeros((T, H, C), np.float32))
-    run(ops, ops.mla_attention, dev(q_lat), dev(q), ckv_d, kpe_d, dev(np.array([S0, 0, 0, 0], np.int32)), mask_d,
-        S_cap, scores, S_cap, o_lat, T, H, C, R, A, N, scale)
+    o = dev(np.zeros((T, H, U), np.float32))
+    run(ops, ops.mla_attention, dev(q), dev(w_uk), dev(w_uv), ckv_d, kpe_d, dev(np.array([S0, 0, 0, 0], np.int32)),
+        mask_d, S_cap, scores, S_cap, o, T, R, scale)
     f64 = lambda a: a.astype(np.float64)  # noqa: E731
-    oracle = attention_oracle(f64(q_lat), f64(q[..., N:]), f64(ckv), f64(kpe), mask, scale)
-    base = attention_oracle(q_lat, q[..., N:], ckv, kpe, mask.astype(np.float32), np.float32(scale))
-    check(f"mla_attention T={T} H={H} C={C} R={R} S0={S0} tree={tree}", o_lat.get(), oracle, base)
+    oracle = attention_oracle(f64(q), f64(w_uk), f64(w_uv), f64(ckv), f64(kpe), mask, scale, N)
+    base = attention_oracle(q, w_uk, w_uv, ckv, kpe, mask.astype(np.float32), np.float32(scale), N)
+    check(f"mla_attention T={T} H={H} C={C} R={R} N={N} U={U} S0={S0} tree={tree}", o.get(), oracle, base)
 
 
 # ---------------------------------------------------------------- KV cache
@@ -164,11 +173,11 @@ def test_kv_append_and_compact(ops, L, S_cap, C, R, start, keep):
     ckv, kpe = rand(rng, L, S_cap, C), rand(rng, L, S_cap, R)
     ckv_d, kpe_d = dev(ckv), dev(kpe)
     T = 3                                                         # append T rows to layer 1 % L at row `start`
-    new, kv = rand(rng, T, C), rand(rng, T, C + R)
+    new, kv = rand(rng, T, C), rand(rng, T, C + R + 2)            # k_pe: columns C..C+R of wider rows
     l = 1 % L
-    run(ops, ops.kv_append, dev(new), dev(kv), ckv_d.view(l), kpe_d.view(l), dev(np.array([start, 0, 0, 0], np.int32)),
-        T, C, R)
-    ckv[l, start:start + T], kpe[l, start:start + T] = new, kv[:, C:]
+    run(ops, ops.kv_append, dev(new), dev(kv).ptr + C * 4, C + R + 2, ckv_d.view(l), kpe_d.view(l),
+        dev(np.array([start, 0, 0, 0], np.int32)), T, C, R)
+    ckv[l, start:start + T], kpe[l, start:start + T] = new, kv[:, C:C + R]
     np.testing.assert_array_equal(ckv_d.get(), ckv)
     np.testing.assert_array_equal(kpe_d.get(), kpe)
     keep = np.asarray(keep)
@@ -240,14 +249,19 @@ def test_experts(ops, E, I, D, K, T):
     S = K + 1 if K else 1
     ids = np.stack([np.concatenate([rng.permutation(E - 1)[:K], [E - 1]]) if K else [0] for _ in range(T)]).astype(np.int32)
     w = np.concatenate([rng.random((T, K)).astype(np.float32), np.ones((T, S - K), np.float32)], axis=1)
+    h, w_norm = rand(rng, T, D), rand(rng, D) + 1                  # the residual and the next norm (fused)
     ids_d, w_d = dev(ids), dev(w)
-    act, y, out = (dev(np.zeros(s, np.float32)) for s in ((T * S, I), (T * S, D), (T, D)))
+    act, y, out, h_out, y_norm = (dev(np.zeros(s, np.float32)) for s in ((T * S, I), (T * S, D), (T, D), (T, D), (T, D)))
     run(ops, ops.swiglu_gate_up, dev(x), dev(Wg), dev(Wu), ids_d, act, T, S)
     run(ops, ops.expert_down, act, dev(Wd), ids_d, y, T, S)
-    run(ops, ops.moe_combine, y, ids_d, w_d, out, T, K, S, D)
+    run(ops, ops.moe_combine, y, ids_d, w_d, out, T, K, S, dev(h), h_out, dev(w_norm), y_norm, 1e-5)
     f64 = lambda a: a.astype(np.float64)  # noqa: E731
-    check(f"experts E={E} I={I} D={D} K={K} T={T}", out.get(),
-          moe_oracle(f64(x), f64(Wg), f64(Wu), f64(Wd), ids, f64(w), K), moe_oracle(x, Wg, Wu, Wd, ids, w, K))
+    case = f"experts E={E} I={I} D={D} K={K} T={T}"
+    got = out.get()
+    check(case, got, moe_oracle(f64(x), f64(Wg), f64(Wu), f64(Wd), ids, f64(w), K), moe_oracle(x, Wg, Wu, Wd, ids, w, K))
+    np.testing.assert_array_equal(h_out.get(), h + got, err_msg=case + " residual")
+    check(case + " next norm", y_norm.get(), rms_norm(f64(h + got), f64(w_norm), 1e-5),
+          rms_norm(h + got, w_norm, np.float32(1e-5)))
 
 
 # ---------------------------------------------------------------- sampling

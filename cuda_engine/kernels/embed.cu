@@ -4,7 +4,7 @@
 // ids live on the device so a captured decode graph can be replayed with a new token.
 #include "common.cuh"
 
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS)
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
 embedding_kernel(const int* __restrict__ ids, const float* __restrict__ table, float* __restrict__ out, int D) {
     const int t = blockIdx.x;
     const float* row = table + (size_t)ids[t] * D;

@@ -16,6 +16,8 @@
 //   expert_down_kernel:    y[t, k] = Wd[e] act[t, k]  [T * S, D]. Launch grid (ceil(D / WARPS_PER_BLOCK), T * S).
 //   moe_combine_kernel:    out[t] = sum over routed slots in ascending expert id of w * y, then + the
 //                          unweighted slots (shared expert) in slot order: the oracle's summation order.
+//                          Fused with the block's end (one launch fewer per layer): h_out = h + out and
+//                          y_norm = rms_norm(h_out, w_norm) (the next layer's input norm or the final norm).
 //                          Launch grid (T), block BLOCK_THREADS.
 // Limits: E <= ROUTER_MAX_E, n_group <= ROUTER_MAX_GROUPS, S <= MOE_MAX_SLOTS (shared-memory arrays).
 #include "common.cuh"
@@ -24,7 +26,7 @@
 #define ROUTER_MAX_GROUPS 64
 #define MOE_MAX_SLOTS 64
 
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS)
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
 router_kernel(const float* __restrict__ logits, const float* __restrict__ bias, float* __restrict__ scores,
               int* __restrict__ slot_ids, float* __restrict__ slot_w, int E, int K, int S, int n_group,
               int topk_group, int norm_topk_prob, float routed_scaling_factor) {
@@ -79,7 +81,7 @@ router_kernel(const float* __restrict__ logits, const float* __restrict__ bias, 
     for (int k = K; k < S; ++k) { slot_ids[(size_t)t * S + k] = E + (k - K); slot_w[(size_t)t * S + k] = 1.0f; }
 }
 
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS)
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
 swiglu_gate_up_kernel(const float* __restrict__ x, const float* __restrict__ Wg, const float* __restrict__ Wu,
                       const int* __restrict__ slot_ids, float* __restrict__ act, int D, int I, int S) {
     const int lane = threadIdx.x % WARP_SIZE;
@@ -97,7 +99,7 @@ swiglu_gate_up_kernel(const float* __restrict__ x, const float* __restrict__ Wg,
     if (lane == 0) act[(size_t)ts * I + i] = silu(ag) * au;
 }
 
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS)
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
 expert_down_kernel(const float* __restrict__ act, const float* __restrict__ Wd, const int* __restrict__ slot_ids,
                    float* __restrict__ y, int I, int D) {
     const int lane = threadIdx.x % WARP_SIZE;
@@ -113,10 +115,12 @@ expert_down_kernel(const float* __restrict__ act, const float* __restrict__ Wd, 
     if (lane == 0) y[(size_t)ts * D + d] = acc;
 }
 
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS)
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
 moe_combine_kernel(const float* __restrict__ y, const int* __restrict__ slot_ids, const float* __restrict__ slot_w,
-                   float* __restrict__ out, int K, int S, int D) {
+                   float* __restrict__ out, int K, int S, int D, const float* __restrict__ h,
+                   float* __restrict__ h_out, const float* __restrict__ w_norm, float* __restrict__ y_norm, float eps) {
     __shared__ int order[MOE_MAX_SLOTS];
+    __shared__ float buf[BLOCK_THREADS];
     const int t = blockIdx.x;
     const int* ids = slot_ids + (size_t)t * S;
     for (int k = threadIdx.x; k < K; k += blockDim.x) {       // routed slots by ascending expert id:
@@ -125,6 +129,8 @@ moe_combine_kernel(const float* __restrict__ y, const int* __restrict__ slot_ids
         order[rank] = k;
     }
     __syncthreads();
+    const size_t row = (size_t)t * D;
+    float ss = 0.0f;
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
         float acc = 0.0f;
         for (int j = 0; j < K; ++j) {
@@ -132,6 +138,11 @@ moe_combine_kernel(const float* __restrict__ y, const int* __restrict__ slot_ids
             acc = __fadd_rn(acc, __fmul_rn(slot_w[(size_t)t * S + k], y[((size_t)t * S + k) * D + d]));
         }
         for (int k = K; k < S; ++k) acc = __fadd_rn(acc, y[((size_t)t * S + k) * D + d]);
-        out[(size_t)t * D + d] = acc;
+        out[row + d] = acc;
+        const float v = h[row + d] + acc;                     // the residual add and the next RMSNorm,
+        h_out[row + d] = v;                                   // as add_rms_norm_kernel (norm.cu)
+        ss += v * v;
     }
+    const float inv = 1.0f / sqrtf(block_sum(ss, buf) / (float)D + eps);
+    for (int d = threadIdx.x; d < D; d += blockDim.x) y_norm[row + d] = w_norm[d] * (h_out[row + d] * inv);
 }
