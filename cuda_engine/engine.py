@@ -231,8 +231,7 @@ class CudaEngine:
     def _launch_forward(self, T: int, masked: bool, argmax_out) -> None:
         c, o, b = self.cfg, self.ops, self.buf
         D, L = c.hidden_size, c.num_hidden_layers
-        o.embedding(b["ids"], self.embed, b["x0"], T)
-        o.rms_norm(b["x0"], D, self.layers[0]["input_ln"], b["attn_in"].view(0), D, D, T, c.rms_norm_eps)
+        o.embedding(b["ids"], self.embed, b["x0"], T, self.layers[0]["input_ln"], b["attn_in"].view(0), c.rms_norm_eps)
         for l in range(L):
             h_in = b["x0"] if l == 0 else b["resid_out"].view(l - 1)
             self._layer(l, T, h_in, self.cache["ckv"].view(l), self.cache["kpe"].view(l), masked)
@@ -245,18 +244,15 @@ class CudaEngine:
         D, H, A, N, R, C, Q, U = (c.hidden_size, c.num_attention_heads, c.qk_head_dim, c.qk_nope_head_dim,
                                   c.qk_rope_head_dim, c.kv_lora_rank, c.q_lora_rank, c.v_head_dim)
         x, q, qkv, lat = b["attn_in"].view(l), b["q"].view(l), b["qkv_a"].view(l), b["kv_latent"].view(l)
-        W_a = Q + C + R                                                               # fused q_a / kv_a width
-        k_pe = qkv.ptr + (Q + C) * 4                                                  # [T, R] inside qkv_a rows
-        # attention: queries, latent KV, rope, cache append
-        o.linear(x, w["qkv_a"], qkv, T, D, W_a)                                       # [T, D] -> [T, Q + C + R]
-        o.rms_norm(qkv, W_a, w["q_a_ln"], b["cq"], Q, Q, T, c.latent_norm_eps)         # c_q [T, Q]
-        o.rms_norm(qkv.ptr + Q * 4, W_a, w["kv_a_ln"], lat, C, C, T, c.latent_norm_eps)  # c_kv; k_pe never normed
+        # attention: the fused q_a/kv_a GEMV, both latent norms + k rope + cache append, queries
+        o.linear(x, w["qkv_a"], qkv, T, D, Q + C + R)                                 # [T, D] -> [T, Q + C + R]
+        o.mla_latent(qkv, T, Q, C, R, w["q_a_ln"], w["kv_a_ln"], c.latent_norm_eps, b["cq"], lat, ckv, kpe,
+                     self.meta, b["positions"], self.inv_freq, c.rope_attention_factor)
         o.linear(b["cq"], w["q_b"], q, T, Q, H * A)                                   # [T, Q] -> [T, H, A]
-        o.rope(q, T, H * A, A, N, H, k_pe, W_a, 0, R, b["positions"], self.inv_freq, c.rope_attention_factor)
-        o.kv_append(lat, k_pe, W_a, ckv, kpe, self.meta, T, C, R)
-        # absorbed MLA over the latent cache (W_uk, W_uv applied inside), then o_proj
-        o.mla_attention(q, w["w_uk"], w["w_uv"], ckv, kpe, self.meta, b["mask"] if masked else None, self.S_cap,
-                        b["scores"], self.S_cap, b["o"], T, R, c.softmax_scale)         # [T, H, A] -> [T, H, U]
+        # absorbed MLA over the latent cache (q rope, W_uk and W_uv inside), then o_proj
+        o.mla_attention(q, b["positions"], self.inv_freq, c.rope_attention_factor, w["w_uk"], w["w_uv"], ckv, kpe,
+                        self.meta, b["mask"] if masked else None, self.S_cap, b["scores"], self.S_cap, b["o"], T, R,
+                        c.softmax_scale)                                              # [T, H, A] -> [T, H, U]
         o.linear(b["o"], w["o_proj"], b["attn_out"].view(l), T, H * U, D)             # [T, H U] -> [T, D]
         o.add_rms_norm(h_in, b["attn_out"].view(l), b["resid_attn"].view(l), w["post_ln"], b["mlp_in"].view(l),
                        T, c.rms_norm_eps)

@@ -20,13 +20,12 @@ ROUTER_MAX_E, ROUTER_MAX_GROUPS, MOE_MAX_SLOTS = 1024, 64, 64   # kernels/moe.cu
 
 # kernel name -> argument types (struct codes: P pointer, i int32, q int64, f float32, d float64)
 SIGNATURES = {
-    "embedding_kernel": "PPPi",
+    "embedding_kernel": "PPPiPPf",
     "rms_norm_kernel": "PiPPiif",
     "add_rms_norm_kernel": "PPPPPif",
     "linear_kernel": "PPPiiiiqqq",
-    "rope_kernel": "PiiiiPiiiPPd",
-    "mla_attention_kernel": "PPPPPPPiPiPiiiiif",
-    "kv_append_kernel": "PPiPPPii",
+    "mla_latent_kernel": "PiiiPPfPPPPPPPd",
+    "mla_attention_kernel": "PPPdPPPPPPiPiPiiiiif",
     "kv_compact_kernel": "PPPiiiii",
     "router_kernel": "PPPPPiiiiiif",
     "swiglu_gate_up_kernel": "PPPPPiii",
@@ -81,10 +80,12 @@ class Ops:
                 raise CudaEngineError(f"{name} failed (grid {grid}): {e}") from None
 
     # ------------------------------------------------------------ elementwise, norms, GEMV
-    def embedding(self, ids: DevBuf, table: DevBuf, out, T: int) -> None:
+    def embedding(self, ids: DevBuf, table: DevBuf, out, T: int, w_norm: DevBuf, y, eps: float) -> None:
+        """out = table[ids]; y = rms_norm(out, w_norm) (the first layer's input norm)."""
         V, D = table.shape
-        _need(T <= ids.shape[0], "embedding", f"T={T} > ids capacity {ids.shape[0]}")
-        self._launch("embedding_kernel", (T,), ids.ptr, table.ptr, _ptr(out), D)
+        _need(T <= ids.shape[0] and w_norm.shape == (D,), "embedding",
+              f"T={T} > ids capacity {ids.shape[0]} or norm weight {w_norm.shape} != ({D},)")
+        self._launch("embedding_kernel", (T,), ids.ptr, table.ptr, _ptr(out), D, w_norm.ptr, _ptr(y), eps)
 
     def rms_norm(self, x, x_stride: int, w: DevBuf, y, y_stride: int, n: int, T: int, eps: float) -> None:
         _need(w.shape == (n,), "rms_norm", f"weight shape {w.shape} != ({n},)")
@@ -107,32 +108,31 @@ class Ops:
         self._launch("linear_kernel", grid, _ptr(x), _ptr(W), _ptr(y), I, O, x_stride, y_stride,
                      x_bstride, w_bstride, y_bstride)
 
-    def rope(self, q, T: int, q_row_stride: int, q_head_stride: int, q_offset: int, n_heads: int, k,
-             k_row_stride: int, k_offset: int, R: int, positions: DevBuf, inv_freq: DevBuf, attn_factor: float) -> None:
-        """Rotate n_heads query heads and (k not None) the shared rope key of each token, in place."""
-        _need(R % 2 == 0 and inv_freq.shape == (R // 2,), "rope", f"R={R} must be even, inv_freq {inv_freq.shape}")
-        self._launch("rope_kernel", (T,), _ptr(q), q_row_stride, q_head_stride, q_offset, n_heads,
-                     0 if k is None else _ptr(k), k_row_stride, k_offset, R, positions.ptr, inv_freq.ptr, attn_factor)
-
     # ------------------------------------------------------------ attention and cache
-    def mla_attention(self, q, w_uk: DevBuf, w_uv: DevBuf, c_kv, k_pe, meta: DevBuf, mask, mask_stride: int,
-                      scores: DevBuf, S_cap: int, o, T: int, R: int, scale: float) -> None:
-        """o [T, H, U] from q [T, H, N + R] over the cache rows; w_uk [H, N, C], w_uv [H, U, C]."""
+    def mla_latent(self, qkv, T: int, Q: int, C: int, R: int, w_q: DevBuf, w_kv: DevBuf, eps: float, cq, lat,
+                   ckv_layer, kpe_layer, meta: DevBuf, positions: DevBuf, inv_freq: DevBuf, attn_factor: float) -> None:
+        """qkv [T, Q + C + R] -> c_q [T, Q], c_kv [T, C] (+ cache), k_pe roped in place (+ cache)."""
+        _need(w_q.shape == (Q,) and w_kv.shape == (C,), "mla_latent", f"norm weights {w_q.shape}, {w_kv.shape} "
+              f"!= ({Q},), ({C},)")
+        _need(R % 2 == 0 and inv_freq.shape == (R // 2,), "mla_latent", f"R={R} must be even, inv_freq {inv_freq.shape}")
+        self._launch("mla_latent_kernel", (T,), _ptr(qkv), Q, C, R, w_q.ptr, w_kv.ptr, eps, _ptr(cq), _ptr(lat),
+                     _ptr(ckv_layer), _ptr(kpe_layer), meta.ptr, positions.ptr, inv_freq.ptr, attn_factor)
+
+    def mla_attention(self, q, positions: DevBuf, inv_freq: DevBuf, attn_factor: float, w_uk: DevBuf, w_uv: DevBuf,
+                      c_kv, k_pe, meta: DevBuf, mask, mask_stride: int, scores: DevBuf, S_cap: int, o, T: int,
+                      R: int, scale: float) -> None:
+        """o [T, H, U] from q [T, H, N + R] (q_pe roped in place) over the cache rows; w_uk [H, N, C], w_uv [H, U, C]."""
         H, N, C = w_uk.shape
         U = w_uv.shape[1]
         _need(w_uv.shape == (H, U, C), "mla_attention", f"w_uv {w_uv.shape} != [H={H}, U, C={C}]")
         _need(C <= ATTN_MAX_C and R <= ATTN_MAX_R and N <= ATTN_MAX_N, "mla_attention",
               f"kv_lora_rank={C} (max {ATTN_MAX_C}), qk_rope_head_dim={R} (max {ATTN_MAX_R}), "
               f"qk_nope_head_dim={N} (max {ATTN_MAX_N})")
+        _need(inv_freq.shape == (R // 2,), "mla_attention", f"inv_freq {inv_freq.shape} != ({R // 2},)")
         _need(scores.nbytes >= T * H * S_cap * 4, "mla_attention", f"scores scratch {scores.shape} < [{T * H}, {S_cap}]")
-        self._launch("mla_attention_kernel", (T * H,), _ptr(q), w_uk.ptr, w_uv.ptr, _ptr(c_kv), _ptr(k_pe), meta.ptr,
-                     0 if mask is None else _ptr(mask), mask_stride, scores.ptr, S_cap, _ptr(o), H, C, R, N, U, scale)
-
-    def kv_append(self, c_kv_new, k_pe_new, kpe_stride: int, ckv_layer, kpe_layer, meta: DevBuf, T: int, C: int,
-                  R: int) -> None:
-        _need(kpe_stride >= R, "kv_append", f"k_pe row stride {kpe_stride} < R={R}")
-        self._launch("kv_append_kernel", (T,), _ptr(c_kv_new), _ptr(k_pe_new), kpe_stride, _ptr(ckv_layer),
-                     _ptr(kpe_layer), meta.ptr, C, R)
+        self._launch("mla_attention_kernel", (T * H,), _ptr(q), positions.ptr, inv_freq.ptr, attn_factor, w_uk.ptr,
+                     w_uv.ptr, _ptr(c_kv), _ptr(k_pe), meta.ptr, 0 if mask is None else _ptr(mask), mask_stride,
+                     scores.ptr, S_cap, _ptr(o), H, C, R, N, U, scale)
 
     def kv_compact(self, cache_ckv: DevBuf, cache_kpe: DevBuf, keep: DevBuf, n: int, start: int) -> None:
         L, S_cap, C = cache_ckv.shape

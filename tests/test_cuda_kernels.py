@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from refmodel.config import PRESETS
-from refmodel.model import apply_rope, rms_norm, route, rope_cos_sin, sigmoid, silu, softmax, yarn_inv_freq
+from refmodel.model import apply_rope, rms_norm, route, rope_cos_sin, silu, softmax, yarn_inv_freq
 from cuda_oracle import check, gpu_ops, rand
 
 pytestmark = pytest.mark.cuda
@@ -34,12 +34,14 @@ def run(ops, fn, *args, **kw):
 # ---------------------------------------------------------------- embedding, norms, linear
 
 @pytest.mark.parametrize("V,D,T", [(1, 1, 1), (37, 193, 5), (2048, 7168, 3)])   # last: K2.6 hidden
-def test_embedding_exact(ops, V, D, T):
+def test_embedding_exact_then_norm(ops, V, D, T):
     rng = np.random.default_rng(V)
-    table, ids = rand(rng, V, D), rng.integers(0, V, T).astype(np.int32)
-    out = dev(np.zeros((T, D), np.float32))
-    run(ops, ops.embedding, dev(ids), dev(table), out, T)
+    table, ids, w = rand(rng, V, D), rng.integers(0, V, T).astype(np.int32), rand(rng, D) + 1
+    out, y = dev(np.zeros((T, D), np.float32)), dev(np.zeros((T, D), np.float32))
+    run(ops, ops.embedding, dev(ids), dev(table), out, T, dev(w), y, 1e-5)
     np.testing.assert_array_equal(out.get(), table[ids])
+    check(f"embedding norm V={V} D={D}", y.get(), rms_norm(table[ids].astype(np.float64), w.astype(np.float64), 1e-5),
+          rms_norm(table[ids], w, np.float32(1e-5)))
 
 
 # n: 1, primes, block size 256 +- 1, K2.6 hidden / q_lora / kv_lora
@@ -91,32 +93,37 @@ def test_linear_batched_heads(ops, T, B, I, O):
           np.einsum("tbi,boi->tbo", x[..., :I], W))
 
 
-# ---------------------------------------------------------------- rope
+# ---------------------------------------------------------------- latents: norms, k rope, cache append
 
-@pytest.mark.parametrize("cfg_name,heads,positions", [
-    ("tiny", 1, [0]), ("tiny", 3, [1, 2, 7]), ("k26", 64, [5, 4096]),
-    ("k26", 1, [2**17, 2**17 + 1, 262143]),        # past 2^17: float32 angles would be off by ~1e-2 rad
+@pytest.mark.parametrize("cfg_name,positions,S0", [
+    ("tiny", [0], 0), ("tiny", [1, 2, 7], 5), ("k26", [5, 4096], 300),
+    ("k26", [2**17, 2**17 + 1, 262143], 2),        # past 2^17: float32 angles would be off by ~1e-2 rad
 ])
-def test_rope(ops, cfg_name, heads, positions):
-    """Query heads (rope part at offset 5, after q_nope) and the shared key (offset 3 of a wider row) at once."""
+def test_mla_latent(ops, cfg_name, positions, S0):
     cfg = PRESETS[cfg_name]
-    R, T = cfg.qk_rope_head_dim, len(positions)
-    rng = np.random.default_rng(heads)
-    q, k = rand(rng, T, heads, R + 5), rand(rng, T, R + 7)
-    qd, kd = dev(q), dev(k)
+    Q, C, R, T = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim, len(positions)
+    rng = np.random.default_rng(T + C)
+    qkv, w_q, w_kv = rand(rng, T, Q + C + R), rand(rng, Q) + 1, rand(rng, C) + 1
+    S_cap = S0 + T + 2
+    ckv, kpe = rand(rng, S_cap, C), rand(rng, S_cap, R)
+    qkv_d, cq, lat, ckv_d, kpe_d = dev(qkv), dev(np.zeros((T, Q), np.float32)), dev(np.zeros((T, C), np.float32)), \
+        dev(ckv), dev(kpe)
     pos = np.asarray(positions, np.int64)
-    run(ops, ops.rope, qd, T, heads * (R + 5), R + 5, 5, heads, kd, R + 7, 3, R, dev(pos, np.int32),
-        dev(yarn_inv_freq(cfg)), cfg.rope_attention_factor)
-    gq, gk = qd.get(), kd.get()
-    np.testing.assert_array_equal(gq[..., :5], q[..., :5])
-    np.testing.assert_array_equal(gk[:, :3], k[:, :3])
-    np.testing.assert_array_equal(gk[:, 3 + R:], k[:, 3 + R:])
+    run(ops, ops.mla_latent, qkv_d, T, Q, C, R, dev(w_q), dev(w_kv), 1e-6, cq, lat, ckv_d, kpe_d,
+        dev(np.array([S0, 0, 0, 0], np.int32)), dev(pos, np.int32), dev(yarn_inv_freq(cfg)), cfg.rope_attention_factor)
+    f64 = lambda a: a.astype(np.float64)  # noqa: E731
+    case = f"mla_latent {cfg_name} pos={positions}"
+    check(case + " c_q", cq.get(), rms_norm(f64(qkv[:, :Q]), f64(w_q), 1e-6), rms_norm(qkv[:, :Q], w_q, np.float32(1e-6)))
+    check(case + " c_kv", lat.get(), rms_norm(f64(qkv[:, Q:Q + C]), f64(w_kv), 1e-6),
+          rms_norm(qkv[:, Q:Q + C], w_kv, np.float32(1e-6)))
     cos, sin = rope_cos_sin(cfg, pos)
     c32, s32 = rope_cos_sin(cfg, pos, np.float32)
-    case = f"rope {cfg_name} heads={heads} pos={positions}"
-    check(case + " q", gq[..., 5:], apply_rope(q[..., 5:].astype(np.float64), cos, sin), apply_rope(q[..., 5:], c32, s32))
-    check(case + " k", gk[:, 3:3 + R], apply_rope(k[:, 3:3 + R].astype(np.float64), cos, sin),
-          apply_rope(k[:, 3:3 + R], c32, s32))
+    got = qkv_d.get()
+    np.testing.assert_array_equal(got[:, :Q + C], qkv[:, :Q + C])      # only the rope part changes in place
+    check(case + " k_pe", got[:, Q + C:], apply_rope(f64(qkv[:, Q + C:]), cos, sin), apply_rope(qkv[:, Q + C:], c32, s32))
+    ckv[S0:S0 + T], kpe[S0:S0 + T] = lat.get(), got[:, Q + C:]         # appended at rows meta[0] + t, bit for bit
+    np.testing.assert_array_equal(ckv_d.get(), ckv)
+    np.testing.assert_array_equal(kpe_d.get(), kpe)
 
 
 # ---------------------------------------------------------------- attention
@@ -141,6 +148,9 @@ def test_mla_attention(ops, T, H, C, R, N, U, S0, tree):
     rng = np.random.default_rng(T * H + C)
     S = S0 + T
     q = rand(rng, T, H, N + R)
+    positions = S0 + np.arange(T) + (2**17 if C == 512 else 0)     # K2.6 cases: past 2^17
+    cfg = PRESETS["k26" if C == 512 else "tiny"]
+    inv_freq = yarn_inv_freq(cfg)[:R // 2]
     w_uk, w_uv = rand(rng, H, N, C, scale=0.3 * N ** -0.5), rand(rng, H, U, C, scale=C ** -0.5)
     ckv, kpe = rand(rng, S, C), rand(rng, S, R)
     scale = float((N + R) ** -0.5)
@@ -154,32 +164,34 @@ def test_mla_attention(ops, T, H, C, R, N, U, S0, tree):
     ckv_d, kpe_d = dev(np.pad(ckv, ((0, 3), (0, 0)))), dev(np.pad(kpe, ((0, 3), (0, 0))))
     mask_d = dev(np.pad(mask, ((0, 0), (0, 3)), constant_values=-np.inf).astype(np.float32)) if tree else None
     scores = dev(np.zeros((T * H, S_cap), np.float32))
-    o = dev(np.zeros((T, H, U), np.float32))
-    run(ops, ops.mla_attention, dev(q), dev(w_uk), dev(w_uv), ckv_d, kpe_d, dev(np.array([S0, 0, 0, 0], np.int32)),
-        mask_d, S_cap, scores, S_cap, o, T, R, scale)
+    o, q_d = dev(np.zeros((T, H, U), np.float32)), dev(q)
+    run(ops, ops.mla_attention, q_d, dev(positions, np.int32), dev(inv_freq), 1.0, dev(w_uk), dev(w_uv), ckv_d, kpe_d,
+        dev(np.array([S0, 0, 0, 0], np.int32)), mask_d, S_cap, scores, S_cap, o, T, R, scale)
     f64 = lambda a: a.astype(np.float64)  # noqa: E731
-    oracle = attention_oracle(f64(q), f64(w_uk), f64(w_uv), f64(ckv), f64(kpe), mask, scale, N)
-    base = attention_oracle(q, w_uk, w_uv, ckv, kpe, mask.astype(np.float32), np.float32(scale), N)
-    check(f"mla_attention T={T} H={H} C={C} R={R} N={N} U={U} S0={S0} tree={tree}", o.get(), oracle, base)
+    angle = np.einsum("t,r->tr", positions.astype(np.float64), inv_freq)            # the oracle's rope_cos_sin
+    cos, sin = np.cos(angle), np.sin(angle)
+    q64 = f64(q).copy()
+    q64[..., N:] = apply_rope(q64[..., N:], cos, sin)
+    q32 = q.copy()
+    q32[..., N:] = apply_rope(q[..., N:], cos.astype(np.float32), sin.astype(np.float32))
+    case = f"mla_attention T={T} H={H} C={C} R={R} N={N} U={U} S0={S0} tree={tree}"
+    got_q = q_d.get()
+    np.testing.assert_array_equal(got_q[..., :N], q[..., :N], err_msg=case)
+    check(case + " q_pe (rotated in place)", got_q[..., N:], q64[..., N:], q32[..., N:])
+    oracle = attention_oracle(q64, f64(w_uk), f64(w_uv), f64(ckv), f64(kpe), mask, scale, N)
+    base = attention_oracle(q32, w_uk, w_uv, ckv, kpe, mask.astype(np.float32), np.float32(scale), N)
+    check(case, o.get(), oracle, base)
 
 
 # ---------------------------------------------------------------- KV cache
 
 @pytest.mark.parametrize("L,S_cap,C,R,start,keep", [
     (1, 4, 1, 2, 0, [0]), (2, 20, 17, 6, 5, [0, 2, 3, 7]), (3, 40, 64, 16, 11, [0, 1, 2, 3]),
-    (2, 600, 512, 64, 300, [0, 4, 5, 9, 31])])
-def test_kv_append_and_compact(ops, L, S_cap, C, R, start, keep):
+    (2, 600, 512, 64, 300, [0, 4, 5, 9, 31])])                   # K2.6 latent width
+def test_kv_compact_in_order(ops, L, S_cap, C, R, start, keep):
     rng = np.random.default_rng(C)
     ckv, kpe = rand(rng, L, S_cap, C), rand(rng, L, S_cap, R)
     ckv_d, kpe_d = dev(ckv), dev(kpe)
-    T = 3                                                         # append T rows to layer 1 % L at row `start`
-    new, kv = rand(rng, T, C), rand(rng, T, C + R + 2)            # k_pe: columns C..C+R of wider rows
-    l = 1 % L
-    run(ops, ops.kv_append, dev(new), dev(kv).ptr + C * 4, C + R + 2, ckv_d.view(l), kpe_d.view(l),
-        dev(np.array([start, 0, 0, 0], np.int32)), T, C, R)
-    ckv[l, start:start + T], kpe[l, start:start + T] = new, kv[:, C:C + R]
-    np.testing.assert_array_equal(ckv_d.get(), ckv)
-    np.testing.assert_array_equal(kpe_d.get(), kpe)
     keep = np.asarray(keep)
     run(ops, ops.kv_compact, ckv_d, kpe_d, dev(keep, np.int32), len(keep), start)
     rows = np.concatenate([np.arange(start), start + keep])

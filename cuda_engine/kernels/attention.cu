@@ -1,8 +1,10 @@
 // MLA attention in the absorbed latent form over the latent cache, one (token, head) per block:
+//   q_pe <- rope(q_pe) (written back: q is the `q` tap)                rope.cuh
 //   q_lat = q_nope @ W_uk[h]                                           [N] -> [C]
 //   score[s] = (q_lat . c_kv[s] + q_pe . k_pe[s]) * scale + mask(t, s)
 //   p = softmax(score);  o_lat = sum_s p[s] c_kv[s];  o = W_uv[h] @ o_lat   [C] -> [U]
-// Contract (float32): q [T, H, A], q_nope at 0..N-1 and the rotated q_pe at N..A-1 of each head;
+// Contract (float32): q [T, H, A], q_nope at 0..N-1 and q_pe at N..A-1 of each head, q_pe rotated in place
+// at positions[t] (int32 [T], device) with inv_freq float64 [R/2];
 // w_uk [H, N, C] and w_uv [H, U, C] (kv_b_proj split per head, as stored); this layer's cache
 // c_kv [S_cap, C], k_pe [S_cap, R], rows 0 .. S-1 valid, S = meta[0] + T (meta[0] = rows cached before
 // this forward, read on the device so a replayed graph follows the cache); mask: NULL = causal (token t
@@ -15,6 +17,7 @@
 // launches per layer. Determinism: every sum has a fixed order (loops, fixed butterflies, fixed trees).
 // Limits: C <= ATTN_MAX_C, R <= ATTN_MAX_R, N <= ATTN_MAX_N (shared arrays; K2.6: 512, 64, 128).
 #include "common.cuh"
+#include "rope.cuh"
 
 #define ATTN_MAX_C 512
 #define ATTN_MAX_R 128
@@ -22,7 +25,8 @@
 #define ROW_LANES 8                         // lanes that share one cache row in the score pass
 
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
-mla_attention_kernel(const float* __restrict__ q, const float* __restrict__ w_uk, const float* __restrict__ w_uv,
+mla_attention_kernel(float* __restrict__ q, const int* __restrict__ positions, const double* __restrict__ inv_freq,
+                     double attn_factor, const float* __restrict__ w_uk, const float* __restrict__ w_uv,
                      const float* __restrict__ c_kv, const float* __restrict__ k_pe,
                      const int* __restrict__ meta, const float* __restrict__ mask, int mask_stride,
                      float* __restrict__ scores, int S_cap, float* __restrict__ o,
@@ -35,9 +39,14 @@ mla_attention_kernel(const float* __restrict__ q, const float* __restrict__ w_uk
     const int th = blockIdx.x, t = th / H, h = th % H, A = N + R;
     const int T = gridDim.x / H, S0 = meta[0], S = S0 + T;
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
-    const float* qr = q + (size_t)th * A;
+    float* qr = q + (size_t)th * A;
     for (int i = threadIdx.x; i < N; i += blockDim.x) qn[i] = qr[i];
-    for (int i = threadIdx.x; i < R; i += blockDim.x) qs[C + i] = qr[N + i];
+    for (int i = threadIdx.x; i < R / 2; i += blockDim.x) {  // rope on q_pe: this block owns q[t, h]
+        float y0, y1;
+        rope_pair(qr[N + 2 * i], qr[N + 2 * i + 1], (double)positions[t], inv_freq[i], attn_factor, &y0, &y1);
+        qs[C + 2 * i] = qr[N + 2 * i] = y0;
+        qs[C + 2 * i + 1] = qr[N + 2 * i + 1] = y1;
+    }
     __syncthreads();
     const float* wk = w_uk + (size_t)h * N * C;
     for (int c = threadIdx.x; c < C; c += blockDim.x) {      // 0. q_lat: W_uk rows read coalesced over c
