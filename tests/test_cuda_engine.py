@@ -21,7 +21,7 @@ def engine_cls():
 
 
 def collect_with(engine, bundle):
-    from conformance.runner import collect
+    from conformance.collect import collect
     from kdtr_format import open_kdtr
 
     with open_kdtr(bundle) as f:

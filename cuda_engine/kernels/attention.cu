@@ -11,10 +11,11 @@
 // sees rows s <= meta[0] + t), else additive float32 [T, mask_stride] (0 visible, -inf hidden: DDTree
 // verification); scores: scratch [T * H, S_cap]; o [T, H, U].
 // Launch: grid (T * H), block BLOCK_THREADS, static shared memory ~23 KB at the limits below.
-// Work split: scores use 8-lane groups per cache row (4 rows per warp at once: a 64..512-wide row is
-// 2..16 loads per lane, so a whole warp per row would spend its time in shuffles); o_lat sums rows
-// s = w (mod 8) per warp w, then the 8 partial rows in order. Absorbing W_uk / W_uv here saves two
-// launches per layer. Determinism: every sum has a fixed order (loops, fixed butterflies, fixed trees).
+// Work split, for memory-level parallelism (at decode the block is latency-bound, not bandwidth-bound):
+// scores and o = W_uv o_lat use 8-lane groups per row (4 rows per warp at once: a 64..512-wide row is
+// 2..16 loads per lane, so a whole warp per row would spend its time in shuffles); q_lat and o_lat split
+// their sum over n (resp. s) across the 8 warps (n = w mod 8), then add the 8 partial rows in order.
+// Absorbing W_uk / W_uv and the q rope here saves three launches per layer. Determinism: every sum has a fixed order (loops, fixed butterflies, fixed trees).
 // Limits: C <= ATTN_MAX_C, R <= ATTN_MAX_R, N <= ATTN_MAX_N (shared arrays; K2.6: 512, 64, 128).
 #include "common.cuh"
 #include "rope.cuh"
@@ -49,9 +50,15 @@ mla_attention_kernel(float* __restrict__ q, const int* __restrict__ positions, c
     }
     __syncthreads();
     const float* wk = w_uk + (size_t)h * N * C;
-    for (int c = threadIdx.x; c < C; c += blockDim.x) {      // 0. q_lat: W_uk rows read coalesced over c
+    for (int c = lane; c < C; c += WARP_SIZE) {              // 0. q_lat: warp w sums n = w (mod 8), lanes
+        float acc = 0.0f;                                     //    over c (coalesced W_uk rows); the loads of
+        for (int n = warp; n < N; n += WARPS_PER_BLOCK) acc += qn[n] * wk[(size_t)n * C + c];  // a thread are
+        part[warp][c] = acc;                                  //    independent: one memory round trip, not N
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
         float acc = 0.0f;
-        for (int n = 0; n < N; ++n) acc += qn[n] * wk[(size_t)n * C + c];
+        for (int w = 0; w < WARPS_PER_BLOCK; ++w) acc += part[w][c];
         qs[c] = acc;
     }
     __syncthreads();
@@ -100,11 +107,13 @@ mla_attention_kernel(float* __restrict__ q, const int* __restrict__ positions, c
     }
     __syncthreads();
 
-    const float* wv = w_uv + (size_t)h * U * C;              // 4. o = W_uv o_lat, a warp per output u
-    for (int u = warp; u < U; u += WARPS_PER_BLOCK) {
+    const float* wv = w_uv + (size_t)h * U * C;              // 4. o = W_uv o_lat, 8 lanes per output u
+    for (int u0 = 0; u0 < U; u0 += rows_per_pass) {
+        const int u = u0 + threadIdx.x / ROW_LANES;
         float acc = 0.0f;
-        for (int c = lane; c < C; c += WARP_SIZE) acc += ol[c] * wv[(size_t)u * C + c];
-        acc = warp_sum(acc);
-        if (lane == 0) o[(size_t)th * U + u] = acc;
+        if (u < U)
+            for (int c = g; c < C; c += ROW_LANES) acc += ol[c] * wv[(size_t)u * C + c];
+        for (int off = ROW_LANES / 2; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+        if (u < U && g == 0) o[(size_t)th * U + u] = acc;
     }
 }

@@ -9,8 +9,8 @@
 //                          with n_group > 1 keep the topk_group groups with the largest top-2 sums;
 //                          top-K of choice, ties to the lower id; weights = scores[ids], renormalised
 //                          (sum + 1e-20) if norm_topk_prob, times routed_scaling_factor.
-//                          Launch grid (T), block BLOCK_THREADS; thread 0 selects (K * E compares: tiny
-//                          next to the expert GEMVs, and obviously the oracle's stable order).
+//                          Launch grid (T), block BLOCK_THREADS; warp 0 selects: K rounds of a warp
+//                          argmax with ties to the lower id (the oracle's stable order).
 //   swiglu_gate_up_kernel: act[t, k] = silu(Wg[e] x[t]) * (Wu[e] x[t]), e = slot_ids[t, k]  [T * S, I].
 //                          Launch grid (ceil(I / WARPS_PER_BLOCK), T * S), one warp per (slot, i).
 //   expert_down_kernel:    y[t, k] = Wd[e] act[t, k]  [T * S, D]. Launch grid (ceil(D / WARPS_PER_BLOCK), T * S).
@@ -34,17 +34,21 @@ router_kernel(const float* __restrict__ logits, const float* __restrict__ bias, 
     __shared__ unsigned char taken[ROUTER_MAX_E];
     __shared__ float gscore[ROUTER_MAX_GROUPS];
     __shared__ bool keep[ROUTER_MAX_GROUPS];
+    __shared__ float ssc[ROUTER_MAX_E];                       // the sigmoid scores, for the selected weights
+    __shared__ float w_sel[MOE_MAX_SLOTS];
+    __shared__ int id_sel[MOE_MAX_SLOTS];
     const int t = blockIdx.x;
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
         const float s = sigmoid(logits[(size_t)t * E + e]);
         scores[(size_t)t * E + e] = s;
+        ssc[e] = s;
         choice[e] = s + bias[e];
         taken[e] = 0;
     }
     __syncthreads();
-    if (threadIdx.x != 0) return;
-    const float* sc = scores + (size_t)t * E;
-    if (n_group > 1) {                                        // group-limited selection
+    if (threadIdx.x >= WARP_SIZE) return;                     // selection: warp 0
+    const int lane = threadIdx.x;
+    if (n_group > 1 && lane == 0) {                           // group-limited selection (thread 0: G is small)
         const int per = E / n_group;
         for (int g = 0; g < n_group; ++g) {
             float b1 = -INFINITY, b2 = -INFINITY;             // largest, second largest
@@ -63,19 +67,29 @@ router_kernel(const float* __restrict__ logits, const float* __restrict__ bias, 
         }
         for (int e = 0; e < E; ++e) if (!keep[e / per]) choice[e] = -INFINITY;
     }
+    __syncwarp();
+    // top-K, ties to the lower id: each round, every lane finds its best untaken expert (ids lane, lane+32,
+    // ...), then a butterfly keeps the (larger choice, lower id) pair: the same order as a stable sort.
     float sum = 0.0f;
-    for (int k = 0; k < K; ++k) {                             // top-K, ties to the lower id
-        int best = -1;
-        for (int e = 0; e < E; ++e)
-            if (!taken[e] && (best < 0 || choice[e] > choice[best])) best = e;
-        taken[best] = 1;
-        slot_ids[(size_t)t * S + k] = best;
-        slot_w[(size_t)t * S + k] = sc[best];
-        sum += sc[best];
-    }
     for (int k = 0; k < K; ++k) {
-        float w = slot_w[(size_t)t * S + k];
+        float bv = -INFINITY;
+        int bi = -1;
+        for (int e = lane; e < E; e += WARP_SIZE)
+            if (!taken[e] && (bi < 0 || choice[e] > bv)) { bv = choice[e]; bi = e; }
+        for (int off = WARP_SIZE / 2; off > 0; off >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
+            const int oi = __shfl_xor_sync(0xffffffffu, bi, off);
+            if (oi >= 0 && (bi < 0 || ov > bv || (ov == bv && oi < bi))) { bv = ov; bi = oi; }
+        }
+        if (lane == 0) { taken[bi] = 1; id_sel[k] = bi; w_sel[k] = ssc[bi]; }   // every lane holds the same bi
+        __syncwarp();
+        sum += ssc[bi];
+    }
+    if (lane != 0) return;
+    for (int k = 0; k < K; ++k) {
+        float w = w_sel[k];
         if (norm_topk_prob) w = w / (sum + 1e-20f);
+        slot_ids[(size_t)t * S + k] = id_sel[k];
         slot_w[(size_t)t * S + k] = w * routed_scaling_factor;
     }
     for (int k = K; k < S; ++k) { slot_ids[(size_t)t * S + k] = E + (k - K); slot_w[(size_t)t * S + k] = 1.0f; }
