@@ -25,6 +25,7 @@ from refmodel.config import ModelConfig
 from refmodel.model import tap_names, yarn_inv_freq
 
 T_CAP0, S_CAP0 = 64, 512            # first capacities (tokens per forward, cache rows); both grow x2
+W4A16_MODES = ("plain", "dense")
 
 
 def check_config(cfg: ModelConfig) -> None:
@@ -50,8 +51,12 @@ class CudaEngine:
     dtype = "float32"
     supports_teacher_forcing = True
 
-    def __init__(self, use_graph: bool = True):
+    def __init__(self, use_graph: bool = True, w4a16: str | None = None):
         self.use_graph = use_graph and os.environ.get("KDTR_CUDA_GRAPH", "1") != "0"
+        # INT4 experts: "plain" = the packed weights on the device (w4a16_plain.cu), "dense" = dequantized at load
+        self.w4a16 = w4a16 or os.environ.get("KDTR_W4A16", "plain")
+        if self.w4a16 not in W4A16_MODES:
+            raise CudaEngineError(f"w4a16 mode {self.w4a16!r}: choose one of {', '.join(W4A16_MODES)} (KDTR_W4A16)")
         self.ops: Ops | None = None
         self.cfg: ModelConfig | None = None
         self.graph = None
@@ -59,13 +64,20 @@ class CudaEngine:
 
     # ------------------------------------------------------------ load and buffers
     def load(self, bundle) -> None:
-        cfg, W = load_weights(bundle)
+        cfg, W = load_weights(bundle, keep_int4=self.w4a16 == "plain")
         check_config(cfg)
         driver()
         self.ops = self.ops or Ops()
         self.cfg = cfg
-        self.layers = [{k: DevBuf.from_array(v) for k, v in layer_arrays(cfg, W, l).items()}
-                       for l in range(cfg.num_hidden_layers)]
+        self.layers, self.n_int4 = [], []
+        for l in range(cfg.num_hidden_layers):
+            arrays, n_int4 = layer_arrays(cfg, W, l)
+            moe = l >= cfg.first_k_dense_replace
+            if n_int4 not in ((0, cfg.n_routed_experts, cfg.n_routed_experts + cfg.n_shared_experts) if moe else (0, 1)):
+                raise CudaEngineError(f"layer {l}: {n_int4} INT4 expert modules; the engine runs INT4 for all routed "
+                                      f"experts (and optionally the shared expert) or none")
+            self.layers.append({k: DevBuf.from_array(v) for k, v in arrays.items()})
+            self.n_int4.append(n_int4)
         self.embed = DevBuf.from_array(W["model.embed_tokens.weight"])
         self.norm = DevBuf.from_array(W["model.norm.weight"])
         self.lm_head = self.embed if cfg.tie_word_embeddings else DevBuf.from_array(W["lm_head.weight"])
@@ -267,8 +279,15 @@ class CudaEngine:
             slots = b["slot_ids"].view(l)
         else:
             K, S, slots = 0, 1, b["dense_slots"]
-        o.swiglu_gate_up(xm, w["gate_proj"], w["up_proj"], slots, b["act"], T, S)     # [T S, I]
-        o.expert_down(b["act"], w["down_proj"], slots, b["y_slots"], T, S)            # [T S, D]
+        n_int4 = self.n_int4[l]                 # INT4 experts stacked first: slots [0, k4) run on packed weights
+        k4 = 0 if n_int4 == 0 else S if n_int4 == (c.n_routed_experts + c.n_shared_experts if K else 1) else K
+        if k4:
+            o.w4a16_gate_up(xm, w["gate_proj.qw"], w["gate_proj.sc"], w["up_proj.qw"], w["up_proj.sc"], slots,
+                            b["act"], T, S, 0, k4)                                    # [T S, I]
+            o.w4a16_down(b["act"], w["down_proj.qw"], w["down_proj.sc"], slots, b["y_slots"], T, S, 0, k4)
+        if k4 < S:                                                                    # dense (shared) slots
+            o.swiglu_gate_up(xm, w["gate_proj"], w["up_proj"], slots, b["act"], T, S, k4, S - k4, n_int4)
+            o.expert_down(b["act"], w["down_proj"], slots, b["y_slots"], T, S, k4, S - k4, n_int4)
         last = l == c.num_hidden_layers - 1                                           # + residual, next norm:
         o.moe_combine(b["y_slots"], slots, b["slot_w"].view(l), b["mlp_out"].view(l), T, K, S,
                       b["resid_attn"].view(l), b["resid_out"].view(l),
@@ -308,7 +327,7 @@ class CudaEngine:
         """What a GPU proof records (docs/cuda-engine.md): device, driver, commit, source hash."""
         info = device_info()
         info.update(source_hash=engine_source_hash(), commit=_commit(), fatbin=os.path.basename(str(self.ops.fatbin)),
-                    cuda_graph=self.use_graph)
+                    cuda_graph=self.use_graph, w4a16=self.w4a16 if any(self.n_int4) else None)
         return info
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+
 from cuda_engine.build import build_fatbin
 from cuda_engine.device import CudaEngineError, DevBuf, driver
 
@@ -28,8 +30,10 @@ SIGNATURES = {
     "mla_attention_kernel": "PPPdPPPPPPiPiPiiiiif",
     "kv_compact_kernel": "PPPiiiii",
     "router_kernel": "PPPPPiiiiiif",
-    "swiglu_gate_up_kernel": "PPPPPiii",
-    "expert_down_kernel": "PPPPii",
+    "swiglu_gate_up_kernel": "PPPPPiiiiii",
+    "expert_down_kernel": "PPPPiiiiii",
+    "w4a16_gate_up_kernel": "PPPPPPPiiiiiii",
+    "w4a16_down_kernel": "PPPPPiiiiiii",
     "moe_combine_kernel": "PPPPiiiPPPPf",
     "argmax_kernel": "PiP",
     "decode_advance_kernel": "PP",
@@ -43,6 +47,18 @@ def _ptr(x) -> int:
 def _need(ok: bool, op: str, what: str) -> None:
     if not ok:
         raise ValueError(f"{op}: {what}")
+
+
+def _group(qw: DevBuf, sc: DevBuf, op: str) -> int:
+    """The INT4 group size of packed weights [E', out, in/8] and bf16 scale bits [E', out, in/g]."""
+    E, out, in8 = qw.shape
+    _need(qw.dtype == np.int32 and sc.dtype == np.uint16, op, f"qw must be int32 and sc uint16 (bf16 bits), "
+          f"got {qw.dtype}, {sc.dtype}")
+    _need(sc.shape[:2] == (E, out) and sc.shape[2] > 0 and (8 * in8) % sc.shape[2] == 0, op,
+          f"scales {sc.shape} do not fit packed weights {qw.shape}")
+    g = 8 * in8 // sc.shape[2]
+    _need(g % 8 == 0, op, f"group size {g} must be a multiple of 8 (a packed word in one group)")
+    return g
 
 
 class Ops:
@@ -149,16 +165,43 @@ class Ops:
         self._launch("router_kernel", (T,), _ptr(logits), bias.ptr, _ptr(scores), _ptr(slot_ids), _ptr(slot_w),
                      E, K, S, n_group, topk_group, int(norm_topk_prob), scale)
 
-    def swiglu_gate_up(self, x, Wg: DevBuf, Wu: DevBuf, slot_ids, act, T: int, S: int) -> None:
+    # Expert GEMVs run over the slots k0 .. k0+nk-1 of each token's S slots (all by default); the expert of
+    # slot (t, k) is slot_ids[t, k] - e_base in the given stack.
+    def swiglu_gate_up(self, x, Wg: DevBuf, Wu: DevBuf, slot_ids, act, T: int, S: int, k0: int = 0,
+                       nk: int | None = None, e_base: int = 0) -> None:
         _, I, D = Wg.shape
+        nk = S - k0 if nk is None else nk
         _need(Wu.shape == Wg.shape, "swiglu_gate_up", f"gate {Wg.shape} and up {Wu.shape} differ")
-        self._launch("swiglu_gate_up_kernel", (-(-I // WARPS_PER_BLOCK), T * S), _ptr(x), Wg.ptr, Wu.ptr,
-                     _ptr(slot_ids), _ptr(act), D, I, S)
+        _need(0 <= k0 and k0 + nk <= S, "swiglu_gate_up", f"slots {k0}..{k0 + nk - 1} outside 0..{S - 1}")
+        self._launch("swiglu_gate_up_kernel", (-(-I // WARPS_PER_BLOCK), T * nk), _ptr(x), Wg.ptr, Wu.ptr,
+                     _ptr(slot_ids), _ptr(act), D, I, S, k0, nk, e_base)
 
-    def expert_down(self, act, Wd: DevBuf, slot_ids, y, T: int, S: int) -> None:
+    def expert_down(self, act, Wd: DevBuf, slot_ids, y, T: int, S: int, k0: int = 0, nk: int | None = None,
+                    e_base: int = 0) -> None:
         _, D, I = Wd.shape
-        self._launch("expert_down_kernel", (-(-D // WARPS_PER_BLOCK), T * S), _ptr(act), Wd.ptr, _ptr(slot_ids),
-                     _ptr(y), I, D)
+        nk = S - k0 if nk is None else nk
+        _need(0 <= k0 and k0 + nk <= S, "expert_down", f"slots {k0}..{k0 + nk - 1} outside 0..{S - 1}")
+        self._launch("expert_down_kernel", (-(-D // WARPS_PER_BLOCK), T * nk), _ptr(act), Wd.ptr, _ptr(slot_ids),
+                     _ptr(y), I, D, S, k0, nk, e_base)
+
+    def w4a16_gate_up(self, x, qg: DevBuf, sg: DevBuf, qu: DevBuf, su: DevBuf, slot_ids, act, T: int, S: int,
+                      k0: int = 0, nk: int | None = None, e_base: int = 0) -> None:
+        """The swiglu_gate_up of packed INT4 experts: qg/qu int32 [E', I, D/8], sg/su bf16 bits [E', I, D/g]."""
+        _, I, D8 = qg.shape
+        D, g = 8 * D8, _group(qg, sg, "w4a16_gate_up")
+        nk = S - k0 if nk is None else nk
+        _need(qu.shape == qg.shape and su.shape == sg.shape, "w4a16_gate_up", f"gate {qg.shape}/{sg.shape} and "
+              f"up {qu.shape}/{su.shape} differ")
+        self._launch("w4a16_gate_up_kernel", (-(-I // WARPS_PER_BLOCK), T * nk), _ptr(x), qg.ptr, sg.ptr, qu.ptr,
+                     su.ptr, _ptr(slot_ids), _ptr(act), D, I, S, k0, nk, e_base, g)
+
+    def w4a16_down(self, act, qd: DevBuf, sd: DevBuf, slot_ids, y, T: int, S: int, k0: int = 0,
+                   nk: int | None = None, e_base: int = 0) -> None:
+        _, D, I8 = qd.shape
+        I, g = 8 * I8, _group(qd, sd, "w4a16_down")
+        nk = S - k0 if nk is None else nk
+        self._launch("w4a16_down_kernel", (-(-D // WARPS_PER_BLOCK), T * nk), _ptr(act), qd.ptr, sd.ptr,
+                     _ptr(slot_ids), _ptr(y), I, D, S, k0, nk, e_base, g)
 
     def moe_combine(self, y, slot_ids, slot_w, out, T: int, K: int, S: int, h, h_out, w_norm: DevBuf, y_norm,
                     eps: float) -> None:

@@ -40,6 +40,16 @@ def test_bundle_passes(engine_cls, bundle):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("bundle", [b for b in BUNDLES if "int4" in b])
+def test_int4_bundle_passes_on_dequantized_weights_too(engine_cls, bundle):
+    """KDTR_W4A16=dense: the INT4 experts dequantized at load and run by the dense kernels."""
+    from conformance.runner import verify
+
+    v = verify(bundle, engine=engine_cls(w4a16="dense"))
+    assert v.verdict == "pass", f"{bundle} (w4a16 dense): exit {int(v.exit_code)}"
+
+
+@pytest.mark.cuda
 def test_two_runs_identical_and_graph_changes_no_bit(engine_cls):
     bundle = "bundles/model_tiny.kdtr"
     a = collect_with(engine_cls(), bundle)

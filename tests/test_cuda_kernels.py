@@ -276,6 +276,45 @@ def test_experts(ops, E, I, D, K, T):
           rms_norm(h + got, w_norm, np.float32(1e-5)))
 
 
+@pytest.mark.parametrize("E,I,D,K,T,g", [
+    (2, 1, 8, 1, 1, 8),                # one output, one packed word
+    (3, 9, 40, 2, 3, 8),               # 5 groups of 8; I not a multiple of the warps per block
+    (4, 33, 96, 3, 17, 32),            # batch 17
+    (3, 2048, 7168, 2, 1, 32),         # K2.6 expert shapes (3 experts held, not 384: memory)
+])
+def test_w4a16_experts_against_dequantized(ops, E, I, D, K, T, g):
+    """Routed slots on packed INT4 weights, the shared slot dense (e_base = E), as the INT4 bundle runs them.
+    Oracle: dequantize_w4a16 + float64 (the exact quantized model); baseline: float32 NumPy on the same."""
+    from kdtr_format.int4 import bf16_bits, dequantize_w4a16, quantize_w4a16
+
+    rng = np.random.default_rng(E * I + D)
+    packed = {}
+    for proj, (o_, i_) in (("gate", (I, D)), ("up", (I, D)), ("down", (D, I))):
+        pairs = [quantize_w4a16(rng.standard_normal((o_, i_)) * i_ ** -0.5, g) for _ in range(E)]
+        packed[proj] = (np.stack([q for q, _ in pairs]), np.stack([bf16_bits(sc) for _, sc in pairs]),
+                        np.stack([dequantize_w4a16(q, sc, (o_, i_)) for q, sc in pairs]))
+    Wg_s, Wu_s, Wd_s = rand(rng, 1, I, D, scale=D ** -0.5), rand(rng, 1, I, D, scale=D ** -0.5), \
+        rand(rng, 1, D, I, scale=I ** -0.5)                       # the dense shared expert, id E
+    x, h, w_norm = rand(rng, T, D), rand(rng, T, D), rand(rng, D) + 1
+    S = K + 1
+    ids = np.stack([np.concatenate([rng.permutation(E)[:K], [E]]) for _ in range(T)]).astype(np.int32)
+    w = np.concatenate([rng.random((T, K)).astype(np.float32), np.ones((T, 1), np.float32)], axis=1)
+    ids_d, w_d = dev(ids), dev(w)
+    act, y, out, h_out, y_norm = (dev(np.zeros(s, np.float32)) for s in ((T * S, I), (T * S, D), (T, D), (T, D), (T, D)))
+    (qg, sg, _), (qu, su, _), (qd, sd, _) = packed["gate"], packed["up"], packed["down"]
+    run(ops, ops.w4a16_gate_up, dev(x), dev(qg), dev(sg), dev(qu), dev(su), ids_d, act, T, S, 0, K)
+    run(ops, ops.swiglu_gate_up, dev(x), dev(Wg_s), dev(Wu_s), ids_d, act, T, S, K, 1, E)
+    run(ops, ops.w4a16_down, act, dev(qd), dev(sd), ids_d, y, T, S, 0, K)
+    run(ops, ops.expert_down, act, dev(Wd_s), ids_d, y, T, S, K, 1, E)
+    run(ops, ops.moe_combine, y, ids_d, w_d, out, T, K, S, dev(h), h_out, dev(w_norm), y_norm, 1e-5)
+    Wg = np.concatenate([packed["gate"][2], Wg_s]); Wu = np.concatenate([packed["up"][2], Wu_s])  # noqa: E702
+    Wd = np.concatenate([packed["down"][2], Wd_s])
+    f32 = lambda a: a.astype(np.float32)  # noqa: E731
+    check(f"w4a16 experts E={E} I={I} D={D} K={K} T={T} g={g}", out.get(),
+          moe_oracle(x.astype(np.float64), Wg.astype(np.float64), Wu.astype(np.float64), Wd.astype(np.float64), ids,
+                     w.astype(np.float64), K), moe_oracle(x, f32(Wg), f32(Wu), f32(Wd), ids, w, K))
+
+
 # ---------------------------------------------------------------- sampling
 
 @pytest.mark.parametrize("V,T", [(1, 1), (400, 3), (257, 2), (163840, 2)])   # K2.6 vocab

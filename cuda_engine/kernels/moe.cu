@@ -11,9 +11,12 @@
 //                          (sum + 1e-20) if norm_topk_prob, times routed_scaling_factor.
 //                          Launch grid (T), block BLOCK_THREADS; warp 0 selects: K rounds of a warp
 //                          argmax with ties to the lower id (the oracle's stable order).
-//   swiglu_gate_up_kernel: act[t, k] = silu(Wg[e] x[t]) * (Wu[e] x[t]), e = slot_ids[t, k]  [T * S, I].
-//                          Launch grid (ceil(I / WARPS_PER_BLOCK), T * S), one warp per (slot, i).
-//   expert_down_kernel:    y[t, k] = Wd[e] act[t, k]  [T * S, D]. Launch grid (ceil(D / WARPS_PER_BLOCK), T * S).
+//   swiglu_gate_up_kernel: act[t, k] = silu(Wg[e] x[t]) * (Wu[e] x[t]), e = slot_ids[t, k] - e_base  [T * S, I],
+//                          for the slots k0 .. k0+nk-1 (all S; or, when the routed experts are INT4
+//                          (w4a16_plain.cu), only the dense shared expert's slot, e_base = E).
+//                          Launch grid (ceil(I / WARPS_PER_BLOCK), T * nk), one warp per (slot, i).
+//   expert_down_kernel:    y[t, k] = Wd[e] act[t, k]  [T * S, D], same slots.
+//                          Launch grid (ceil(D / WARPS_PER_BLOCK), T * nk).
 //   moe_combine_kernel:    out[t] = sum over routed slots in ascending expert id of w * y, then + the
 //                          unweighted slots (shared expert) in slot order: the oracle's summation order.
 //                          Fused with the block's end (one launch fewer per layer): h_out = h + out and
@@ -97,12 +100,13 @@ router_kernel(const float* __restrict__ logits, const float* __restrict__ bias, 
 
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
 swiglu_gate_up_kernel(const float* __restrict__ x, const float* __restrict__ Wg, const float* __restrict__ Wu,
-                      const int* __restrict__ slot_ids, float* __restrict__ act, int D, int I, int S) {
+                      const int* __restrict__ slot_ids, float* __restrict__ act, int D, int I, int S, int k0, int nk,
+                      int e_base) {
     const int lane = threadIdx.x % WARP_SIZE;
     const int i = blockIdx.x * WARPS_PER_BLOCK + threadIdx.x / WARP_SIZE;
     if (i >= I) return;
-    const int ts = blockIdx.y, t = ts / S;
-    const size_t e = (size_t)slot_ids[ts];
+    const int t = blockIdx.y / nk, ts = t * S + k0 + blockIdx.y % nk;
+    const size_t e = (size_t)(slot_ids[ts] - e_base);
     const float* xr = x + (size_t)t * D;
     const float* g = Wg + (e * I + i) * D;
     const float* u = Wu + (e * I + i) * D;
@@ -115,12 +119,12 @@ swiglu_gate_up_kernel(const float* __restrict__ x, const float* __restrict__ Wg,
 
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
 expert_down_kernel(const float* __restrict__ act, const float* __restrict__ Wd, const int* __restrict__ slot_ids,
-                   float* __restrict__ y, int I, int D) {
+                   float* __restrict__ y, int I, int D, int S, int k0, int nk, int e_base) {
     const int lane = threadIdx.x % WARP_SIZE;
     const int d = blockIdx.x * WARPS_PER_BLOCK + threadIdx.x / WARP_SIZE;
     if (d >= D) return;
-    const int ts = blockIdx.y;
-    const size_t e = (size_t)slot_ids[ts];
+    const int ts = (blockIdx.y / nk) * S + k0 + blockIdx.y % nk;
+    const size_t e = (size_t)(slot_ids[ts] - e_base);
     const float* a = act + (size_t)ts * I;
     const float* w = Wd + (e * D + d) * I;
     float acc = 0.0f;
