@@ -1,10 +1,11 @@
 // MLA attention in the absorbed latent form over the latent cache, one (token, head) per block:
-//   q_pe <- rope(q_pe) (written back: q is the `q` tap)                rope.cuh
+//   q = W_qb[h] c_q;  q_pe <- rope(q_pe);  q written out (the `q` tap)   [Q] -> [A]; rope.cuh
 //   q_lat = q_nope @ W_uk[h]                                           [N] -> [C]
 //   score[s] = (q_lat . c_kv[s] + q_pe . k_pe[s]) * scale + mask(t, s)
 //   p = softmax(score);  o_lat = sum_s p[s] c_kv[s];  o = W_uv[h] @ o_lat   [C] -> [U]
-// Contract (float32): q [T, H, A], q_nope at 0..N-1 and q_pe at N..A-1 of each head, q_pe rotated in place
-// at positions[t] (int32 [T], device) with inv_freq float64 [R/2];
+// Contract (float32): c_q [T, Q] (the normed q latent), W_qb [H * A, Q] (q_b_proj); out q [T, H, A],
+// q_nope at 0..N-1 and q_pe at N..A-1 of each head, q_pe rotated at positions[t] (int32 [T], device) with
+// inv_freq float64 [R/2];
 // w_uk [H, N, C] and w_uv [H, U, C] (kv_b_proj split per head, as stored); this layer's cache
 // c_kv [S_cap, C], k_pe [S_cap, R], rows 0 .. S-1 valid, S = meta[0] + T (meta[0] = rows cached before
 // this forward, read on the device so a replayed graph follows the cache); mask: NULL = causal (token t
@@ -15,23 +16,27 @@
 // scores and o = W_uv o_lat use 8-lane groups per row (4 rows per warp at once: a 64..512-wide row is
 // 2..16 loads per lane, so a whole warp per row would spend its time in shuffles); q_lat and o_lat split
 // their sum over n (resp. s) across the 8 warps (n = w mod 8), then add the 8 partial rows in order.
-// Absorbing W_uk / W_uv and the q rope here saves three launches per layer. Determinism: every sum has a fixed order (loops, fixed butterflies, fixed trees).
-// Limits: C <= ATTN_MAX_C, R <= ATTN_MAX_R, N <= ATTN_MAX_N (shared arrays; K2.6: 512, 64, 128).
+// Fusing q_b_proj, the q rope and W_uk / W_uv here saves four launches per layer. Determinism: every sum has a fixed order (loops, fixed butterflies, fixed trees).
+// Limits: C <= ATTN_MAX_C, R <= ATTN_MAX_R, N <= ATTN_MAX_N, Q <= ATTN_MAX_Q (shared arrays; K2.6: 512,
+// 64, 128, 1536).
 #include "common.cuh"
 #include "rope.cuh"
 
 #define ATTN_MAX_C 512
 #define ATTN_MAX_R 128
 #define ATTN_MAX_N 256
+#define ATTN_MAX_Q 2048
 #define ROW_LANES 8                         // lanes that share one cache row in the score pass
 
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
-mla_attention_kernel(float* __restrict__ q, const int* __restrict__ positions, const double* __restrict__ inv_freq,
+mla_attention_kernel(const float* __restrict__ cq, int Q, const float* __restrict__ w_qb, float* __restrict__ q,
+                     const int* __restrict__ positions, const double* __restrict__ inv_freq,
                      double attn_factor, const float* __restrict__ w_uk, const float* __restrict__ w_uv,
                      const float* __restrict__ c_kv, const float* __restrict__ k_pe,
                      const int* __restrict__ meta, const float* __restrict__ mask, int mask_stride,
                      float* __restrict__ scores, int S_cap, float* __restrict__ o,
                      int H, int C, int R, int N, int U, float scale) {
+    __shared__ float cqs[ATTN_MAX_Q];
     __shared__ float qn[ATTN_MAX_N];
     __shared__ float qs[ATTN_MAX_C + ATTN_MAX_R];   // q_lat then q_pe
     __shared__ float ol[ATTN_MAX_C];
@@ -40,11 +45,25 @@ mla_attention_kernel(float* __restrict__ q, const int* __restrict__ positions, c
     const int th = blockIdx.x, t = th / H, h = th % H, A = N + R;
     const int T = gridDim.x / H, S0 = meta[0], S = S0 + T;
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
-    float* qr = q + (size_t)th * A;
-    for (int i = threadIdx.x; i < N; i += blockDim.x) qn[i] = qr[i];
-    for (int i = threadIdx.x; i < R / 2; i += blockDim.x) {  // rope on q_pe: this block owns q[t, h]
+    const int g = lane % ROW_LANES, rows_per_pass = BLOCK_THREADS / ROW_LANES;
+    for (int i = threadIdx.x; i < Q; i += blockDim.x) cqs[i] = cq[(size_t)t * Q + i];
+    __syncthreads();
+    float* qr = q + (size_t)th * A;                           // this block owns q[t, h]
+    for (int a0 = 0; a0 < A; a0 += rows_per_pass) {          // q = W_qb[h] c_q, 8 lanes per output row
+        const int a = a0 + threadIdx.x / ROW_LANES;
+        float acc = 0.0f;
+        if (a < A)
+            for (int i = g; i < Q; i += ROW_LANES) acc += cqs[i] * w_qb[((size_t)h * A + a) * Q + i];
+        for (int off = ROW_LANES / 2; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+        if (a < A && g == 0) {
+            if (a < N) qn[a] = qr[a] = acc;
+            else qs[C + a - N] = acc;
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < R / 2; i += blockDim.x) {  // rope on q_pe
         float y0, y1;
-        rope_pair(qr[N + 2 * i], qr[N + 2 * i + 1], (double)positions[t], inv_freq[i], attn_factor, &y0, &y1);
+        rope_pair(qs[C + 2 * i], qs[C + 2 * i + 1], (double)positions[t], inv_freq[i], attn_factor, &y0, &y1);
         qs[C + 2 * i] = qr[N + 2 * i] = y0;
         qs[C + 2 * i + 1] = qr[N + 2 * i + 1] = y1;
     }
@@ -64,7 +83,6 @@ mla_attention_kernel(float* __restrict__ q, const int* __restrict__ positions, c
     __syncthreads();
     float* sc = scores + (size_t)th * S_cap;
 
-    const int g = lane % ROW_LANES, rows_per_pass = BLOCK_THREADS / ROW_LANES;
     for (int s0 = 0; s0 < S; s0 += rows_per_pass) {          // 1. scores, 8 lanes per cache row
         const int s = s0 + threadIdx.x / ROW_LANES;
         float acc = 0.0f;
