@@ -13,8 +13,9 @@ from rich.console import Console
 
 from conformance.protocol import check_engine
 from conformance.exit_codes import ExitCode
+from conformance.console import print_console
 from conformance.report import (CheckResult, Divergence, exit_code_for, layer_series, make_verdict,
-                                print_console, write_html, write_json, write_junit)
+                                write_html, write_json, write_junit)
 from conformance.tolerance import Rule, check_tap
 
 FAILING_TAP = "golden/p0/prefill/L2/attn_out"
