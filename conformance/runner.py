@@ -17,6 +17,7 @@ from conformance.collect import collect
 from conformance.judge import coverage_check, judge
 from conformance.localize import localize
 from conformance.outputs import InvalidOutputs
+from conformance.protocol import check_engine
 from conformance.records import check_schema, prompts_of, read_dump, write_dump
 from conformance.report import CheckResult, make_verdict
 from kdtr_format import KdtrError, open_kdtr
@@ -28,7 +29,7 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
     `require_coverage` (0..1): add a coverage check that fails (exit 7) when a group of checks ran
     less than that fraction of the checks the bundle defines (conformance/coverage.py)."""
     t0 = time.perf_counter()
-    name = "dump" if dump else getattr(engine, "name", "engine")
+    name = "dump" if dump else str(getattr(engine, "name", "engine"))
     try:
         f = open_kdtr(bundle, verify=True)
         check_schema(f, bundle)
@@ -37,6 +38,11 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
     with f:
         checks = [CheckResult("bundle/integrity", "pass", "integrity",
                               {"tensors": len(f.names), "checksums": "verified"})]
+        lacks = check_engine(engine) if dump is None else []
+        if lacks:                                                        # before step 37, not during it
+            checks.append(CheckResult("engine/run", "error", "numeric",
+                                      message=f"not an engine (conformance/protocol.py): {'; '.join(lacks)}"))
+            return make_verdict(name, bundle, checks)
         dtype = "float32"
         try:
             out, dtype = _outputs(f, engine, dump, progress)

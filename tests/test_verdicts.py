@@ -177,8 +177,8 @@ def test_positions_off_by_one_at_a_decode_step_is_an_input_fault(small_bundle):
 
 
 def test_inherited_error_is_confirmed_on_the_engines_own_inputs(small_bundle):
-    """o_proj of L1 off by 1e-4 (about 10x its tolerance), the L1 taps' tolerance widened 1000x so they
-    pass: L2 fails on what L1 handed it, and is right on golden inputs."""
+    """o_proj of L1 off by 1e-4 (about 10x its tolerance), the L1 taps' tolerances re-derived with
+    multiplier 1e6 so they pass: L2 fails on what L1 handed it, and is right on golden inputs."""
     rules = parse_rules({"rule": [{"match": "p*/*/L1/*", "multiplier": 1e6}]})
     v = verify(small_bundle, engine=FaultyEngine("scale_tap", 1, eps=1e-4), overrides=rules)
     d = v.first_divergence
@@ -241,3 +241,34 @@ def test_text_from_files_and_the_command_line_is_never_markup(small_bundle, dump
     for how in (["--dump", str(tmp_path / "run.kdtr")], ["--engine", "reference"]):
         r = CliRunner().invoke(main, ["verify", str(odd)] + how)
         assert r.exit_code == ExitCode.OK and "dir[/]b[bold].kdtr" in "".join(r.output.split()), r.output
+
+
+def test_an_engine_that_runs_more_rounds_than_the_golden_run_fails_the_rounds_check(small_bundle, dump, tmp_path):
+    """An own-drafter engine (it reports its trees) whose last round is one the golden run never had:
+    every golden round matches, and the extra one still fails, naming both counts."""
+    out, meta = dump
+    o, p = dict(out), "p0/ddtree/"
+    with open_kdtr(small_bundle) as f:
+        for k in ("tree_tokens", "tree_parents"):
+            o[p + k] = np.concatenate([f["golden/" + p + k], [-1, 7] if k == "tree_tokens" else [-1, 0]])
+    o[p + "verify_argmax"] = np.concatenate([out[p + "verify_argmax"], [3, 3]])
+    o[p + "accepted"] = np.concatenate([out[p + "accepted"], [0]])
+    o[p + "accepted_offsets"] = np.concatenate([out[p + "accepted_offsets"], [out[p + "accepted_offsets"][-1] + 1]])
+    o[p + "round_bonus"] = np.concatenate([out[p + "round_bonus"], [3]])
+    o[p + "counters"] = out[p + "counters"] + 1
+    o[p + "path_logits"] = np.concatenate([out[p + "path_logits"], out[p + "path_logits"][-1:]])
+    v = judged(small_bundle, tmp_path, o, meta)
+    rounds = check(v, "p0/ddtree/rounds")
+    assert rounds.status == "fail" and "the engine ran" in rounds.message, where(v)
+    assert v.exit_code == ExitCode.DDTREE, where(v)
+
+
+def test_an_object_that_is_not_an_engine_is_an_engine_error_before_the_run(small_bundle):
+    class Half:
+        name, dtype, supports_teacher_forcing = "half", "float32", False
+
+        def load(self, bundle): ...
+
+    v = verify(small_bundle, engine=Half())
+    assert v.exit_code == ExitCode.ENGINE_ERROR, where(v)
+    assert "method decode() missing" in check(v, "engine/run").message
