@@ -86,8 +86,9 @@ def _grid(v: Verdict, say) -> None:
         if m and c.kind == "numeric":
             cells.setdefault(int(m["p"]), {}).setdefault(int(m["layer"]), {}).setdefault(
                 m["phase"], {})[m["tap"]] = c.status
-    if not cells:
-        return
+    if not cells or all(st == "pass" for pr in cells.values() for lay in pr.values()
+                        for taps in lay.values() for st in taps.values()):
+        return                                     # nothing to point at: the counts line says it
     taps = {ph: [t for t in TAP_LETTERS if any(t in lay.get(ph, {}) for pr in cells.values() for lay in pr.values())]
             for ph in ("prefill", "ar")}
     head = lambda ph: "".join(TAP_LETTERS[t] for t in taps[ph])  # noqa: E731
@@ -129,9 +130,12 @@ def _worst(v: Verdict, say, limit: int | None) -> None:
     say(f"numeric failures, worst first ({len(shown)} of {len(bad)}; -v or the reports for the rest):")
     for c in shown:
         r = error_ratio(c)
-        nums = ", ".join(f"{k}={fmt_value(c.metrics[k])}" for k in ("max_abs", "nmse", "mismatch_count")
-                         if c.metrics.get(k) is not None)
-        say(f"  {c.name}  {'' if r is None else f'{r:.3g}x tolerance, '}{nums}")
+        parts = []
+        for metric, limit in (("max_abs", "atol"), ("nmse", "nmse"), ("mismatch_count", None)):
+            if c.metrics.get(metric) is not None:
+                bound = f" (limit {fmt_value(c.tolerance[limit])})" if c.tolerance.get(limit) else ""
+                parts.append(f"{metric}={fmt_value(c.metrics[metric])}{bound}")
+        say(f"  {c.name}  {'' if r is None else f'{r:.3g}x tolerance: '}{', '.join(parts)}")
 
 
 def _tables(v: Verdict, console: Console) -> None:

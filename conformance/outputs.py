@@ -27,8 +27,6 @@ REQUIRED = ("prefill/logits", "ar/logits", "ar/tokens", "ddtree/tokens", "ddtree
             "ddtree/path_logits")
 # An engine that drafts with its own drafter reports its trees; both or neither.
 OWN_TREES = ("ddtree/tree_tokens", "ddtree/tree_parents")
-# How a float record is stored, per compute dtype (NumPy dtype of the array).
-FLOAT_STORAGE = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.float16}
 
 
 class InvalidOutputs(ValueError):
@@ -58,11 +56,10 @@ def validate_outputs(f, out: dict, dtype: str = "float32") -> list[str]:
 
 def widened(out: dict, dtype: str) -> dict:
     """The outputs with float records as float32 (bfloat16 bits and float16 widen exactly)."""
-    store = FLOAT_STORAGE[dtype]
     wide = {}
     for k, v in out.items():
         a = np.asarray(v)
-        if store is np.uint16 and a.dtype == np.uint16:
+        if dtype == "bfloat16" and a.dtype == np.uint16:
             a = bfloat16_to_float32(a)
         elif a.dtype == np.float16:
             a = a.astype(np.float32)
@@ -87,7 +84,7 @@ class _Checker:
                 self.bad(name, "is missing (required)")
             return None
         a = np.asarray(self.out[self.p + name])
-        want = "int64" if kind == "int" else ("bfloat16" if self.dtype == "bfloat16" else self.dtype)
+        want = "int64" if kind == "int" else self.dtype
         got = storage_name(a, self.dtype)
         dims = ", ".join("*" if s is None else str(s) for s in shape)
         if got != want or a.ndim != len(shape) or any(s is not None and s != d for s, d in zip(shape, a.shape)):

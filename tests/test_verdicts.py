@@ -272,3 +272,11 @@ def test_an_object_that_is_not_an_engine_is_an_engine_error_before_the_run(small
     v = verify(small_bundle, engine=Half())
     assert v.exit_code == ExitCode.ENGINE_ERROR, where(v)
     assert "method decode() missing" in check(v, "engine/run").message
+
+
+def test_python_dash_m_cli_main_runs_the_cli():
+    """`python -m cli.main verify ...` (how a source tree runs kdtr) used to exit 0 doing nothing."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "cli.main", "verify", "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "--require-coverage" in r.stdout, r.stderr
