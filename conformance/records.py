@@ -103,10 +103,15 @@ def bundle_as_outputs(d) -> dict:
     return out
 
 
-def write_dump(out: dict, path: str, engine_name: str, dtype: str, bundle_command: str = "") -> None:
-    """A run dump (docs/run-dump.md) of a live engine's outputs: what an external engine writes."""
+def write_dump(out: dict, path: str, engine_name: str, dtype: str, bundle_command: str = "",
+               engine_info: dict | None = None) -> None:
+    """A run dump (docs/run-dump.md) of a live engine's outputs: what an external engine writes.
+    engine_info: the engine's own provenance (`dump_metadata()`, e.g. the CUDA engine's device and source
+    hash), stored under metadata "engine_info"."""
 
     meta = {"schema": DUMP_SCHEMA, "engine": engine_name, "dtype": dtype, "bundle_command": bundle_command}
+    if engine_info:
+        meta["engine_info"] = engine_info
     bf16 = lambda v: dtype == "bfloat16" and v.dtype == np.uint16  # noqa: E731 - raw bf16 bit patterns
     write_kdtr(path, ((k, Tensor(np.ascontiguousarray(v), dtype="bfloat16") if bf16(v) else np.ascontiguousarray(v))
                       for k, v in out.items()), meta)

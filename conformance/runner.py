@@ -61,7 +61,8 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
             checks.append(CheckResult(label, "error", kind, {"problems": e.problems}, message=str(e)))
             return make_verdict(name, bundle, checks)
         if save_dump and dump is None:
-            write_dump(out, save_dump, name, dtype, f.metadata.get("provenance", {}).get("command", ""))
+            own = engine.dump_metadata() if callable(getattr(engine, "dump_metadata", None)) else None
+            write_dump(out, save_dump, name, dtype, f.metadata.get("provenance", {}).get("command", ""), own)
         if first is not None and engine is not None and dump is None:
             try:
                 first = localize(engine, f, first, judged, out, overrides, dtype)
