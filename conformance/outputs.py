@@ -77,11 +77,11 @@ class _Checker:
     def bad(self, name: str, msg: str) -> None:
         self.problems.append(f"{self.p}{name} {msg}")
 
-    def get(self, name: str, kind: str, shape: tuple, required: bool = True):
-        """`kind` "int" (int64) or "float" (the compute dtype); `shape` entries None = any length."""
+    def get(self, name: str, kind: str, shape: tuple):
+        """`kind` "int" (int64) or "float" (the compute dtype); `shape` entries None = any length. A name
+        not reported is a problem: callers ask only for required records, or optional ones present."""
         if self.p + name not in self.out:
-            if required:
-                self.bad(name, "is missing (required)")
+            self.bad(name, "is missing (required)")
             return None
         a = np.asarray(self.out[self.p + name])
         want = "int64" if kind == "int" else self.dtype
@@ -92,16 +92,14 @@ class _Checker:
             return None
         return a
 
-    def in_range(self, name: str, a, lo: int, hi: int, what: str) -> bool:
-        """Every value of `a` in [lo, hi)."""
+    def in_range(self, name: str, a, lo: int, hi: int, what: str) -> None:
+        """Note the first value of `a` (a record that passed `get`, or None) outside [lo, hi)."""
         if a is None or a.size == 0:
-            return True
-        bad = np.nonzero((a < lo) | (a >= hi))[0] if a.ndim == 1 else np.argwhere((a < lo) | (a >= hi))
+            return
+        bad = np.argwhere((a < lo) | (a >= hi))
         if len(bad):
-            at = tuple(int(x) for x in np.atleast_1d(bad[0]))
+            at = tuple(int(x) for x in bad[0])
             self.bad(name, f"holds {int(a[at])} at {list(at)}: {what} must be in [{lo}, {hi})")
-            return False
-        return True
 
 
 def _prompt_problems(f, i: int, out: dict, dtype: str, cfg: ModelConfig) -> list[str]:
@@ -199,7 +197,7 @@ def _tree_problems(f, g: str, c: _Checker, R: int, V: int) -> np.ndarray | None:
     if tok is None or par is None:
         return None
     own = tree_offsets(f, g, c.out, c.p, R)
-    if len(own) != R + 1 or (R and own[0] != 0):
+    if len(own) != R + 1 or own[0] != 0:                                 # rows before a root: orphans
         c.bad(OWN_TREES[1], f"has {len(own) - 1} root rows (parent -1); expected {R}, one per round, "
                             f"the first at row 0")
         return None
