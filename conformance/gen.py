@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from conformance.profiles import bf16_profile
 from conformance.records import BUNDLE_SCHEMA, offsets, ragged
 from conformance.tolerance import DEFAULT_FLOOR_ULPS, DEFAULT_MULTIPLIER, derive_tolerance
 from kdtr_format import Tensor, bfloat16_to_float32, float32_to_bfloat16, open_kdtr, write_kdtr
@@ -425,6 +426,8 @@ def generate_bundle(m: Model, s: GenSettings, out: str, progress=None) -> dict:
                 progress(f"redraw p{i}: {why[:60]}", 1, 1, None)
             pgs[i] = golden_for_prompt(m, W64, random_prompt(m.cfg, s.seed, i, draws[i]), s.max_new_tokens,
                                        s.budget)
+    # Precision profiles beyond fp32 (conformance/profiles.py): same prompts, same rule, other dtypes.
+    man["profiles"] = {"bf16": bf16_profile(m.cfg, W64, [(pg.prompt, pg.tokens, pg.g64) for pg in pgs], s.quant)}
     meta = {
         "schema": BUNDLE_SCHEMA,
         "model_config": m.cfg.to_dict(),

@@ -1,44 +1,82 @@
 // MLA attention in the absorbed latent form over the latent cache, one (token, head) per block:
-//   score[s] = (q_lat[t,h] . c_kv[s] + q_pe[t,h] . k_pe[s]) * scale + mask(t, s)
-//   p = softmax(score);  o_lat[t,h] = sum_s p[s] c_kv[s]
-// q_lat = q_nope @ W_uk and o = o_lat @ W_uv^T are batched linear_kernel launches (linear.cu).
-// Contract (float32): q_lat [T, H, C]; q [T, H, A] with the rotated q_pe at offset N of each head;
-// cache c_kv [S_cap, C], k_pe [S_cap, R] of this layer, rows 0 .. S-1 valid, S = meta[0] + T
-// (meta[0] = rows cached before this forward, read on the device so a replayed graph follows the cache);
-// mask: NULL = causal (token t sees rows s <= meta[0] + t), else additive float32 [T, mask_stride]
-// (0 visible, -inf hidden: DDTree verification); scores: scratch [T * H, S_cap]; o_lat [T, H, C].
-// Launch: grid (T * H), block BLOCK_THREADS, shared memory (C + R) floats + BLOCK_THREADS floats.
-// Determinism: a warp owns whole rows s (lanes split C, fixed butterfly); max and sum are fixed block
-// trees; each thread owns output columns c and sums over s in order. No atomics.
-// Limits: C + R <= ATTN_MAX_QK (the query row lives in shared memory; K2.6: 512 + 64).
+//   q_pe <- rope(q_pe) (written back: q is the `q` tap)                rope.cuh
+//   q_lat = q_nope @ W_uk[h]                                           [N] -> [C]
+//   score[s] = (q_lat . c_kv[s] + q_pe . k_pe[s]) * scale + mask(t, s)
+//   p = softmax(score);  o_lat = sum_s p[s] c_kv[s];  o = W_uv[h] @ o_lat   [C] -> [U]
+// Contract (float32): q [T, H, A], q_nope at 0..N-1 and q_pe at N..A-1 of each head, q_pe rotated in place
+// at positions[t] (int32 [T], device) with inv_freq float64 [R/2];
+// w_uk [H, N, C] and w_uv [H, U, C] (kv_b_proj split per head, as stored); this layer's cache
+// c_kv [S_cap, C], k_pe [S_cap, R], rows 0 .. S-1 valid, S = meta[0] + T (meta[0] = rows cached before
+// this forward, read on the device so a replayed graph follows the cache); mask: NULL = causal (token t
+// sees rows s <= meta[0] + t), else additive float32 [T, mask_stride] (0 visible, -inf hidden: DDTree
+// verification); scores: scratch [T * H, S_cap]; o [T, H, U].
+// Launch: grid (T * H), block BLOCK_THREADS, static shared memory ~23 KB at the limits below.
+// Work split, for memory-level parallelism (at decode the block is latency-bound, not bandwidth-bound):
+// scores and o = W_uv o_lat use 8-lane groups per row (4 rows per warp at once: a 64..512-wide row is
+// 2..16 loads per lane, so a whole warp per row would spend its time in shuffles); q_lat and o_lat split
+// their sum over n (resp. s) across the 8 warps (n = w mod 8), then add the 8 partial rows in order.
+// Absorbing W_uk / W_uv and the q rope here saves three launches per layer. Determinism: every sum has a fixed order (loops, fixed butterflies, fixed trees).
+// Limits: C <= ATTN_MAX_C, R <= ATTN_MAX_R, N <= ATTN_MAX_N (shared arrays; K2.6: 512, 64, 128).
 #include "common.cuh"
+#include "rope.cuh"
 
-#define ATTN_MAX_QK 1024
+#define ATTN_MAX_C 512
+#define ATTN_MAX_R 128
+#define ATTN_MAX_N 256
+#define ROW_LANES 8                         // lanes that share one cache row in the score pass
 
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS)
-mla_attention_kernel(const float* __restrict__ q_lat, const float* __restrict__ q,
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
+mla_attention_kernel(float* __restrict__ q, const int* __restrict__ positions, const double* __restrict__ inv_freq,
+                     double attn_factor, const float* __restrict__ w_uk, const float* __restrict__ w_uv,
                      const float* __restrict__ c_kv, const float* __restrict__ k_pe,
                      const int* __restrict__ meta, const float* __restrict__ mask, int mask_stride,
-                     float* __restrict__ scores, int S_cap, float* __restrict__ o_lat,
-                     int H, int C, int R, int A, int N, float scale) {
-    __shared__ float qs[ATTN_MAX_QK];
+                     float* __restrict__ scores, int S_cap, float* __restrict__ o,
+                     int H, int C, int R, int N, int U, float scale) {
+    __shared__ float qn[ATTN_MAX_N];
+    __shared__ float qs[ATTN_MAX_C + ATTN_MAX_R];   // q_lat then q_pe
+    __shared__ float ol[ATTN_MAX_C];
+    __shared__ float part[WARPS_PER_BLOCK][ATTN_MAX_C];
     __shared__ float buf[BLOCK_THREADS];
-    const int th = blockIdx.x, t = th / H, h = th % H;
+    const int th = blockIdx.x, t = th / H, h = th % H, A = N + R;
     const int T = gridDim.x / H, S0 = meta[0], S = S0 + T;
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
-    for (int i = threadIdx.x; i < C; i += blockDim.x) qs[i] = q_lat[(size_t)th * C + i];
-    for (int i = threadIdx.x; i < R; i += blockDim.x) qs[C + i] = q[(size_t)th * A + N + i];
+    float* qr = q + (size_t)th * A;
+    for (int i = threadIdx.x; i < N; i += blockDim.x) qn[i] = qr[i];
+    for (int i = threadIdx.x; i < R / 2; i += blockDim.x) {  // rope on q_pe: this block owns q[t, h]
+        float y0, y1;
+        rope_pair(qr[N + 2 * i], qr[N + 2 * i + 1], (double)positions[t], inv_freq[i], attn_factor, &y0, &y1);
+        qs[C + 2 * i] = qr[N + 2 * i] = y0;
+        qs[C + 2 * i + 1] = qr[N + 2 * i + 1] = y1;
+    }
+    __syncthreads();
+    const float* wk = w_uk + (size_t)h * N * C;
+    for (int c = lane; c < C; c += WARP_SIZE) {              // 0. q_lat: warp w sums n = w (mod 8), lanes
+        float acc = 0.0f;                                     //    over c (coalesced W_uk rows); the loads of
+        for (int n = warp; n < N; n += WARPS_PER_BLOCK) acc += qn[n] * wk[(size_t)n * C + c];  // a thread are
+        part[warp][c] = acc;                                  //    independent: one memory round trip, not N
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        float acc = 0.0f;
+        for (int w = 0; w < WARPS_PER_BLOCK; ++w) acc += part[w][c];
+        qs[c] = acc;
+    }
     __syncthreads();
     float* sc = scores + (size_t)th * S_cap;
 
-    for (int s = warp; s < S; s += WARPS_PER_BLOCK) {        // 1. scores, a warp per cached row
+    const int g = lane % ROW_LANES, rows_per_pass = BLOCK_THREADS / ROW_LANES;
+    for (int s0 = 0; s0 < S; s0 += rows_per_pass) {          // 1. scores, 8 lanes per cache row
+        const int s = s0 + threadIdx.x / ROW_LANES;
         float acc = 0.0f;
-        for (int i = lane; i < C; i += WARP_SIZE) acc += qs[i] * c_kv[(size_t)s * C + i];
-        float rope = 0.0f;
-        for (int i = lane; i < R; i += WARP_SIZE) rope += qs[C + i] * k_pe[(size_t)s * R + i];
-        acc = warp_sum(acc) + warp_sum(rope);
-        float m = mask ? mask[(size_t)t * mask_stride + s] : (s <= S0 + t ? 0.0f : -INFINITY);
-        if (lane == 0) sc[s] = acc * scale + m;
+        if (s < S) {
+            for (int i = g; i < C; i += ROW_LANES) acc += qs[i] * c_kv[(size_t)s * C + i];
+            for (int i = g; i < R; i += ROW_LANES) acc += qs[C + i] * k_pe[(size_t)s * R + i];
+        }
+        for (int off = ROW_LANES / 2; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+        if (s < S && g == 0) {
+            const float m = mask ? mask[(size_t)t * mask_stride + s] : (s <= S0 + t ? 0.0f : -INFINITY);
+            sc[s] = acc * scale + m;
+        }
     }
     __syncthreads();
 
@@ -56,9 +94,26 @@ mla_attention_kernel(const float* __restrict__ q_lat, const float* __restrict__ 
     for (int s = threadIdx.x; s < S; s += blockDim.x) sc[s] = sc[s] * inv;
     __syncthreads();
 
-    for (int c = threadIdx.x; c < C; c += blockDim.x) {      // 3. o_lat = p @ c_kv, s in order
+    for (int c = lane; c < C; c += WARP_SIZE) {              // 3. o_lat: warp w sums rows s = w (mod 8)
         float acc = 0.0f;
-        for (int s = 0; s < S; ++s) acc += sc[s] * c_kv[(size_t)s * C + c];
-        o_lat[(size_t)th * C + c] = acc;
+        for (int s = warp; s < S; s += WARPS_PER_BLOCK) acc += sc[s] * c_kv[(size_t)s * C + c];
+        part[warp][c] = acc;
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        float acc = 0.0f;
+        for (int w = 0; w < WARPS_PER_BLOCK; ++w) acc += part[w][c];
+        ol[c] = acc;
+    }
+    __syncthreads();
+
+    const float* wv = w_uv + (size_t)h * U * C;              // 4. o = W_uv o_lat, 8 lanes per output u
+    for (int u0 = 0; u0 < U; u0 += rows_per_pass) {
+        const int u = u0 + threadIdx.x / ROW_LANES;
+        float acc = 0.0f;
+        if (u < U)
+            for (int c = g; c < C; c += ROW_LANES) acc += ol[c] * wv[(size_t)u * C + c];
+        for (int off = ROW_LANES / 2; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+        if (u < U && g == 0) o[(size_t)th * U + u] = acc;
     }
 }
