@@ -19,7 +19,7 @@ import numpy as np
 
 from cuda_engine.build import engine_source_hash
 from cuda_engine.device import CudaEngineError, DevBuf, device_info, driver
-from cuda_engine.ops import ATTN_MAX_C, ATTN_MAX_N, ATTN_MAX_Q, ATTN_MAX_R, MOE_MAX_SLOTS, ROUTER_MAX_E, ROUTER_MAX_GROUPS, Ops
+from cuda_engine.ops import ATTN_MAX_C, ATTN_MAX_N, ATTN_MAX_Q, ATTN_MAX_R, ATTN_MAX_SPLIT, MOE_MAX_SLOTS, ROUTER_MAX_E, ROUTER_MAX_GROUPS, Ops
 from cuda_engine.weights import layer_arrays, load_weights
 from refmodel.config import ModelConfig
 from refmodel.model import tap_names, yarn_inv_freq
@@ -106,8 +106,9 @@ class CudaEngine:
                              ("act", (T_cap * S, I), f), ("y_slots", (T_cap * S, D), f), ("final", (T_cap, D), f),
                              ("logits", (T_cap, c.vocab_size), f), ("ids", (T_cap,), i), ("positions", (T_cap,), i),
                              ("argmax", (T_cap,), i), ("keep", (T_cap,), i), ("mask", (T_cap, S_cap), f),
-                             ("scores", (T_cap * H, S_cap), f)):
+                             ("scores", (T_cap * H, S_cap), f), ("partials", (T_cap * H * ATTN_MAX_SPLIT, C + 2), f)):
             self.buf[k] = DevBuf(shape, dt)
+        self.buf["tickets"] = DevBuf.from_array(np.zeros(T_cap * H, i))   # attention's split merge: zero between launches
         self.buf["dense_slots"] = DevBuf.from_array(np.zeros(T_cap, i))
         self.T_cap = T_cap
         self._drop_graph()
@@ -264,7 +265,7 @@ class CudaEngine:
         # absorbed MLA over the latent cache (q_b_proj, q rope, W_uk and W_uv inside), then o_proj
         o.mla_attention(b["cq"], w["q_b"], q, b["positions"], self.inv_freq, c.rope_attention_factor, w["w_uk"],
                         w["w_uv"], ckv, kpe, self.meta, b["mask"] if masked else None, self.S_cap, b["scores"],
-                        self.S_cap, b["o"], T, R, c.softmax_scale)                    # [T, Q] -> [T, H, U]
+                        self.S_cap, b["partials"], b["tickets"], b["o"], T, R, c.softmax_scale)                    # [T, Q] -> [T, H, U]
         o.linear(b["o"], w["o_proj"], b["attn_out"].view(l), T, H * U, D)             # [T, H U] -> [T, D]
         o.add_rms_norm(h_in, b["attn_out"].view(l), b["resid_attn"].view(l), w["post_ln"], b["mlp_in"].view(l),
                        T, c.rms_norm_eps)

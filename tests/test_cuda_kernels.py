@@ -167,8 +167,13 @@ def test_mla_attention(ops, T, H, C, R, N, U, Q, S0, tree):
     mask_d = dev(np.pad(mask, ((0, 0), (0, 3)), constant_values=-np.inf).astype(np.float32)) if tree else None
     scores = dev(np.zeros((T * H, S_cap), np.float32))
     o, q_d = dev(np.zeros((T, H, U), np.float32)), dev(np.zeros((T, H, N + R), np.float32))
+    from cuda_engine.ops import ATTN_MAX_SPLIT
+
+    partials, tickets = dev(np.zeros((T * H * ATTN_MAX_SPLIT, C + 2), np.float32)), dev(np.zeros(T * H, np.int32))
     run(ops, ops.mla_attention, dev(cq), dev(w_qb), q_d, dev(positions, np.int32), dev(inv_freq), 1.0, dev(w_uk),
-        dev(w_uv), ckv_d, kpe_d, dev(np.array([S0, 0, 0, 0], np.int32)), mask_d, S_cap, scores, S_cap, o, T, R, scale)
+        dev(w_uv), ckv_d, kpe_d, dev(np.array([S0, 0, 0, 0], np.int32)), mask_d, S_cap, scores, S_cap, partials,
+        tickets, o, T, R, scale)
+    np.testing.assert_array_equal(tickets.get(), 0)              # left ready for the next launch
     f64 = lambda a: a.astype(np.float64)  # noqa: E731
     angle = np.einsum("t,r->tr", positions.astype(np.float64), inv_freq)            # the oracle's rope_cos_sin
     cos, sin = np.cos(angle), np.sin(angle)
