@@ -12,9 +12,7 @@ from __future__ import annotations
 import html
 import json
 import math
-import os
 import re
-import tempfile
 import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,6 +23,7 @@ from rich.panel import Panel
 from rich.table import Table
 
 from conformance.exit_codes import ExitCode
+from kdtr_format.paths import write_atomically
 
 STATUSES = ("pass", "fail", "error", "skip")
 KINDS = ("integrity", "numeric", "tokens", "ddtree")
@@ -142,19 +141,13 @@ def verdict_dict(v: Verdict) -> dict:
 
 
 def _atomic_write(path: str | Path, data: str) -> None:
-    """Write to a temp file beside `path`, fsync, then os.replace: readers never see half a report."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+    """Readers never see half a report (kdtr_format.paths.write_atomically); a device, FIFO or
+    /dev/stdout given as the report path is written directly, never replaced by a file."""
+    def write(p: str) -> None:
+        with open(p, "w", encoding="utf-8") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)                 # mkstemp makes 0600; a report is for CI and people to read
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+
+    write_atomically(path, write, stream_ok=True)
 
 
 def write_json(v: Verdict, path: str | Path) -> None:

@@ -11,13 +11,13 @@ import json
 import mmap
 import os
 import struct
-import tempfile
 
 import numpy as np
 import safetensors
 
 from kdtr_format import spec
 from kdtr_format.errors import InvalidDtypeError, MetadataError, SafetensorsInputError
+from kdtr_format.paths import check_regular, write_atomically
 from kdtr_format.reader import open_kdtr
 from kdtr_format.writer import Tensor, write_kdtr
 
@@ -39,11 +39,11 @@ def export_safetensors(kdtr_path, out_dir) -> tuple[str, str]:
                  for name, v in views.items()}
         int4 = {n: list(f.info(n).int4_shape) for n in f if f.info(n).int4_shape is not None}
         st_meta = {META_KEY: _dumps(f.metadata), INT4_KEY: _dumps(int4), ORDER_KEY: _dumps(f.names)}
-        _atomic(st_path, lambda tmp: safetensors.serialize_file(specs, tmp, st_meta))
+        write_atomically(st_path, lambda tmp: safetensors.serialize_file(specs, tmp, st_meta))
         metadata = f.metadata
         del views, specs
     text = json.dumps(metadata, indent=2, sort_keys=True) + "\n"
-    _atomic(meta_path, lambda tmp: _write_text(tmp, text))
+    write_atomically(meta_path, lambda tmp: _write_text(tmp, text))
     return st_path, meta_path
 
 
@@ -110,18 +110,3 @@ def _kdtr_metadata(st_path: str, st_meta: dict) -> tuple[dict, dict, list]:
 
 def _dumps(obj) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"))
-
-
-def _atomic(path: str, write) -> None:
-    """Run write(tmp) on a temp file beside path, then rename it over path."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
-                               prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
