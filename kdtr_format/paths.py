@@ -25,12 +25,10 @@ import stat
 import threading
 from typing import BinaryIO, Callable
 
+from kdtr_format.errors import NotARegularFileError
+
 TEMP_SUFFIX = ".kdtr-tmp"
 _NAME_CHARS = 120   # of the target's name kept in the temp name: NAME_MAX is 255 bytes
-
-
-class NotARegularFileError(OSError):
-    """An input path names a FIFO, device, socket or directory instead of a regular file."""
 
 
 class OutputPathError(OSError):
@@ -50,16 +48,16 @@ def _kind(mode: int) -> str:
 # ---- inputs -------------------------------------------------------------------------------------
 
 def open_regular(path, what: str = "input") -> BinaryIO:
-    """Open path for binary reading; raise NotARegularFileError (without blocking) unless it is a
-    regular file. O_NONBLOCK makes open() return at once on a FIFO; fstat then tells what it is."""
+    """Open path for binary reading; raise NotARegularFileError (a KdtrError and an OSError), without
+    blocking, unless it is a regular file. O_NONBLOCK makes open() return at once on a FIFO; fstat then tells what it is."""
     path = os.fspath(path)
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             raise NotARegularFileError(
-                errno.EINVAL, f"{what} {path} is {_kind(mode)}, not a regular file; pass a file "
-                              f"(kdtr never reads from pipes or devices: they can block forever)")
+                f"{what} {path} is {_kind(mode)}, not a regular file; pass a file (kdtr never reads "
+                f"from pipes or devices: they can block forever)")
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
     except BaseException:

@@ -21,7 +21,8 @@ from kdtr_format import spec
 from kdtr_format.errors import (
     DuplicateNameError, HeaderTooLargeError, InvalidDtypeError, MetadataError)
 from kdtr_format.paths import write_atomically
-from kdtr_format.reader import check_dtype, check_int4_shape, check_name, check_shape, header_digest
+from kdtr_format.checks import (
+    check_dtype, check_int4_pairs, check_int4_shape, check_name, check_shape, header_digest)
 
 # numpy dtype (byte order ignored) -> kdtr dtype name; uint16 is absent: bfloat16 must be explicit.
 _BY_NUMPY = {dt.newbyteorder("="): name for name, dt in spec.DTYPES.items() if name != "bfloat16"}
@@ -113,6 +114,8 @@ def write_kdtr(path, tensors, metadata: dict) -> None:
         with open(tmp, "wb") as fh:
             fh.write(bytes(spec.PREAMBLE_SIZE))  # placeholder: the preamble is written last
             entries = _write_data(fh, tensors, path)
+            check_int4_pairs({e["name"]: (e["dtype"], e["shape"], e.get("int4_shape")) for e in entries},
+                             path)
             header = _header_bytes(plain_meta, entries, path)
             header_offset = fh.tell()
             fh.write(header)
