@@ -18,7 +18,7 @@ _DEPTH_STEP = np.zeros(256, np.int8)  # byte -> nesting change: [ { open, ] } cl
 _DEPTH_STEP[[ord("["), ord("{")]], _DEPTH_STEP[[ord("]"), ord("}")]] = 1, -1
 _ITEM = np.zeros(256, bool)           # structural characters counted against MAX_JSON_ITEMS
 _ITEM[[ord("["), ord("{"), ord(","), ord(":")]] = True
-_SCAN_CHUNK = 1 << 18                 # bytes per numpy pass: bounds the scan's memory to ~10 MB
+_SCAN_CHUNK = 1 << 16                 # bytes per numpy pass: bounds the scan's temporaries to ~1 MB
 
 
 def check_name(name, where: str) -> None:
@@ -115,26 +115,26 @@ def header_digest(preamble: bytes, header: bytes) -> bytes:
 
 def scan_json(raw: bytes) -> tuple[int, int]:
     """(maximum nesting depth of [ and {, count of the structural characters [ { , : ) outside
-    JSON strings, before any parsing: no recursion, no object per value, memory bounded by the
-    chunk size. A quote is escaped when an odd run of backslashes precedes it; outside strings
-    JSON has no backslashes, so this is exact for valid JSON, and for invalid JSON it counts at
-    least what a parser builds before it reaches the first error."""
+    JSON strings, before any parsing: no recursion, no object per value, temporaries bounded by
+    the chunk size (~16 bytes per byte of a chunk). A quote is escaped when an odd run of
+    backslashes precedes it; outside strings JSON has no backslashes, so this is exact for valid
+    JSON, and for invalid JSON it counts at least what a parser builds before the first error."""
     depth = level = items = 0
     quotes = 0        # unescaped quotes so far: odd = inside a string
     run = 0           # backslashes ending the previous chunk
     for start in range(0, len(raw), _SCAN_CHUNK):
         a = np.frombuffer(raw, np.uint8, count=min(_SCAN_CHUNK, len(raw) - start), offset=start)
-        idx = np.arange(a.size, dtype=np.int64)
+        quote = a == ord('"')
         backslash = a == ord("\\")
-        last_plain = np.maximum.accumulate(np.where(backslash, -1 - run, idx))  # last non-backslash
-        run_before = np.empty(a.size, np.int64)   # backslashes right before each byte
-        run_before[0] = run
-        run_before[1:] = idx[:-1] - last_plain[:-1]
-        quote = (a == ord('"')) & (run_before % 2 == 0)
-        outside = (np.cumsum(quote, dtype=np.int64) + quotes) % 2 == 0
-        c = np.cumsum(_DEPTH_STEP[a] * outside, dtype=np.int64) + level
-        depth, level = max(depth, int(c.max())), int(c[-1])
+        if run or backslash.any():   # rare in headers: most have no escapes at all
+            idx = np.arange(a.size, dtype=np.int32)
+            last_plain = np.maximum.accumulate(np.where(backslash, -1 - run, idx))  # last non-backslash
+            quote[0] &= run % 2 == 0
+            quote[1:] &= (idx[:-1] - last_plain[:-1]) % 2 == 0   # even run of backslashes before it
+            run = int(a.size - 1 - last_plain[-1])
+        outside = (np.cumsum(quote, dtype=np.int32) + quotes % 2) % 2 == 0
+        c = np.cumsum(_DEPTH_STEP[a] * outside, dtype=np.int32)
+        depth, level = max(depth, level + int(c.max())), level + int(c[-1])
         items += int(np.count_nonzero(_ITEM[a] & outside))
         quotes += int(np.count_nonzero(quote))
-        run = int(a.size - 1 - last_plain[-1])
     return depth, items
