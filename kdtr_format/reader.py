@@ -194,11 +194,7 @@ class KdtrFile:
                 check_int4_shape(info.name, info.dtype, info.shape, info.int4_shape, p)
         self._infos: dict[str, TensorInfo] = {}
         for info in entries:
-            name = info.name
-            if type(name) is not str or not 0 < len(name) <= spec.MAX_NAME_BYTES \
-                    or not name.isascii() or not name.isprintable():
-                check_name(name, p)
-            if name in self._infos:
+            if info.name in self._infos:
                 raise DuplicateNameError(f"{p}: tensor name '{info.name}' appears twice; {REGENERATE}")
             self._infos[info.name] = info
         check_int4_pairs({n: (i.dtype, i.shape, i.int4_shape) for n, i in self._infos.items()
@@ -221,7 +217,11 @@ class KdtrFile:
                 and 0 <= nbytes <= spec.MAX_INT and type(shape) is list and type(sha) is str
                 and _HEX64.fullmatch(sha) and (type(int4) is list or "int4_shape" not in keys)):
             self._entry_error(i, e)
-        return TensorInfo(e["name"], e["dtype"], tuple(shape), offset, nbytes, sha,
+        name = e["name"]  # checked here, so that every later message can quote it on one line
+        if type(name) is not str or not 0 < len(name) <= spec.MAX_NAME_BYTES \
+                or not name.isascii() or not name.isprintable():
+            check_name(name, p)
+        return TensorInfo(name, e["dtype"], tuple(shape), offset, nbytes, sha,
                           tuple(int4) if int4 is not None else None)
 
     def _entry_error(self, i: int, e: dict) -> None:

@@ -248,3 +248,11 @@ def test_a_fifo_is_refused_without_blocking(tmp_path):
         pytest.fail("open_kdtr blocked on a FIFO")
     assert result["error"] == (f"kdtr file {fifo} is a FIFO, not a regular file; pass a file (kdtr never "
                                f"reads from pipes or devices: they can block forever)")
+
+
+def test_names_are_checked_before_any_message_quotes_them(p):
+    """Regression (found by the long fuzz run): a name with a newline and a bad shape gave a two-line
+    shape error; the name is now checked with the entry's types, before any message quotes it."""
+    with pytest.raises(InvalidNameError, match=r"tensor name 'w\\n' is invalid") as e:
+        open_kdtr(craft(p, tensors=[entry(name="w\n", shape=["4"])]))
+    assert "\n" not in str(e.value)
