@@ -28,3 +28,7 @@ from cli.import_cmd import import_cmd; main.add_command(import_cmd)  # noqa: E40
 from cli.gen_cmd import gen_cmd; main.add_command(gen_cmd)  # noqa: E402,E702
 from cli.verify_cmd import verify_cmd; main.add_command(verify_cmd)  # noqa: E402,E702
 from cli.distill_cmd import distill_cmd; main.add_command(distill_cmd)  # noqa: E402,E702
+
+
+if __name__ == "__main__":  # python -m cli.main, from a source tree
+    main()

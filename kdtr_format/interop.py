@@ -55,6 +55,7 @@ def _write_text(path: str, text: str) -> None:
 def convert_safetensors(st_path, out_path) -> None:
     """Write the tensors of a safetensors file to out_path as .kdtr (streamed, atomic)."""
     st_path = os.fspath(st_path)
+    check_regular(st_path, "safetensors file")   # a FIFO would block the safetensors reader
     try:
         with safetensors.safe_open(st_path, framework="np") as sf:  # validates the whole header
             st_meta = sf.metadata() or {}

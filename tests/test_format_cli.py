@@ -31,7 +31,7 @@ def golden(tmp_path):
 def test_inspect_table(golden):
     r = run("inspect", golden, "--check")
     assert r.exit_code == ExitCode.OK, r.output
-    assert "kdtr v1.0" in r.output and "5 tensors" in r.output and "checksums OK" in r.output
+    assert "kdtr v1.0" in r.output and "6 tensors" in r.output and "checksums OK" in r.output
     assert "w_bf16" in r.output and "bfloat16" in r.output and "1x1 (int4 1x8)" in r.output
 
 
