@@ -29,9 +29,9 @@ _KDTR_BY_ST = {code: name for name, code in spec.SAFETENSORS_DTYPES.items()}
 
 def export_safetensors(kdtr_path, out_dir) -> tuple[str, str]:
     """Write out_dir/model.safetensors and out_dir/metadata.json; return both paths."""
-    os.makedirs(out_dir, exist_ok=True)
     st_path, meta_path = os.path.join(out_dir, ST_FILE), os.path.join(out_dir, META_FILE)
-    with open_kdtr(kdtr_path, verify=True) as f:
+    with open_kdtr(kdtr_path, verify=True) as f:   # first: a bad input creates no directory
+        os.makedirs(out_dir, exist_ok=True)
         views = {name: f[name] for name in f}  # keep every view alive while safetensors reads them
         specs = {name: safetensors.TensorSpec(dtype=f.info(name).dtype, shape=list(v.shape),
                                               data_ptr=v.ctypes.data if v.nbytes else 0,
