@@ -143,11 +143,7 @@ def verdict_dict(v: Verdict) -> dict:
 def _atomic_write(path: str | Path, data: str) -> None:
     """Readers never see half a report (kdtr_format.paths.write_atomically); a device, FIFO or
     /dev/stdout given as the report path is written directly, never replaced by a file."""
-    def write(p: str) -> None:
-        with open(p, "w", encoding="utf-8") as f:
-            f.write(data)
-
-    write_atomically(path, write, stream_ok=True)
+    write_atomically(path, lambda fh: fh.write(data.encode("utf-8")), stream_ok=True)
 
 
 def write_json(v: Verdict, path: str | Path) -> None:

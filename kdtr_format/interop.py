@@ -39,17 +39,13 @@ def export_safetensors(kdtr_path, out_dir) -> tuple[str, str]:
                  for name, v in views.items()}
         int4 = {n: list(f.info(n).int4_shape) for n in f if f.info(n).int4_shape is not None}
         st_meta = {META_KEY: _dumps(f.metadata), INT4_KEY: _dumps(int4), ORDER_KEY: _dumps(f.names)}
-        write_atomically(st_path, lambda tmp: safetensors.serialize_file(specs, tmp, st_meta))
+        # The library writes by name; fh.name is the temp file, flushed and fsync'd after.
+        write_atomically(st_path, lambda fh: safetensors.serialize_file(specs, fh.name, st_meta))
         metadata = f.metadata
         del views, specs
     text = json.dumps(metadata, indent=2, sort_keys=True) + "\n"
-    write_atomically(meta_path, lambda tmp: _write_text(tmp, text))
+    write_atomically(meta_path, lambda fh: fh.write(text.encode("utf-8")))
     return st_path, meta_path
-
-
-def _write_text(path: str, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as fh:
-        fh.write(text)
 
 
 def convert_safetensors(st_path, out_path) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import secrets
 import signal
 import stat
@@ -90,11 +91,13 @@ def check_output_path(path, stream_ok: bool = False) -> None:
                                        f"({e.strerror}); pick a writable directory") from None
 
 
-def write_atomically(path, write: Callable[[str], None], stream_ok: bool = False) -> None:
-    """Call write(p), which must write the whole content to the file named p (creating or
-    truncating it), such that `path` ends up with that content atomically (see the module doc).
-    stream_ok: a non-regular target (device, FIFO, /dev/stdout) is written directly instead of
-    being refused; only for content that needs no seeking (reports)."""
+def write_atomically(path, write: Callable[[BinaryIO], None], stream_ok: bool = False) -> None:
+    """Call write(fh) to write the whole content into fh, a new binary file (seekable; `fh.name` is
+    its path, for writers that need one), such that `path` ends up with that content atomically
+    (see the module doc). stream_ok: a target that is a device, FIFO or descriptor (/dev/stdout)
+    is written directly instead of being refused; fh is then a stream (no seek, no name) sharing
+    the descriptor's offset, so `--json /dev/stdout > log` appends to the log. Only for content
+    that needs no seeking (reports)."""
     path = os.fspath(path)
     target, st = _resolve(path, stream_ok)
     if target is None:
@@ -105,10 +108,11 @@ def write_atomically(path, write: Callable[[str], None], stream_ok: bool = False
     with _signals_raise():
         tmp = _create_temp(directory, name)
         try:
-            write(tmp)
-            if st is not None:
-                os.chmod(tmp, stat.S_IMODE(st.st_mode))   # replacing a file keeps its mode
-            with open(tmp, "rb") as fh:
+            with open(tmp, "w+b") as fh:
+                write(fh)
+                fh.flush()
+                if st is not None:
+                    os.fchmod(fh.fileno(), stat.S_IMODE(st.st_mode))   # replacing a file keeps its mode
                 os.fsync(fh.fileno())
             os.replace(tmp, target)
         except BaseException:
@@ -137,23 +141,32 @@ def _resolve(path: str, stream_ok: bool) -> tuple[str | None, os.stat_result | N
     return real, st
 
 
-def _write_direct(path: str, write: Callable[[str], None]) -> None:
-    """A device or FIFO: no temp, no rename. A FIFO with no reader fails at once (ENXIO) rather
-    than blocking; once open, the descriptor is handed to write() through /proc/self/fd."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
-    except OSError as e:
-        if e.errno != errno.ENXIO:
-            raise
-        raise OutputPathError(e.errno, f"cannot write {path}: it is a FIFO with no reader") from None
-    try:
+def _write_direct(path: str, write: Callable[[BinaryIO], None]) -> None:
+    """No temp, no rename. A descriptor link (/dev/stdout, /dev/fd/N, /proc/self/fd/N) is written
+    through a dup of that descriptor, so its offset is shared with the process's own writes; other
+    paths are opened, a FIFO with no reader failing at once (ENXIO) rather than blocking."""
+    n = _descriptor_number(path)
+    if n is not None:
+        fd = os.dup(n)
+    else:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as e:
+            if e.errno != errno.ENXIO:
+                raise
+            raise OutputPathError(e.errno, f"cannot write {path}: it is a FIFO with no reader") from None
         os.set_blocking(fd, True)
-        if os.path.isdir("/proc/self/fd"):
-            write(f"/proc/self/fd/{fd}")
-        else:
-            write(path)
-    finally:
-        os.close(fd)
+    with os.fdopen(fd, "wb") as fh:
+        write(fh)
+
+
+def _descriptor_number(path: str) -> int | None:
+    """The descriptor a path names through the /dev/std*, /dev/fd or /proc/self/fd links, if any."""
+    m = re.fullmatch(r"/dev/std(in|out|err)|/dev/fd/(\d+)|/proc/self/fd/(\d+)|/proc/%d/fd/(\d+)"
+                     % os.getpid(), os.path.abspath(path))
+    if m is None:
+        return None
+    return ("in", "out", "err").index(m[1]) if m[1] else int(m[2] or m[3] or m[4])
 
 
 def sweep_stale_temps(directory: str, name: str) -> list[str]:

@@ -110,19 +110,17 @@ def write_kdtr(path, tensors, metadata: dict) -> None:
         raise MetadataError(f"{path}: metadata is a {type(metadata).__name__}; pass a dict")
     plain_meta = _plain_json(metadata, path)
 
-    def write(tmp: str) -> None:
-        with open(tmp, "wb") as fh:
-            fh.write(bytes(spec.PREAMBLE_SIZE))  # placeholder: the preamble is written last
-            entries = _write_data(fh, tensors, path)
-            check_int4_pairs({e["name"]: (e["dtype"], e["shape"], e.get("int4_shape")) for e in entries},
-                             path)
-            header = _header_bytes(plain_meta, entries, path)
-            header_offset = fh.tell()
-            fh.write(header)
-            fh.seek(0)
-            fields = spec.PREAMBLE.pack(spec.MAGIC, spec.VERSION_MAJOR, spec.VERSION_MINOR,
-                                        spec.BYTE_ORDER_MARK, header_offset, len(header), bytes(32))
-            fh.write(fields[:spec.DIGESTED_PREAMBLE] + header_digest(fields, header))
+    def write(fh) -> None:
+        fh.write(bytes(spec.PREAMBLE_SIZE))  # placeholder: the preamble is written last
+        entries = _write_data(fh, tensors, path)
+        check_int4_pairs({e["name"]: (e["dtype"], e["shape"], e.get("int4_shape")) for e in entries}, path)
+        header = _header_bytes(plain_meta, entries, path)
+        header_offset = fh.tell()
+        fh.write(header)
+        fh.seek(0)
+        fields = spec.PREAMBLE.pack(spec.MAGIC, spec.VERSION_MAJOR, spec.VERSION_MINOR,
+                                    spec.BYTE_ORDER_MARK, header_offset, len(header), bytes(32))
+        fh.write(fields[:spec.DIGESTED_PREAMBLE] + header_digest(fields, header))
 
     write_atomically(path, write)
 

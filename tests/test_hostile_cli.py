@@ -330,3 +330,24 @@ def test_replacing_a_file_keeps_its_mode_and_a_link_keeps_pointing(tmp_path):
     from kdtr_format import open_kdtr
     with open_kdtr(target) as f:
         assert f.names == ["y"]
+
+
+STDOUT_REPORT = """
+from conformance.report import CheckResult, make_verdict, write_json
+print("console line", flush=True)
+write_json(make_verdict("stub", "b", [CheckResult("bundle/integrity", "pass", "integrity")]), "/dev/stdout")
+print("after", flush=True)
+"""
+
+
+def test_a_report_to_dev_stdout_redirected_to_a_file_keeps_the_console_lines(tmp_path):
+    """`kdtr verify --json /dev/stdout > log`: the report goes through stdout's own descriptor, so
+    it neither truncates what was printed before it nor is overwritten by what follows."""
+    log = tmp_path / "log"
+    with open(log, "w") as fh:
+        subprocess.run([sys.executable, "-c", STDOUT_REPORT], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+                       stdout=fh, check=True)
+    text = log.read_text()
+    assert text.startswith("console line\n{") and text.endswith("}\nafter\n")
+    assert json.loads(text[len("console line\n"):-len("after\n")])["verdict"] == "pass"
+    assert sorted(os.listdir(tmp_path)) == ["log"]
