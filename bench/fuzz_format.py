@@ -116,9 +116,10 @@ def _k26_directory() -> bytes:
 def hostile() -> None:
     cases = {
         "64 MiB of [] (items over the limit)": b"[" + b",".join([b"[]"] * ((MAX_HEADER_BYTES - 2) // 3)) + b"]",
-        "2^22 items of {} (at the limit)": b'{"metadata":{"x":[' + b",".join([b"{}"] * (MAX_JSON_ITEMS - 4))
+        # 8 items around the list; each {} is 2 (itself and a comma), each string 1 (a comma)
+        "2^22 items of {} (at the limit)": b'{"metadata":{"x":[' + b",".join([b"{}"] * ((MAX_JSON_ITEMS - 7) // 2))
                                            + b']},"tensors":[]}',
-        "2^22 items of short strings": b'{"metadata":{"x":[' + b",".join([b'"ab"'] * (MAX_JSON_ITEMS - 4))
+        "2^22 items of short strings": b'{"metadata":{"x":[' + b",".join([b'"ab"'] * (MAX_JSON_ITEMS - 7))
                                        + b']},"tensors":[]}',
         "one 64 MiB string": b'{"metadata":{"x":"' + b"y" * (MAX_HEADER_BYTES - 40) + b'"},"tensors":[]}',
         "1,000,000 levels deep": b"[" * 1_000_000 + b"]" * 1_000_000,

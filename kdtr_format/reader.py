@@ -131,15 +131,18 @@ class KdtrFile:
         self.header_offset, self.header_len, self.header_sha256 = hoff, hlen, digest.hex()
         # Parsing builds ~10 objects per tensor and no cycles; pausing the cyclic GC halves open time
         # for thousands of tensors (bench/bench_open.py).
+        text = self._scan_and_decode(raw)
+        del raw   # the header is held once, as text, while it is parsed (a 64 MiB string costs 128)
         gc_was_enabled = gc.isenabled()
         gc.disable()
         try:
-            self._parse_header(raw, minor)
+            self._parse_header(text, minor)
         finally:
             if gc_was_enabled:
                 gc.enable()
 
-    def _parse_header(self, raw: bytes, minor: int) -> None:
+    def _scan_and_decode(self, raw: bytes) -> str:
+        """Depth and item limits, checked in one pass over the bytes before any parsing; then UTF-8."""
         p = self.path
         depth, items = scan_json(raw)  # before parsing: bounds the parser's time, memory and recursion
         if depth > spec.MAX_JSON_DEPTH:
@@ -151,11 +154,15 @@ class KdtrFile:
                 f"{p}: header JSON has {items} structural characters ([ {{ , :), over the limit of "
                 f"{spec.MAX_JSON_ITEMS}; split the tensors over several files and {REGENERATE}")
         try:
-            doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_object_pairs,
-                             parse_constant=_reject_constant)
+            return raw.decode("utf-8")
         except UnicodeDecodeError as e:
             raise HeaderFormatError(f"{p}: header is not UTF-8 ({e.reason} at byte {e.start}); "
                                     f"{REGENERATE}") from None
+
+    def _parse_header(self, text: str, minor: int) -> None:
+        p = self.path
+        try:
+            doc = json.loads(text, object_pairs_hook=_object_pairs, parse_constant=_reject_constant)
         except HeaderFormatError as e:
             raise HeaderFormatError(f"{p}: header JSON: {e}; {REGENERATE}") from None
         except ValueError as e:
