@@ -16,7 +16,8 @@ from safetensors.numpy import save_file
 from conformance.exit_codes import ExitCode
 from conformance.faults import FaultyEngine, msb_first, neox_perms
 from conformance.reference_engine import ReferenceEngine
-from conformance.runner import DUMP_SCHEMA, verify
+from conformance.records import DUMP_SCHEMA
+from conformance.runner import verify
 from kdtr_format import Tensor, open_kdtr, write_kdtr
 from kdtr_format.int4 import pack_int4, unpack_int4
 from kdtr_format.interop import convert_safetensors
@@ -125,7 +126,7 @@ def test_swap_expert_is_caught_at_mlp_out_not_routing(fault_verdict, small_bundl
 
 
 def test_rope_pairs_emulation_is_neox_rotate_half_on_the_raw_layout(small_bundle):
-    """The permuted-weights trick (spec §2.4) really computes NeoX on the checkpoint's raw rope dims,
+    """The permuted-weights trick (docs/model.md §3) really computes NeoX on the checkpoint's raw rope dims,
     and the engine reports q_pe / k_pe in that raw layout: checked against NeoX written out by hand."""
     ref, bad = ReferenceEngine(), FaultyEngine("rope_pairs")
     ref.load(small_bundle)

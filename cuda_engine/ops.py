@@ -1,0 +1,219 @@
+"""Host wrappers of the kernels: validate -> grid -> prepared launch on the engine's stream.
+
+Each kernel `op_kernel` in kernels/*.cu has one wrapper `op()` here. Arguments are DevBufs (or raw
+device pointers for strided views); sizes are checked against the kernel's contract before launching,
+because a kernel trusts its arguments. Every launch is counted (`launches`), so benchmarks can report
+launches per decode step. KDTR_CUDA_SYNC=1 synchronises after every launch (outside graph capture)
+and names the kernel that faulted.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from cuda_engine.build import build_fatbin
+from cuda_engine.device import CudaEngineError, DevBuf, driver
+
+WARPS_PER_BLOCK = 8                 # kernels/common.cuh
+BLOCK = (32 * WARPS_PER_BLOCK, 1, 1)
+ATTN_MAX_C, ATTN_MAX_R, ATTN_MAX_N = 512, 128, 256   # kernels/attention.cu
+ROUTER_MAX_E, ROUTER_MAX_GROUPS, MOE_MAX_SLOTS = 1024, 64, 64   # kernels/moe.cu
+
+# kernel name -> argument types (struct codes: P pointer, i int32, q int64, f float32, d float64)
+SIGNATURES = {
+    "embedding_kernel": "PPPiPPf",
+    "rms_norm_kernel": "PiPPiif",
+    "add_rms_norm_kernel": "PPPPPif",
+    "linear_kernel": "PPPiiiiqqq",
+    "mla_latent_kernel": "PiiiPPfPPPPPPPd",
+    "mla_attention_kernel": "PPPdPPPPPPiPiPiiiiif",
+    "kv_compact_kernel": "PPPiiiii",
+    "router_kernel": "PPPPPiiiiiif",
+    "swiglu_gate_up_kernel": "PPPPPiiiiii",
+    "expert_down_kernel": "PPPPiiiiii",
+    "w4a16_gate_up_kernel": "PPPPPPPiiiiiii",
+    "w4a16_down_kernel": "PPPPPiiiiiii",
+    "moe_combine_kernel": "PPPPiiiPPPPf",
+    "argmax_kernel": "PiP",
+    "decode_advance_kernel": "PP",
+}
+
+
+def _ptr(x) -> int:
+    return x.ptr if isinstance(x, DevBuf) else int(x)
+
+
+def _need(ok: bool, op: str, what: str) -> None:
+    if not ok:
+        raise ValueError(f"{op}: {what}")
+
+
+def _group(qw: DevBuf, sc: DevBuf, op: str) -> int:
+    """The INT4 group size of packed weights [E', out, in/8] and bf16 scale bits [E', out, in/g]."""
+    E, out, in8 = qw.shape
+    _need(qw.dtype == np.int32 and sc.dtype == np.uint16, op, f"qw must be int32 and sc uint16 (bf16 bits), "
+          f"got {qw.dtype}, {sc.dtype}")
+    _need(sc.shape[:2] == (E, out) and sc.shape[2] > 0 and (8 * in8) % sc.shape[2] == 0, op,
+          f"scales {sc.shape} do not fit packed weights {qw.shape}")
+    g = 8 * in8 // sc.shape[2]
+    _need(g % 8 == 0, op, f"group size {g} must be a multiple of 8 (a packed word in one group)")
+    return g
+
+
+class Ops:
+    """The loaded kernel module and one prepared function per kernel."""
+
+    def __init__(self, fatbin=None):
+        drv = driver()
+        path = fatbin or build_fatbin()
+        try:
+            self.module = drv.module_from_file(str(path))
+        except drv.Error as e:
+            raise CudaEngineError(f"cannot load {path} on this device ({e}); the fatbin holds sm_90 and "
+                                  f"sm_120 code only") from None
+        self.fatbin = path
+        self.fn = {}
+        for name, sig in SIGNATURES.items():
+            f = self.module.get_function(name)
+            f.prepare(sig)
+            self.fn[name] = f
+        self.stream = drv.Stream()
+        self.launches = 0
+        self.capturing = False
+        self.debug_sync = os.environ.get("KDTR_CUDA_SYNC") == "1"
+
+    def _launch(self, name: str, grid, *args, block=BLOCK) -> None:
+        grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
+        if min(grid) <= 0:
+            return                                              # nothing to do (e.g. T = 0 rows)
+        self.fn[name].prepared_async_call(grid, block, self.stream, *args)
+        self.launches += 1
+        if self.debug_sync and not self.capturing:
+            try:
+                self.stream.synchronize()
+            except driver().Error as e:
+                raise CudaEngineError(f"{name} failed (grid {grid}): {e}") from None
+
+    # ------------------------------------------------------------ elementwise, norms, GEMV
+    def embedding(self, ids: DevBuf, table: DevBuf, out, T: int, w_norm: DevBuf, y, eps: float) -> None:
+        """out = table[ids]; y = rms_norm(out, w_norm) (the first layer's input norm)."""
+        V, D = table.shape
+        _need(T <= ids.shape[0] and w_norm.shape == (D,), "embedding",
+              f"T={T} > ids capacity {ids.shape[0]} or norm weight {w_norm.shape} != ({D},)")
+        self._launch("embedding_kernel", (T,), ids.ptr, table.ptr, _ptr(out), D, w_norm.ptr, _ptr(y), eps)
+
+    def rms_norm(self, x, x_stride: int, w: DevBuf, y, y_stride: int, n: int, T: int, eps: float) -> None:
+        _need(w.shape == (n,), "rms_norm", f"weight shape {w.shape} != ({n},)")
+        _need(x_stride >= n and y_stride >= n, "rms_norm", f"strides {x_stride}, {y_stride} < n={n}")
+        self._launch("rms_norm_kernel", (T,), _ptr(x), x_stride, w.ptr, _ptr(y), y_stride, n, eps)
+
+    def add_rms_norm(self, h, a, h_out, w: DevBuf, y, T: int, eps: float) -> None:
+        n = w.shape[0]
+        self._launch("add_rms_norm_kernel", (T,), _ptr(h), _ptr(a), _ptr(h_out), w.ptr, _ptr(y), n, eps)
+
+    def linear(self, x, W, y, T: int, I: int, O: int, x_stride=None, y_stride=None,
+               B: int = 1, x_bstride: int = 0, w_bstride: int = 0, y_bstride: int = 0) -> None:
+        """y[b, t, :O] = W[b] @ x[b, t, :I]; W [B, O, I] rows contiguous; strides in elements."""
+        x_stride = I if x_stride is None else x_stride
+        y_stride = O if y_stride is None else y_stride
+        if isinstance(W, DevBuf):
+            _need(W.shape[-2:] == (O, I), "linear", f"weight {W.shape} is not [.., O={O}, I={I}]")
+        _need(x_stride >= I and y_stride >= O, "linear", f"strides x {x_stride} < I={I} or y {y_stride} < O={O}")
+        grid = (-(-O // WARPS_PER_BLOCK), T, B)
+        self._launch("linear_kernel", grid, _ptr(x), _ptr(W), _ptr(y), I, O, x_stride, y_stride,
+                     x_bstride, w_bstride, y_bstride)
+
+    # ------------------------------------------------------------ attention and cache
+    def mla_latent(self, qkv, T: int, Q: int, C: int, R: int, w_q: DevBuf, w_kv: DevBuf, eps: float, cq, lat,
+                   ckv_layer, kpe_layer, meta: DevBuf, positions: DevBuf, inv_freq: DevBuf, attn_factor: float) -> None:
+        """qkv [T, Q + C + R] -> c_q [T, Q], c_kv [T, C] (+ cache), k_pe roped in place (+ cache)."""
+        _need(w_q.shape == (Q,) and w_kv.shape == (C,), "mla_latent", f"norm weights {w_q.shape}, {w_kv.shape} "
+              f"!= ({Q},), ({C},)")
+        _need(R % 2 == 0 and inv_freq.shape == (R // 2,), "mla_latent", f"R={R} must be even, inv_freq {inv_freq.shape}")
+        self._launch("mla_latent_kernel", (T,), _ptr(qkv), Q, C, R, w_q.ptr, w_kv.ptr, eps, _ptr(cq), _ptr(lat),
+                     _ptr(ckv_layer), _ptr(kpe_layer), meta.ptr, positions.ptr, inv_freq.ptr, attn_factor)
+
+    def mla_attention(self, q, positions: DevBuf, inv_freq: DevBuf, attn_factor: float, w_uk: DevBuf, w_uv: DevBuf,
+                      c_kv, k_pe, meta: DevBuf, mask, mask_stride: int, scores: DevBuf, S_cap: int, o, T: int,
+                      R: int, scale: float) -> None:
+        """o [T, H, U] from q [T, H, N + R] (q_pe roped in place) over the cache rows; w_uk [H, N, C], w_uv [H, U, C]."""
+        H, N, C = w_uk.shape
+        U = w_uv.shape[1]
+        _need(w_uv.shape == (H, U, C), "mla_attention", f"w_uv {w_uv.shape} != [H={H}, U, C={C}]")
+        _need(C <= ATTN_MAX_C and R <= ATTN_MAX_R and N <= ATTN_MAX_N, "mla_attention",
+              f"kv_lora_rank={C} (max {ATTN_MAX_C}), qk_rope_head_dim={R} (max {ATTN_MAX_R}), "
+              f"qk_nope_head_dim={N} (max {ATTN_MAX_N})")
+        _need(inv_freq.shape == (R // 2,), "mla_attention", f"inv_freq {inv_freq.shape} != ({R // 2},)")
+        _need(scores.nbytes >= T * H * S_cap * 4, "mla_attention", f"scores scratch {scores.shape} < [{T * H}, {S_cap}]")
+        self._launch("mla_attention_kernel", (T * H,), _ptr(q), positions.ptr, inv_freq.ptr, attn_factor, w_uk.ptr,
+                     w_uv.ptr, _ptr(c_kv), _ptr(k_pe), meta.ptr, 0 if mask is None else _ptr(mask), mask_stride,
+                     scores.ptr, S_cap, _ptr(o), H, C, R, N, U, scale)
+
+    def kv_compact(self, cache_ckv: DevBuf, cache_kpe: DevBuf, keep: DevBuf, n: int, start: int) -> None:
+        L, S_cap, C = cache_ckv.shape
+        R = cache_kpe.shape[2]
+        _need(start + n <= S_cap and n <= keep.shape[0], "kv_compact", f"start {start} + n {n} > S_cap {S_cap}")
+        self._launch("kv_compact_kernel", (L,), cache_ckv.ptr, cache_kpe.ptr, keep.ptr, n, start, S_cap, C, R)
+
+    # ------------------------------------------------------------ MoE
+    def router(self, logits, bias: DevBuf, scores, slot_ids, slot_w, T: int, K: int, S: int, n_group: int,
+               topk_group: int, norm_topk_prob: bool, scale: float) -> None:
+        E = bias.shape[0]
+        _need(E <= ROUTER_MAX_E and n_group <= ROUTER_MAX_GROUPS, "router",
+              f"n_routed_experts={E} (max {ROUTER_MAX_E}), n_group={n_group} (max {ROUTER_MAX_GROUPS})")
+        self._launch("router_kernel", (T,), _ptr(logits), bias.ptr, _ptr(scores), _ptr(slot_ids), _ptr(slot_w),
+                     E, K, S, n_group, topk_group, int(norm_topk_prob), scale)
+
+    # Expert GEMVs run over the slots k0 .. k0+nk-1 of each token's S slots (all by default); the expert of
+    # slot (t, k) is slot_ids[t, k] - e_base in the given stack.
+    def swiglu_gate_up(self, x, Wg: DevBuf, Wu: DevBuf, slot_ids, act, T: int, S: int, k0: int = 0,
+                       nk: int | None = None, e_base: int = 0) -> None:
+        _, I, D = Wg.shape
+        nk = S - k0 if nk is None else nk
+        _need(Wu.shape == Wg.shape, "swiglu_gate_up", f"gate {Wg.shape} and up {Wu.shape} differ")
+        _need(0 <= k0 and k0 + nk <= S, "swiglu_gate_up", f"slots {k0}..{k0 + nk - 1} outside 0..{S - 1}")
+        self._launch("swiglu_gate_up_kernel", (-(-I // WARPS_PER_BLOCK), T * nk), _ptr(x), Wg.ptr, Wu.ptr,
+                     _ptr(slot_ids), _ptr(act), D, I, S, k0, nk, e_base)
+
+    def expert_down(self, act, Wd: DevBuf, slot_ids, y, T: int, S: int, k0: int = 0, nk: int | None = None,
+                    e_base: int = 0) -> None:
+        _, D, I = Wd.shape
+        nk = S - k0 if nk is None else nk
+        _need(0 <= k0 and k0 + nk <= S, "expert_down", f"slots {k0}..{k0 + nk - 1} outside 0..{S - 1}")
+        self._launch("expert_down_kernel", (-(-D // WARPS_PER_BLOCK), T * nk), _ptr(act), Wd.ptr, _ptr(slot_ids),
+                     _ptr(y), I, D, S, k0, nk, e_base)
+
+    def w4a16_gate_up(self, x, qg: DevBuf, sg: DevBuf, qu: DevBuf, su: DevBuf, slot_ids, act, T: int, S: int,
+                      k0: int = 0, nk: int | None = None, e_base: int = 0) -> None:
+        """The swiglu_gate_up of packed INT4 experts: qg/qu int32 [E', I, D/8], sg/su bf16 bits [E', I, D/g]."""
+        _, I, D8 = qg.shape
+        D, g = 8 * D8, _group(qg, sg, "w4a16_gate_up")
+        nk = S - k0 if nk is None else nk
+        _need(qu.shape == qg.shape and su.shape == sg.shape, "w4a16_gate_up", f"gate {qg.shape}/{sg.shape} and "
+              f"up {qu.shape}/{su.shape} differ")
+        self._launch("w4a16_gate_up_kernel", (-(-I // WARPS_PER_BLOCK), T * nk), _ptr(x), qg.ptr, sg.ptr, qu.ptr,
+                     su.ptr, _ptr(slot_ids), _ptr(act), D, I, S, k0, nk, e_base, g)
+
+    def w4a16_down(self, act, qd: DevBuf, sd: DevBuf, slot_ids, y, T: int, S: int, k0: int = 0,
+                   nk: int | None = None, e_base: int = 0) -> None:
+        _, D, I8 = qd.shape
+        I, g = 8 * I8, _group(qd, sd, "w4a16_down")
+        nk = S - k0 if nk is None else nk
+        self._launch("w4a16_down_kernel", (-(-D // WARPS_PER_BLOCK), T * nk), _ptr(act), qd.ptr, sd.ptr,
+                     _ptr(slot_ids), _ptr(y), I, D, S, k0, nk, e_base, g)
+
+    def moe_combine(self, y, slot_ids, slot_w, out, T: int, K: int, S: int, h, h_out, w_norm: DevBuf, y_norm,
+                    eps: float) -> None:
+        """out = weighted sum of the slots; then h_out = h + out and y_norm = rms_norm(h_out, w_norm)."""
+        D = w_norm.shape[0]
+        _need(0 <= K <= S <= MOE_MAX_SLOTS, "moe_combine", f"K={K}, S={S} (max {MOE_MAX_SLOTS})")
+        self._launch("moe_combine_kernel", (T,), _ptr(y), _ptr(slot_ids), _ptr(slot_w), _ptr(out), K, S, D,
+                     _ptr(h), _ptr(h_out), w_norm.ptr, _ptr(y_norm), eps)
+
+    # ------------------------------------------------------------ sampling
+    def argmax(self, logits, V: int, out, T: int) -> None:
+        self._launch("argmax_kernel", (T,), _ptr(logits), V, _ptr(out))
+
+    def decode_advance(self, meta: DevBuf, positions: DevBuf) -> None:
+        self._launch("decode_advance_kernel", (1,), meta.ptr, positions.ptr, block=(1, 1, 1))
