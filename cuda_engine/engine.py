@@ -19,7 +19,7 @@ import numpy as np
 
 from cuda_engine.build import engine_source_hash
 from cuda_engine.device import CudaEngineError, DevBuf, device_info, driver
-from cuda_engine.ops import ATTN_MAX_C, ATTN_MAX_N, ATTN_MAX_R, MOE_MAX_SLOTS, ROUTER_MAX_E, ROUTER_MAX_GROUPS, Ops
+from cuda_engine.ops import ATTN_MAX_C, ATTN_MAX_N, ATTN_MAX_Q, ATTN_MAX_R, ATTN_MAX_SPLIT, MOE_MAX_SLOTS, ROUTER_MAX_E, ROUTER_MAX_GROUPS, Ops
 from cuda_engine.weights import layer_arrays, load_weights
 from refmodel.config import ModelConfig
 from refmodel.model import tap_names, yarn_inv_freq
@@ -34,6 +34,7 @@ def check_config(cfg: ModelConfig) -> None:
         ("kv_lora_rank", cfg.kv_lora_rank, ATTN_MAX_C),
         ("qk_rope_head_dim", cfg.qk_rope_head_dim, ATTN_MAX_R),
         ("qk_nope_head_dim", cfg.qk_nope_head_dim, ATTN_MAX_N),
+        ("q_lora_rank", cfg.q_lora_rank, ATTN_MAX_Q),
         ("n_routed_experts", cfg.n_routed_experts, ROUTER_MAX_E),
         ("n_group", cfg.n_group, ROUTER_MAX_GROUPS),
         ("num_experts_per_tok + n_shared_experts", cfg.num_experts_per_tok + cfg.n_shared_experts, MOE_MAX_SLOTS),
@@ -101,12 +102,13 @@ class CudaEngine:
         self.buf["slot_ids"] = DevBuf((L, T_cap, S), i)
         self.layer_keys = list(per_layer) + ["slot_ids"]             # the [L, T_cap, width] tap buffers
         for k, shape, dt in (("x0", (T_cap, D), f), ("cq", (T_cap, c.q_lora_rank), f),
-                             ("o", (T_cap, H * U), f), ("router_logits", (T_cap, E), f),
+                             ("o", (T_cap, H * U), f),
                              ("act", (T_cap * S, I), f), ("y_slots", (T_cap * S, D), f), ("final", (T_cap, D), f),
                              ("logits", (T_cap, c.vocab_size), f), ("ids", (T_cap,), i), ("positions", (T_cap,), i),
                              ("argmax", (T_cap,), i), ("keep", (T_cap,), i), ("mask", (T_cap, S_cap), f),
-                             ("scores", (T_cap * H, S_cap), f)):
+                             ("scores", (T_cap * H, S_cap), f), ("partials", (T_cap * H * ATTN_MAX_SPLIT, C + 2), f)):
             self.buf[k] = DevBuf(shape, dt)
+        self.buf["tickets"] = DevBuf.from_array(np.zeros(T_cap * H, i))   # attention's split merge: zero between launches
         self.buf["dense_slots"] = DevBuf.from_array(np.zeros(T_cap, i))
         self.T_cap = T_cap
         self._drop_graph()
@@ -260,11 +262,10 @@ class CudaEngine:
         o.linear(x, w["qkv_a"], qkv, T, D, Q + C + R)                                 # [T, D] -> [T, Q + C + R]
         o.mla_latent(qkv, T, Q, C, R, w["q_a_ln"], w["kv_a_ln"], c.latent_norm_eps, b["cq"], lat, ckv, kpe,
                      self.meta, b["positions"], self.inv_freq, c.rope_attention_factor)
-        o.linear(b["cq"], w["q_b"], q, T, Q, H * A)                                   # [T, Q] -> [T, H, A]
-        # absorbed MLA over the latent cache (q rope, W_uk and W_uv inside), then o_proj
-        o.mla_attention(q, b["positions"], self.inv_freq, c.rope_attention_factor, w["w_uk"], w["w_uv"], ckv, kpe,
-                        self.meta, b["mask"] if masked else None, self.S_cap, b["scores"], self.S_cap, b["o"], T, R,
-                        c.softmax_scale)                                              # [T, H, A] -> [T, H, U]
+        # absorbed MLA over the latent cache (q_b_proj, q rope, W_uk and W_uv inside), then o_proj
+        o.mla_attention(b["cq"], w["q_b"], q, b["positions"], self.inv_freq, c.rope_attention_factor, w["w_uk"],
+                        w["w_uv"], ckv, kpe, self.meta, b["mask"] if masked else None, self.S_cap, b["scores"],
+                        self.S_cap, b["partials"], b["tickets"], b["o"], T, R, c.softmax_scale)                    # [T, Q] -> [T, H, U]
         o.linear(b["o"], w["o_proj"], b["attn_out"].view(l), T, H * U, D)             # [T, H U] -> [T, D]
         o.add_rms_norm(h_in, b["attn_out"].view(l), b["resid_attn"].view(l), w["post_ln"], b["mlp_in"].view(l),
                        T, c.rms_norm_eps)
@@ -272,8 +273,7 @@ class CudaEngine:
         xm = b["mlp_in"].view(l)
         if l >= c.first_k_dense_replace:
             K, S = c.num_experts_per_tok, c.num_experts_per_tok + c.n_shared_experts
-            o.linear(xm, w["gate"], b["router_logits"], T, D, c.n_routed_experts)     # [T, D] -> [T, E]
-            o.router(b["router_logits"], w["bias"], b["router_scores"].view(l), b["slot_ids"].view(l),
+            o.router(xm, w["gate"], w["bias"], b["router_scores"].view(l), b["slot_ids"].view(l),       # [T, D] -> [T, E]
                      b["slot_w"].view(l), T, K, S, c.n_group, c.topk_group, c.norm_topk_prob,
                      c.routed_scaling_factor)
             slots = b["slot_ids"].view(l)

@@ -13,11 +13,11 @@ import os
 import numpy as np
 
 from cuda_engine.build import build_fatbin
-from cuda_engine.device import CudaEngineError, DevBuf, driver
+from cuda_engine.device import CudaEngineError, DevBuf, driver, driver_device
 
 WARPS_PER_BLOCK = 8                 # kernels/common.cuh
 BLOCK = (32 * WARPS_PER_BLOCK, 1, 1)
-ATTN_MAX_C, ATTN_MAX_R, ATTN_MAX_N = 512, 128, 256   # kernels/attention.cu
+ATTN_MAX_C, ATTN_MAX_R, ATTN_MAX_N, ATTN_MAX_Q, ATTN_MAX_SPLIT = 512, 128, 256, 2048, 8   # kernels/attention.cu
 ROUTER_MAX_E, ROUTER_MAX_GROUPS, MOE_MAX_SLOTS = 1024, 64, 64   # kernels/moe.cu
 
 # kernel name -> argument types (struct codes: P pointer, i int32, q int64, f float32, d float64)
@@ -27,9 +27,9 @@ SIGNATURES = {
     "add_rms_norm_kernel": "PPPPPif",
     "linear_kernel": "PPPiiiiqqq",
     "mla_latent_kernel": "PiiiPPfPPPPPPPd",
-    "mla_attention_kernel": "PPPdPPPPPPiPiPiiiiif",
+    "mla_attention_kernel": "PiPPPPdPPPPPPiPiPPPiiiiif",
     "kv_compact_kernel": "PPPiiiii",
-    "router_kernel": "PPPPPiiiiiif",
+    "router_kernel": "PPiPPPPiiiiiif",
     "swiglu_gate_up_kernel": "PPPPPiiiiii",
     "expert_down_kernel": "PPPPiiiiii",
     "w4a16_gate_up_kernel": "PPPPPPPiiiiiii",
@@ -79,6 +79,7 @@ class Ops:
             f.prepare(sig)
             self.fn[name] = f
         self.stream = drv.Stream()
+        self.sm_count = driver_device().get_attribute(drv.device_attribute.MULTIPROCESSOR_COUNT)
         self.launches = 0
         self.capturing = False
         self.debug_sync = os.environ.get("KDTR_CUDA_SYNC") == "1"
@@ -134,21 +135,28 @@ class Ops:
         self._launch("mla_latent_kernel", (T,), _ptr(qkv), Q, C, R, w_q.ptr, w_kv.ptr, eps, _ptr(cq), _ptr(lat),
                      _ptr(ckv_layer), _ptr(kpe_layer), meta.ptr, positions.ptr, inv_freq.ptr, attn_factor)
 
-    def mla_attention(self, q, positions: DevBuf, inv_freq: DevBuf, attn_factor: float, w_uk: DevBuf, w_uv: DevBuf,
-                      c_kv, k_pe, meta: DevBuf, mask, mask_stride: int, scores: DevBuf, S_cap: int, o, T: int,
-                      R: int, scale: float) -> None:
-        """o [T, H, U] from q [T, H, N + R] (q_pe roped in place) over the cache rows; w_uk [H, N, C], w_uv [H, U, C]."""
+    def mla_attention(self, cq, w_qb: DevBuf, q, positions: DevBuf, inv_freq: DevBuf, attn_factor: float,
+                      w_uk: DevBuf, w_uv: DevBuf, c_kv, k_pe, meta: DevBuf, mask, mask_stride: int, scores: DevBuf,
+                      S_cap: int, partials: DevBuf, tickets: DevBuf, o, T: int, R: int, scale: float) -> None:
+        """o [T, H, U] over the cache rows, from c_q [T, Q]: q = c_q W_qb^T [T, H, N + R] (q_pe roped; written to
+        `q`); w_qb [H (N + R), Q], w_uk [H, N, C], w_uv [H, U, C]. The rows are split over enough blocks to
+        fill the GPU (at most ATTN_MAX_SPLIT per token and head; a fixed number per (T, H): deterministic)."""
         H, N, C = w_uk.shape
-        U = w_uv.shape[1]
-        _need(w_uv.shape == (H, U, C), "mla_attention", f"w_uv {w_uv.shape} != [H={H}, U, C={C}]")
-        _need(C <= ATTN_MAX_C and R <= ATTN_MAX_R and N <= ATTN_MAX_N, "mla_attention",
+        U, Q = w_uv.shape[1], w_qb.shape[1]
+        _need(w_uv.shape == (H, U, C) and w_qb.shape == (H * (N + R), Q), "mla_attention",
+              f"w_uv {w_uv.shape} != [H={H}, U, C={C}] or w_qb {w_qb.shape} != [{H * (N + R)}, Q]")
+        _need(C <= ATTN_MAX_C and R <= ATTN_MAX_R and N <= ATTN_MAX_N and Q <= ATTN_MAX_Q, "mla_attention",
               f"kv_lora_rank={C} (max {ATTN_MAX_C}), qk_rope_head_dim={R} (max {ATTN_MAX_R}), "
-              f"qk_nope_head_dim={N} (max {ATTN_MAX_N})")
+              f"qk_nope_head_dim={N} (max {ATTN_MAX_N}), q_lora_rank={Q} (max {ATTN_MAX_Q})")
         _need(inv_freq.shape == (R // 2,), "mla_attention", f"inv_freq {inv_freq.shape} != ({R // 2},)")
         _need(scores.nbytes >= T * H * S_cap * 4, "mla_attention", f"scores scratch {scores.shape} < [{T * H}, {S_cap}]")
-        self._launch("mla_attention_kernel", (T * H,), _ptr(q), positions.ptr, inv_freq.ptr, attn_factor, w_uk.ptr,
+        n_split = min(ATTN_MAX_SPLIT, max(1, self.sm_count // (T * H)))
+        _need(partials.nbytes >= T * H * n_split * (C + 2) * 4 and tickets.nbytes >= T * H * 4, "mla_attention",
+              f"partials {partials.shape} < [{T * H * n_split}, {C + 2}] or tickets {tickets.shape} < [{T * H}]")
+        self._launch("mla_attention_kernel", (T * H, n_split), _ptr(cq), Q, w_qb.ptr, _ptr(q), positions.ptr,
+                     inv_freq.ptr, attn_factor, w_uk.ptr,
                      w_uv.ptr, _ptr(c_kv), _ptr(k_pe), meta.ptr, 0 if mask is None else _ptr(mask), mask_stride,
-                     scores.ptr, S_cap, _ptr(o), H, C, R, N, U, scale)
+                     scores.ptr, S_cap, partials.ptr, tickets.ptr, _ptr(o), H, C, R, N, U, scale)
 
     def kv_compact(self, cache_ckv: DevBuf, cache_kpe: DevBuf, keep: DevBuf, n: int, start: int) -> None:
         L, S_cap, C = cache_ckv.shape
@@ -157,13 +165,15 @@ class Ops:
         self._launch("kv_compact_kernel", (L,), cache_ckv.ptr, cache_kpe.ptr, keep.ptr, n, start, S_cap, C, R)
 
     # ------------------------------------------------------------ MoE
-    def router(self, logits, bias: DevBuf, scores, slot_ids, slot_w, T: int, K: int, S: int, n_group: int,
+    def router(self, x, gate: DevBuf, bias: DevBuf, scores, slot_ids, slot_w, T: int, K: int, S: int, n_group: int,
                topk_group: int, norm_topk_prob: bool, scale: float) -> None:
-        E = bias.shape[0]
+        """Router GEMV (gate [E, D]) and selection for x [T, D]: scores [T, E], slots [T, S] (ids, weights)."""
+        E, D = gate.shape
+        _need(bias.shape == (E,), "router", f"bias {bias.shape} != ({E},)")
         _need(E <= ROUTER_MAX_E and n_group <= ROUTER_MAX_GROUPS, "router",
               f"n_routed_experts={E} (max {ROUTER_MAX_E}), n_group={n_group} (max {ROUTER_MAX_GROUPS})")
-        self._launch("router_kernel", (T,), _ptr(logits), bias.ptr, _ptr(scores), _ptr(slot_ids), _ptr(slot_w),
-                     E, K, S, n_group, topk_group, int(norm_topk_prob), scale)
+        self._launch("router_kernel", (T,), _ptr(x), gate.ptr, D, bias.ptr, _ptr(scores), _ptr(slot_ids),
+                     _ptr(slot_w), E, K, S, n_group, topk_group, int(norm_topk_prob), scale)
 
     # Expert GEMVs run over the slots k0 .. k0+nk-1 of each token's S slots (all by default); the expert of
     # slot (t, k) is slot_ids[t, k] - e_base in the given stack.

@@ -137,17 +137,19 @@ def attention_oracle(q, w_uk, w_uv, ckv, kpe, mask, scale, N):
     return np.einsum("thc,huc->thu", o_lat, w_uv)
 
 
-@pytest.mark.parametrize("T,H,C,R,N,U,S0,tree", [
-    (1, 1, 1, 2, 1, 1, 0, False), (3, 5, 17, 6, 3, 7, 11, False), (7, 2, 33, 4, 9, 5, 0, True),
-    (5, 3, 64, 16, 32, 32, 9, True),                              # the golden model's shapes
-    (2, 2, 64, 16, 32, 32, 255, False),                           # 257 rows: score passes of 32 rows + 1
-    (1, 64, 512, 64, 128, 128, 300, False),                       # K2.6 decode
-    (4, 64, 512, 64, 128, 128, 257, True),                        # K2.6 tree verify
+@pytest.mark.parametrize("T,H,C,R,N,U,Q,S0,tree", [
+    (1, 1, 1, 2, 1, 1, 1, 0, False), (3, 5, 17, 6, 3, 7, 13, 11, False), (7, 2, 33, 4, 9, 5, 31, 0, True),
+    (5, 3, 64, 16, 32, 32, 96, 9, True),                          # the golden model's shapes
+    (2, 2, 64, 16, 32, 32, 96, 255, False),                       # 257 rows: score passes of 32 rows + 1
+    (1, 64, 512, 64, 128, 128, 1536, 300, False),                 # K2.6 decode
+    (4, 64, 512, 64, 128, 128, 1536, 257, True),                  # K2.6 tree verify
 ])
-def test_mla_attention(ops, T, H, C, R, N, U, S0, tree):
+def test_mla_attention(ops, T, H, C, R, N, U, Q, S0, tree):
     rng = np.random.default_rng(T * H + C)
     S = S0 + T
-    q = rand(rng, T, H, N + R)
+    cq, w_qb = rand(rng, T, Q), rand(rng, H * (N + R), Q, scale=Q ** -0.5)
+    q64_pre = np.einsum("ti,oi->to", cq.astype(np.float64), w_qb.astype(np.float64)).reshape(T, H, N + R)
+    q = np.einsum("ti,oi->to", cq, w_qb).reshape(T, H, N + R)   # the float32 baseline's q
     positions = S0 + np.arange(T) + (2**17 if C == 512 else 0)     # K2.6 cases: past 2^17
     cfg = PRESETS["k26" if C == 512 else "tiny"]
     inv_freq = yarn_inv_freq(cfg)[:R // 2]
@@ -164,20 +166,25 @@ def test_mla_attention(ops, T, H, C, R, N, U, S0, tree):
     ckv_d, kpe_d = dev(np.pad(ckv, ((0, 3), (0, 0)))), dev(np.pad(kpe, ((0, 3), (0, 0))))
     mask_d = dev(np.pad(mask, ((0, 0), (0, 3)), constant_values=-np.inf).astype(np.float32)) if tree else None
     scores = dev(np.zeros((T * H, S_cap), np.float32))
-    o, q_d = dev(np.zeros((T, H, U), np.float32)), dev(q)
-    run(ops, ops.mla_attention, q_d, dev(positions, np.int32), dev(inv_freq), 1.0, dev(w_uk), dev(w_uv), ckv_d, kpe_d,
-        dev(np.array([S0, 0, 0, 0], np.int32)), mask_d, S_cap, scores, S_cap, o, T, R, scale)
+    o, q_d = dev(np.zeros((T, H, U), np.float32)), dev(np.zeros((T, H, N + R), np.float32))
+    from cuda_engine.ops import ATTN_MAX_SPLIT
+
+    partials, tickets = dev(np.zeros((T * H * ATTN_MAX_SPLIT, C + 2), np.float32)), dev(np.zeros(T * H, np.int32))
+    run(ops, ops.mla_attention, dev(cq), dev(w_qb), q_d, dev(positions, np.int32), dev(inv_freq), 1.0, dev(w_uk),
+        dev(w_uv), ckv_d, kpe_d, dev(np.array([S0, 0, 0, 0], np.int32)), mask_d, S_cap, scores, S_cap, partials,
+        tickets, o, T, R, scale)
+    np.testing.assert_array_equal(tickets.get(), 0)              # left ready for the next launch
     f64 = lambda a: a.astype(np.float64)  # noqa: E731
     angle = np.einsum("t,r->tr", positions.astype(np.float64), inv_freq)            # the oracle's rope_cos_sin
     cos, sin = np.cos(angle), np.sin(angle)
-    q64 = f64(q).copy()
+    q64 = q64_pre.copy()
     q64[..., N:] = apply_rope(q64[..., N:], cos, sin)
     q32 = q.copy()
     q32[..., N:] = apply_rope(q[..., N:], cos.astype(np.float32), sin.astype(np.float32))
-    case = f"mla_attention T={T} H={H} C={C} R={R} N={N} U={U} S0={S0} tree={tree}"
+    case = f"mla_attention T={T} H={H} C={C} R={R} N={N} U={U} Q={Q} S0={S0} tree={tree}"
     got_q = q_d.get()
-    np.testing.assert_array_equal(got_q[..., :N], q[..., :N], err_msg=case)
-    check(case + " q_pe (rotated in place)", got_q[..., N:], q64[..., N:], q32[..., N:])
+    check(case + " q_nope", got_q[..., :N], q64[..., :N], q32[..., :N])
+    check(case + " q_pe (rotated)", got_q[..., N:], q64[..., N:], q32[..., N:])
     oracle = attention_oracle(q64, f64(w_uk), f64(w_uv), f64(ckv), f64(kpe), mask, scale, N)
     base = attention_oracle(q32, w_uk, w_uv, ckv, kpe, mask.astype(np.float32), np.float32(scale), N)
     check(case, o.get(), oracle, base)
@@ -212,7 +219,7 @@ def test_router(ops, cfg_name, changes, T):
     import dataclasses
 
     cfg = dataclasses.replace(PRESETS[cfg_name], **changes)
-    D, E, K = min(cfg.hidden_size, 512), cfg.n_routed_experts, cfg.num_experts_per_tok
+    D, E, K = cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok     # K2.6: 384 x 7168
     rng = np.random.default_rng(E + K)
     x, gate, bias = rand(rng, T, D), rand(rng, E, D, scale=D ** -0.5), rand(rng, E, scale=0.1)
     p = "model.layers.1.mlp.gate."
@@ -220,11 +227,9 @@ def test_router(ops, cfg_name, changes, T):
                                        bias.astype(np.float64)}, 1, x.astype(np.float64))
     scores32, _, w32 = route(cfg, {p + "weight": gate, p + "e_score_correction_bias": bias}, 1, x)
     S = K + 1
-    logits = dev(np.zeros((T, E), np.float32))
-    run(ops, ops.linear, dev(x), dev(gate), logits, T, D, E)
     sc, ids, w = dev(np.zeros((T, E), np.float32)), dev(np.zeros((T, S), np.int32)), dev(np.zeros((T, S), np.float32))
-    run(ops, ops.router, logits, dev(bias), sc, ids, w, T, K, S, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob,
-        cfg.routed_scaling_factor)
+    run(ops, ops.router, dev(x), dev(gate), dev(bias), sc, ids, w, T, K, S, cfg.n_group, cfg.topk_group,
+        cfg.norm_topk_prob, cfg.routed_scaling_factor)
     case = f"router {cfg_name} {changes} T={T}"
     check(case + " scores", sc.get(), scores64, scores32)
     got_ids = ids.get()
@@ -277,9 +282,9 @@ def test_experts(ops, E, I, D, K, T):
 
 
 @pytest.mark.parametrize("E,I,D,K,T,g", [
-    (2, 1, 8, 1, 1, 8),                # one output, one packed word
-    (3, 9, 40, 2, 3, 8),               # 5 groups of 8; I not a multiple of the warps per block
-    (4, 33, 96, 3, 17, 32),            # batch 17
+    (2, 8, 8, 1, 1, 8),                # one packed word per row (in must be a multiple of 8 and of g)
+    (3, 40, 56, 2, 3, 8),              # 7 words per row (fewer than the 32 lanes), 5 output blocks of 8
+    (4, 64, 96, 3, 17, 32),            # batch 17
     (3, 2048, 7168, 2, 1, 32),         # K2.6 expert shapes (3 experts held, not 384: memory)
 ])
 def test_w4a16_experts_against_dequantized(ops, E, I, D, K, T, g):
