@@ -1,7 +1,6 @@
 """`kdtr verify`: judge an engine (or an external engine's run dump) against golden bundles."""
 from __future__ import annotations
 
-import os
 import sys
 
 import click
@@ -9,6 +8,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from cli.outputs import check_output, fail_write
 from conformance.engine_choice import ENGINES, EngineUnavailable, pick_engine
 from conformance.exit_codes import ExitCode
 from conformance.console import print_console
@@ -58,9 +58,9 @@ def verify_cmd(bundles, engine_name, dump, rules, json_path, junit_path, html_pa
         overrides = load_rules_file(rules) if rules else ()
     except (OSError, ValueError) as e:
         raise click.BadParameter(str(e), param_hint="--rules") from None
-    for path, hint in ((json_path, "--json"), (junit_path, "--junit"), (html_path, "--html"),
-                       (save_dump, "--save-dump")):
-        _check_writable(path, hint)
+    for path, hint in ((json_path, "--json"), (junit_path, "--junit"), (html_path, "--html")):
+        check_output(path, hint, stream_ok=True)    # a report may go to a device or /dev/stdout
+    check_output(save_dump, "--save-dump")          # a .kdtr needs a regular file (it is seeked)
     if dump and len(bundles) > 1:
         raise click.UsageError("--dump judges one run against one bundle: pass a single BUNDLE")
     worst = ExitCode.OK
@@ -89,18 +89,12 @@ def verify_cmd(bundles, engine_name, dump, rules, json_path, junit_path, html_pa
         many = len(bundles) > 1
         for path, write in ((json_path, write_json), (junit_path, write_junit), (html_path, write_html)):
             if path:
-                write(v, _suffixed(path, bundle, many))
+                try:
+                    write(v, _suffixed(path, bundle, many))
+                except OSError as e:   # e.g. --json /dev/full: one line and exit 2, the device untouched
+                    fail_write(e, "kdtr verify")
         worst = max(worst, v.exit_code, key=_severity)
     sys.exit(int(worst))
-
-
-def _check_writable(path: str | None, hint: str) -> None:
-    """Fail before a long run, not after it, when a report cannot be written."""
-    if path is None:
-        return
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        raise click.BadParameter(f"cannot write {path}: {parent} is not a writable directory", param_hint=hint)
 
 
 def _coverage_fraction(text: str | None) -> float | None:
