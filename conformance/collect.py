@@ -1,10 +1,12 @@
 """Driving a live engine (conformance.protocol.Engine) through a bundle's golden prompts: the AR run,
-teacher-forced with the golden tokens, and the DDTree replay of the golden trees. Returns the outputs
-under the run-dump names of docs/run-dump.md, which the judge then compares with the goldens."""
+teacher-forced with the golden tokens, the DDTree replay of the golden trees, and, for an engine that has
+`ddtree_generate`, its own live DDTree loop. Returns the outputs under the run-dump names of
+docs/run-dump.md, which the judge then compares with the goldens."""
 from __future__ import annotations
 
 import numpy as np
 
+from conformance.outputs import LIVE
 from conformance.records import golden_tree, offsets, prompts_of, ragged
 from refmodel.ddtree import compile_tree, walk
 
@@ -31,6 +33,9 @@ def collect(engine, f, progress=None) -> dict:
         out[f"p{i}/ar/tokens"] = np.argmax(out[f"p{i}/ar/logits"], axis=-1).astype(np.int64)
         out.update({k: np.stack(v) for k, v in steps.items()})
         out.update(replay_ddtree(engine, f, i, prompt, len(tokens)))
+        if callable(getattr(engine, "ddtree_generate", None)):          # optional: its own drafter and trees
+            live = engine.ddtree_generate(prompt, 0, len(tokens))
+            out.update({f"p{i}/{LIVE}/{k}": np.asarray(v) for k, v in live.items()})
         if progress:
             progress("engine", n + 1, len(ps), None)
     return out

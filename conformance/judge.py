@@ -5,7 +5,8 @@
 2. tokens: the engine's argmax at every golden step equals the golden token (exact); a mismatch reports
    the step, both tokens, the golden top-1/top-2 margin and the engine's logit error there;
 3. ddtree: the engine's DDTree stream equals the golden stream and its own AR stream (100%), every
-   round's verify argmax, accepted path and bonus equal the golden ones, target-forward counts equal.
+   round's verify argmax, accepted path and bonus equal the golden ones, target-forward counts equal;
+   for an engine that ran its own DDTree loop too, conformance/judge_live.py (trees vs golden, near-ties).
 
 The first numeric failure in execution order is the first divergence (conformance/localize.py then
 tells a local fault from inherited error).
@@ -16,10 +17,12 @@ import numpy as np
 
 from conformance.coverage import coverage, coverage_text, skipped
 from conformance.metrics import logits_metrics
-from conformance.outputs import InvalidOutputs, tree_offsets, validate_outputs, widened
+from conformance.judge_live import live_checks
+from conformance.outputs import LIVE, InvalidOutputs, has_live, tree_offsets, validate_outputs, widened
 from conformance.records import numeric_keys, prompts_of
 from conformance.report import CheckResult, Divergence
 from conformance.tolerance import DerivedTolerance, Rule, check_tap, resolve_rule
+from conformance.tree_ties import GoldenDrafts
 from refmodel.config import ModelConfig
 
 
@@ -64,7 +67,7 @@ def judge(f, out: dict, overrides=(), dtype: str = "float32") -> tuple[list[Chec
     cfg = ModelConfig.from_dict(meta["model_config"])
     man = meta["tolerances"]["taps"]
     keys = numeric_keys(cfg, set(meta["taps"]["ar"]))
-    checks, first = [], None
+    checks, first, drafts = [], None, GoldenDrafts(f)                  # drafts: computed only if a tree differs
     for i in prompts_of(f):
         g = f"golden/p{i}/"
         failed_here = []
@@ -82,6 +85,10 @@ def judge(f, out: dict, overrides=(), dtype: str = "float32") -> tuple[list[Chec
         checks.append(_token_check(f, g, i, out))
         ar_ok = all(c.status == "pass" for c in checks if c.name == f"p{i}/ar/logits")
         checks += _ddtree_checks(f, g, i, out, overrides, dtype, ar_ok)
+        if has_live(out, i):
+            checks += live_checks(f, g, i, out, drafts)
+            checks.append(_path_logits_check(f, g, f"p{i}/{LIVE}/", out, overrides, dtype,
+                                             "ddtree" if ar_ok else "numeric"))
     return checks, first
 
 

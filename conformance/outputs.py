@@ -27,6 +27,17 @@ REQUIRED = ("prefill/logits", "ar/logits", "ar/tokens", "ddtree/tokens", "ddtree
             "ddtree/path_logits")
 # An engine that drafts with its own drafter reports its trees; both or neither.
 OWN_TREES = ("ddtree/tree_tokens", "ddtree/tree_parents")
+# The optional live DDTree group (an engine's own loop, `ddtree_generate` in conformance/protocol.py):
+# all of these or none, under p{i}/ddtree_live/.
+LIVE = "ddtree_live"
+LIVE_RECORDS = ("tokens", "tree_tokens", "tree_parents", "verify_argmax", "accepted", "accepted_offsets",
+                "round_bonus", "counters", "path_logits")
+
+
+def has_live(out: dict, i: int) -> bool:
+    """Whether the outputs hold prompt i's live DDTree group (any of its records)."""
+    p = f"p{i}/{LIVE}/"
+    return any(k.startswith(p) for k in out)
 
 
 class InvalidOutputs(ValueError):
@@ -115,6 +126,12 @@ def _prompt_problems(f, i: int, out: dict, dtype: str, cfg: ModelConfig) -> list
         c.bad("ddtree/tokens", f"has {len(toks)} tokens: the stream is cut to the first n = {n}")
     _tap_problems(f, g, c, cfg)
     _ddtree_problems(f, g, c, n, V)
+    if has_live(out, i):                 # the live group is whole: tokens exactly n, its own trees
+        c.in_range(f"{LIVE}/tokens", c.get(f"{LIVE}/tokens", "int", (n,)), 0, V, "token ids")
+        for name in LIVE_RECORDS:
+            if c.p + f"{LIVE}/{name}" not in out:
+                c.bad(f"{LIVE}/{name}", f"is missing: the {LIVE} group holds all of {', '.join(LIVE_RECORDS)}")
+        _ddtree_problems(f, g, c, n, V, LIVE)
     return c.problems
 
 
@@ -130,57 +147,62 @@ def _tap_problems(f, g: str, c: _Checker, cfg: ModelConfig) -> None:
             c.get(key, "float", shape)
 
 
-def _ddtree_problems(f, g: str, c: _Checker, n: int, V: int) -> None:
-    """The per-round records: offsets that partition `accepted`, one bonus per round, a verified row per
-    tree row, paths that start at the root and stay inside their tree, counters[1] = rounds."""
-    o = c.get("ddtree/accepted_offsets", "int", (None,))
-    acc = c.get("ddtree/accepted", "int", (None,))
-    post = c.get("ddtree/verify_argmax", "int", (None,))
-    bonus = c.get("ddtree/round_bonus", "int", (None,))
-    counters = c.get("ddtree/counters", "int", (2,))
-    path = c.get("ddtree/path_logits", "float", (None, V))
-    c.in_range("ddtree/verify_argmax", post, 0, V, "token ids")
-    c.in_range("ddtree/round_bonus", bonus, 0, V, "token ids")
+def _ddtree_problems(f, g: str, c: _Checker, n: int, V: int, group: str = "ddtree") -> None:
+    """The per-round records of `group` (the replay's "ddtree" or the live LIVE): offsets that partition
+    `accepted`, one bonus per round, a verified row per tree row, paths that start at the root and stay
+    inside their tree, counters[1] = rounds."""
+    q = group + "/"
+    o = c.get(q + "accepted_offsets", "int", (None,))
+    acc = c.get(q + "accepted", "int", (None,))
+    post = c.get(q + "verify_argmax", "int", (None,))
+    bonus = c.get(q + "round_bonus", "int", (None,))
+    counters = c.get(q + "counters", "int", (2,))
+    path = c.get(q + "path_logits", "float", (None, V))
+    c.in_range(q + "verify_argmax", post, 0, V, "token ids")
+    c.in_range(q + "round_bonus", bonus, 0, V, "token ids")
     if o is None or acc is None:
         return
     if len(o) < 1 or o[0] != 0 or np.any(np.diff(o) < 1) or o[-1] != len(acc):
-        c.bad("ddtree/accepted_offsets", f"must start at 0, increase (a round accepts at least its root) and "
-                                         f"end at len(accepted) = {len(acc)}; got {o[:8].tolist()}...")
+        c.bad(q + "accepted_offsets", f"must start at 0, increase (a round accepts at least its root) and "
+                                      f"end at len(accepted) = {len(acc)}; got {o[:8].tolist()}...")
         return
     R = len(o) - 1
     if bonus is not None and len(bonus) != R:
-        c.bad("ddtree/round_bonus", f"has {len(bonus)} rounds, accepted_offsets {R}")
+        c.bad(q + "round_bonus", f"has {len(bonus)} rounds, accepted_offsets {R}")
     if counters is not None and int(counters[1]) != R:
-        c.bad("ddtree/counters", f"[1] (rounds) is {int(counters[1])}, accepted_offsets has {R} rounds")
+        c.bad(q + "counters", f"[1] (rounds) is {int(counters[1])}, accepted_offsets has {R} rounds")
     if path is not None and not min(o[-1], n - 1) <= len(path) <= o[-1]:
-        c.bad("ddtree/path_logits", f"has {len(path)} rows, expected one per accepted row ({int(o[-1])}; "
-                                    f"at least the {min(int(o[-1]), n - 1)} that have a golden)")
-    trees = _tree_problems(f, g, c, R, V)
+        c.bad(q + "path_logits", f"has {len(path)} rows, expected one per accepted row ({int(o[-1])}; "
+                                 f"at least the {min(int(o[-1]), n - 1)} that have a golden)")
+    trees = _tree_problems(f, g, c, R, V, group)
     if trees is None:
         return
     if post is not None and len(post) != trees[-1]:
-        c.bad("ddtree/verify_argmax", f"has {len(post)} rows, the {R} trees verified have {int(trees[-1])}")
+        c.bad(q + "verify_argmax", f"has {len(post)} rows, the {R} trees verified have {int(trees[-1])}")
     for r in range(R):
         a, size = acc[o[r]:o[r + 1]], int(trees[r + 1] - trees[r])
         if a[0] != 0 or np.any(np.diff(a) < 1) or a[-1] >= size:
-            c.bad("ddtree/accepted", f"round {r}: {a.tolist()} is not a root-first path of increasing node "
-                                     f"indices inside its tree of {size} rows")
+            c.bad(q + "accepted", f"round {r}: {a.tolist()} is not a root-first path of increasing node "
+                                  f"indices inside its tree of {size} rows")
             return
 
 
-def tree_offsets(f, g: str, out: dict, p: str, R: int) -> np.ndarray:
-    """[R + 1] row offsets of the R trees the engine verified (outputs that passed validation): its own
-    trees' root rows when it reports OWN_TREES, else the bundle's golden trees."""
-    if p + OWN_TREES[1] in out:
-        par = np.asarray(out[p + OWN_TREES[1]])
+def tree_offsets(f, g: str, out: dict, p: str, R: int, group: str = "ddtree") -> np.ndarray:
+    """[R + 1] row offsets of the R trees the engine verified in `group` (outputs that passed validation):
+    its own trees' root rows when it reports them (always in LIVE), else the bundle's golden trees."""
+    if p + group + "/tree_parents" in out:
+        par = np.asarray(out[p + group + "/tree_parents"])
         return np.append(np.nonzero(par == -1)[0], len(par)).astype(np.int64)
     return np.asarray(f[g + "ddtree/tree_offsets"])[:R + 1]
 
 
-def _tree_problems(f, g: str, c: _Checker, R: int, V: int) -> np.ndarray | None:
+def _tree_problems(f, g: str, c: _Checker, R: int, V: int, group: str = "ddtree") -> np.ndarray | None:
     """The verified trees' offsets, or None after noting why they cannot be trusted: more rounds than
-    golden trees with no own trees, one of OWN_TREES alone, or own trees that are not R trees."""
-    present = [k for k in OWN_TREES if c.p + k in c.out]
+    golden trees with no own trees, one of the own-tree records alone, or own trees that are not R trees."""
+    own_trees = tuple(group + k[len("ddtree"):] for k in OWN_TREES)     # ddtree/... -> group/...
+    present = [k for k in own_trees if c.p + k in c.out]
+    if not present and group == LIVE:
+        return None                                                      # noted missing by the caller
     if not present:
         golden = len(f[g + "ddtree/tree_offsets"]) - 1
         if R > golden:
@@ -189,25 +211,25 @@ def _tree_problems(f, g: str, c: _Checker, R: int, V: int) -> np.ndarray | None:
             return None
         return tree_offsets(f, g, c.out, c.p, R)
     if len(present) == 1:
-        other = OWN_TREES[1 - OWN_TREES.index(present[0])]
+        other = own_trees[1 - own_trees.index(present[0])]
         c.bad(present[0], f"is reported without {other}: an engine with its own drafter reports both")
         return None
-    tok = c.get(OWN_TREES[0], "int", (None,))
-    par = c.get(OWN_TREES[1], "int", (None if tok is None else len(tok),))
+    tok = c.get(own_trees[0], "int", (None,))
+    par = c.get(own_trees[1], "int", (None if tok is None else len(tok),))
     if tok is None or par is None:
         return None
-    own = tree_offsets(f, g, c.out, c.p, R)
+    own = tree_offsets(f, g, c.out, c.p, R, group)
     if len(own) != R + 1 or own[0] != 0:                                 # rows before a root: orphans
-        c.bad(OWN_TREES[1], f"has {len(own) - 1} root rows (parent -1); expected {R}, one per round, "
+        c.bad(own_trees[1], f"has {len(own) - 1} root rows (parent -1); expected {R}, one per round, "
                             f"the first at row 0")
         return None
     for r in range(R):
         t, q = tok[own[r]:own[r + 1]], par[own[r]:own[r + 1]]
         if t[0] != -1 or np.any((t[1:] < 0) | (t[1:] >= V)):
-            c.bad(OWN_TREES[0], f"round {r}: {t[:8].tolist()}...: the root row holds -1, node rows token "
+            c.bad(own_trees[0], f"round {r}: {t[:8].tolist()}...: the root row holds -1, node rows token "
                                 f"ids in [0, {V})")
             return None
         if np.any((q[1:] < 0) | (q[1:] >= np.arange(1, len(q)))):
-            c.bad(OWN_TREES[1], f"round {r}: {q[:8].tolist()}...: node k's parent must be in [0, k)")
+            c.bad(own_trees[1], f"round {r}: {q[:8].tolist()}...: node k's parent must be in [0, k)")
             return None
     return own

@@ -71,6 +71,23 @@ def offsets(sizes) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
 
 
+def live_records(tokens, rounds, target_forwards: int) -> dict:
+    """A live DDTree run (refmodel.ddtree Rounds) as the `ddtree_live/` records of docs/run-dump.md §2,
+    names relative to the group: the stream, the trees as the bundle lays them out (row 0 of a round =
+    the root: token -1, parent -1), and per round the verify argmax, accepted path, bonus, path logits."""
+    return {
+        "tokens": np.asarray(tokens, np.int64),
+        "tree_tokens": ragged([[-1] + list(r.tree_tokens) for r in rounds]),
+        "tree_parents": ragged([r.parents for r in rounds]),
+        "verify_argmax": ragged([r.verify_argmax for r in rounds]),
+        "accepted": ragged([r.accepted for r in rounds]),
+        "accepted_offsets": offsets([len(r.accepted) for r in rounds]),
+        "round_bonus": np.asarray([r.bonus for r in rounds], np.int64),
+        "counters": np.array([target_forwards, len(rounds)], np.int64),
+        "path_logits": np.concatenate([r.path_logits for r in rounds]),
+    }
+
+
 # ---------------------------------------------------------------- run dumps
 
 def read_dump(path: str) -> tuple[dict, str]:

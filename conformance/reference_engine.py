@@ -2,7 +2,8 @@
 
 It is the CI-side proof that a correct fp32 engine passes the bundle's tolerances, and the engine that
 fault injection (conformance/faults.py) wraps. Implements conformance.protocol.Engine, teacher forcing
-included (run_layer feeds a layer its golden input and golden cache rows).
+included (run_layer feeds a layer its golden input and golden cache rows), and the optional live DDTree
+(`ddtree_generate`: refmodel/ddtree.py's loop in float32 with the bundle's own drafter).
 """
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ import os
 
 import numpy as np
 
+from conformance.records import live_records
 from kdtr_format import open_kdtr
 from refmodel.config import ModelConfig
+from refmodel.ddtree import Tree, build_ddtree, draft_logits, prefill, verify_round
+from refmodel.drafter import DrafterConfig
 from refmodel.model import KVCache, block, causal_mask, forward, rope_cos_sin
 from refmodel.quant import dequantize_model
 
@@ -25,6 +29,13 @@ def bundle_weights(f) -> tuple[ModelConfig, dict]:
             continue
         W[n] = np.array(f[n]) if f.info(n).int4_shape is not None else np.array(f.get(n), dtype=np.float64)
     return cfg, dequantize_model(W)
+
+
+def bundle_drafter(f) -> tuple[DrafterConfig, dict, dict]:
+    """(drafter config, float64 drafter weights (stored bfloat16, exact), the bundle's `ddtree` settings:
+    budget, topk) of an open bundle."""
+    DW = {n: np.array(f.get(n), dtype=np.float64) for n in f.names if n.startswith("drafter.")}
+    return DrafterConfig.from_dict(f.metadata["drafter_config"]), DW, f.metadata["ddtree"]
 
 
 class ReferenceEngine:
@@ -41,10 +52,11 @@ class ReferenceEngine:
     def load(self, bundle) -> None:
         if isinstance(bundle, (str, os.PathLike)):
             with open_kdtr(bundle) as f:
-                self.cfg, W = bundle_weights(f)
-        else:
-            self.cfg, W = bundle_weights(bundle)
+                return self.load(f)
+        self.cfg, W = bundle_weights(bundle)
         self.W = {k: v.astype(self.np_dtype) for k, v in W.items()}
+        self.dcfg, DW, self.ddtree_settings = bundle_drafter(bundle)
+        self.DW = {k: v.astype(self.np_dtype) for k, v in DW.items()}
         self.reset()
 
     def reset(self) -> None:
@@ -66,6 +78,24 @@ class ReferenceEngine:
 
     def compact(self, start, keep) -> None:
         self.cache.compact(start, keep)
+
+    def ddtree_generate(self, prompt_ids, pos0: int, n_tokens: int) -> dict:
+        """The engine's own DDTree loop (docs/ddtree.md §1): its drafter, its trees, its verify forwards,
+        from an empty cache; the run-dump records of docs/run-dump.md §2, `ddtree_live/` group. Uses its
+        own caches, not the one prefill/decode/verify_tree share."""
+        if pos0:
+            raise ValueError(f"position offset {pos0}: refmodel's DDTree loop here runs from position 0 only")
+        budget, topk = self.ddtree_settings["budget"], self.ddtree_settings.get("topk")
+        dec = prefill(self.cfg, self.W, np.asarray(prompt_ids, np.int64), self.dcfg)
+        P, rounds = len(prompt_ids), []
+        while len(dec.out) - P < n_tokens:
+            tree = self.build_tree(draft_logits(self.W, self.dcfg, self.DW, dec), budget, topk)
+            rounds.append(verify_round(self.cfg, self.W, self.dcfg, dec, tree))
+        return live_records(dec.out[P:P + n_tokens], rounds, dec.counters.target_forwards)
+
+    def build_tree(self, draft_logits: np.ndarray, budget: int, topk: int | None) -> Tree:
+        """The engine's tree builder: the reference's (a fault may plant another)."""
+        return build_ddtree(draft_logits, budget, topk)
 
     def run_layer(self, layer: int, inputs: dict) -> dict:
         """Layer `layer` alone on golden inputs (hidden [T, D], positions [T], cache rows c_kv/k_pe [S, .])."""

@@ -139,6 +139,7 @@ class Round:
     bonus: int                  # the target's token after the last accepted node
     tree_size: int              # n+1 verified rows
     accepted_depth: int         # accepted draft tokens (len(accepted) - 1); tokens this round = depth + 1
+    path_logits: np.ndarray     # [len(accepted), V] the verify logits of the committed rows
 
 
 @dataclass
@@ -173,23 +174,29 @@ def prefill(cfg, W, prompt, dcfg: DrafterConfig | None = None) -> Decoder:
     P = len(prompt)
     if P < 1:
         raise ValueError("prompt must hold at least one token")
-    cache = KVCache(cfg)
+    dtype = W["model.embed_tokens.weight"].dtype       # float64 oracle; float32 for the reference engine
+    cache = KVCache(cfg, dtype)
     logits, hiddens = forward(cfg, W, np.asarray(prompt, dtype=np.int64), np.arange(P), cache)  # [P, V]
     ctx = None if dcfg is None else target_features(dcfg, hiddens)                           # [P, F]
-    dcache = None if dcfg is None else DrafterCache(dcfg)
+    dcache = None if dcfg is None else DrafterCache(dcfg, dtype)
     out = [int(t) for t in prompt] + [int(np.argmax(logits[-1]))]
     return Decoder(out, P, cache, dcache, ctx, Counters(target_forwards=1))
 
 
-def draft_tree(W, dcfg, DW, dec: Decoder, budget: int, topk: int | None) -> Tree:
-    """One drafter call on [bonus, MASK x (B-1)] and the best-first tree over its B-1 marginals."""
-    if budget <= 0:
-        return _root_only()
+def draft_logits(W, dcfg, DW, dec: Decoder) -> np.ndarray:
+    """One drafter call on [bonus, MASK x (B-1)]: the per-depth logits [B-1, V] (docs/ddtree.md §2)."""
     block = [dec.out[dec.start]] + [dcfg.mask_token_id] * (dcfg.block_size - 1)
     q_logits = drafter_forward(dcfg, DW, W, block, dec.ctx, dec.dcache, dec.start)   # [B-1, V]
     dec.counters.drafter_forwards += 1
     dec.ctx = None                       # consumed: those rows now live in the drafter cache
-    return build_ddtree(q_logits, budget, topk)
+    return q_logits
+
+
+def draft_tree(W, dcfg, DW, dec: Decoder, budget: int, topk: int | None) -> Tree:
+    """One drafter call and the best-first tree over its B-1 marginals."""
+    if budget <= 0:
+        return _root_only()
+    return build_ddtree(draft_logits(W, dcfg, DW, dec), budget, topk)
 
 
 def verify_round(cfg, W, dcfg, dec: Decoder, tree: Tree) -> Round:
@@ -207,7 +214,7 @@ def verify_round(cfg, W, dcfg, dec: Decoder, tree: Tree) -> Round:
     dec.start = start + len(acc)
     dec.counters.tokens_per_round.append(len(acc))
     return Round(start, tree.tokens, tree.parents, tree.depths, tree.ranks, post, acc, bonus, tree.size,
-                 len(acc) - 1)
+                 len(acc) - 1, logits[acc])
 
 
 def generate(cfg, W, prompt, max_new_tokens: int, dcfg=None, DW=None, budget: int = 0,

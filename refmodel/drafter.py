@@ -138,7 +138,8 @@ def rope(x, positions, theta):
     half = x.shape[-1] // 2
     inv_freq = theta ** (-np.arange(half, dtype=np.float64) / half)     # [Dh/2]
     ang = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq   # [T, Dh/2]
-    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]         # [T, 1, Dh/2]
+    cos = np.cos(ang)[:, None, :].astype(x.dtype)                        # [T, 1, Dh/2]; angles in float64,
+    sin = np.sin(ang)[:, None, :].astype(x.dtype)                        #   tables in the compute dtype
     x1, x2 = x[..., :half], x[..., half:]
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
@@ -155,10 +156,10 @@ def target_features(dcfg: DrafterConfig, hiddens: list) -> np.ndarray:
 class DrafterCache:
     """Per draft layer, the K (normed, rotated) and V of committed context positions [0, length)."""
 
-    def __init__(self, dcfg: DrafterConfig):
+    def __init__(self, dcfg: DrafterConfig, dtype=np.float64):
         G, Dh = dcfg.num_key_value_heads, dcfg.head_dim
-        self.k = [np.zeros((0, G, Dh)) for _ in range(dcfg.num_hidden_layers)]
-        self.v = [np.zeros((0, G, Dh)) for _ in range(dcfg.num_hidden_layers)]
+        self.k = [np.zeros((0, G, Dh), dtype) for _ in range(dcfg.num_hidden_layers)]
+        self.v = [np.zeros((0, G, Dh), dtype) for _ in range(dcfg.num_hidden_layers)]
 
     @property
     def length(self) -> int:

@@ -1,0 +1,142 @@
+"""Judging an engine's own DDTree loop (the `ddtree_live/` records, docs/run-dump.md §2) against the goldens:
+
+- `tokens`: the live stream equals the golden DDTree stream, exactly, always;
+- `tokens_vs_own_ar`: and the engine's own AR stream (teacher-forced, so comparable while the live
+  stream is golden, up to and including its first deviation);
+- `trees`: every live round that starts where a golden round starts (in exact arithmetic the drafter's
+  input there is the same, whatever the earlier rounds were) has the golden tree; where it differs, the
+  first differing node must be a near-tie of the golden drafter (conformance/tree_ties.py), else the
+  check fails naming the round. On an equal tree the accepted path, the target's argmax on it and the
+  bonus equal the golden ones. The records must also be self-consistent: each round's accepted path and
+  bonus are the walk of its verify argmax over its tree, and the rounds produce the stream;
+- `target_forwards`: the live count against the golden count, exact when every round had the golden
+  tree (then the runs are the same), reported otherwise (a near-tie tree may accept another number).
+
+The live path logits are judged by judge.py's `_path_logits_check`, as the replay's.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from conformance.outputs import LIVE, tree_offsets
+from conformance.report import CheckResult
+from conformance.tree_ties import GoldenDrafts, first_difference
+
+
+def live_checks(f, g: str, i: int, out: dict, drafts: GoldenDrafts) -> list[CheckResult]:
+    """The checks of prompt i's live DDTree (outputs that passed validation)."""
+    p = f"p{i}/{LIVE}/"
+    mine, gold = np.asarray(out[p + "tokens"]), np.asarray(f[g + "ddtree/tokens"])     # both [n]
+    bad = np.nonzero(mine != gold)[0]
+    checks = [CheckResult(p + "tokens", "fail" if bad.size else "pass", "ddtree", {"tokens": int(len(mine))},
+                          {"exact": True}, "" if not bad.size else
+                          f"differs from the golden DDTree stream at token {int(bad[0])}: expected "
+                          f"{int(gold[bad[0]])}, got {int(mine[bad[0]])}")]
+    ar = np.asarray(out[f"p{i}/ar/tokens"])
+    k = int(bad[0]) + 1 if bad.size else len(mine)
+    diff = np.nonzero(ar[:k] != mine[:k])[0]
+    checks.append(CheckResult(p + "tokens_vs_own_ar", "fail" if diff.size else "pass", "ddtree",
+                              {"compared": k}, {"exact": True}, "" if not diff.size else
+                              f"token {int(diff[0])}: the live DDTree emitted {int(mine[diff[0]])} where the "
+                              f"engine's own AR argmax is {int(ar[diff[0]])}"))
+    trees, all_golden = _trees_check(f, g, i, out, drafts)
+    checks.append(trees)
+    checks.append(_forwards_check(f, g, p, out, all_golden))
+    return checks
+
+
+def _round_rows(out: dict, p: str, et, eo, r: int):
+    """Live round r: tree tokens, parents, verify argmax (rows), accepted path."""
+    rows = slice(et[r], et[r + 1])
+    return (np.asarray(out[p + "tree_tokens"][rows]), np.asarray(out[p + "tree_parents"][rows]),
+            np.asarray(out[p + "verify_argmax"][rows]), np.asarray(out[p + "accepted"][eo[r]:eo[r + 1]]))
+
+
+def _walk(tok, par, post) -> tuple[list, int]:
+    """The greedy walk (docs/ddtree.md §4) over a tree in the bundle's layout."""
+    children = [{} for _ in tok]
+    for k in range(1, len(tok)):
+        children[int(par[k])][int(tok[k])] = k
+    acc, cur, nxt = [0], 0, int(post[0])
+    while nxt in children[cur]:
+        cur = children[cur][nxt]
+        acc.append(cur)
+        nxt = int(post[cur])
+    return acc, nxt
+
+
+def _trees_check(f, g: str, i: int, out: dict, drafts: GoldenDrafts) -> tuple[CheckResult, bool]:
+    """(the `trees` check, whether every live round was a golden round with the golden tree)."""
+    p, name = f"p{i}/{LIVE}/", f"p{i}/{LIVE}/trees"
+    gs = {int(s): r for r, s in enumerate(np.asarray(f[g + "ddtree/round_start"]))}
+    go, ga = np.asarray(f[g + "ddtree/tree_offsets"]), np.asarray(f[g + "ddtree/accepted_offsets"])
+    eo = np.asarray(out[p + "accepted_offsets"])
+    R = len(eo) - 1
+    et = tree_offsets(f, g, out, f"p{i}/", R, LIVE)
+    bonus, tokens = np.asarray(out[p + "round_bonus"]), np.asarray(out[p + "tokens"])
+    start, stream = len(f[g + "prompt_ids"]), [int(tokens[0])]
+    m = {"rounds": R, "golden_rounds": len(go) - 1, "compared": 0, "equal": 0, "near_ties": [], "not_comparable": 0}
+
+    def fail(r, msg):
+        return CheckResult(name, "fail", "ddtree", m, {"exact": True, "near_ties": "golden drafter"},
+                           f"round {r}: {msg}"), False
+
+    for r in range(R):
+        tok, par, post, acc = _round_rows(out, p, et, eo, r)
+        walked, nxt = _walk(tok, par, post)
+        if walked != acc.tolist() or nxt != int(bonus[r]):
+            return fail(r, f"accepted {acc.tolist()} and bonus {int(bonus[r])} are not the walk of its verify "
+                           f"argmax over its tree ({walked}, {nxt})")
+        stream += [int(t) for t in tok[acc[1:]]] + [int(bonus[r])]
+        gr = gs.get(start)
+        start += len(acc)
+        if gr is None:                   # an earlier near-tie tree accepted another count: no golden round here
+            m["not_comparable"] += 1
+            continue
+        m["compared"] += 1
+        gl = slice(go[gr], go[gr + 1])
+        gtok, gpar = np.asarray(f[g + "ddtree/tree_tokens"][gl]), np.asarray(f[g + "ddtree/tree_parents"][gl])
+        at = f"golden round {gr}, position {start - len(acc)}"
+        if not (np.array_equal(gtok, tok) and np.array_equal(gpar, par)):
+            lp = drafts.log_probs(i, gr)
+            if lp is None or drafts.problem:
+                return fail(r, f"({at}) the tree differs from the golden one and no near-tie can be assessed: "
+                               f"{drafts.problem or 'no golden drafter logits for it'}")
+            d = first_difference(gtok, gpar, tok, par, lp, drafts.delta)
+            if not d.near_tie:
+                return fail(r, f"({at}) the tree differs from the golden one at {d.why}")
+            m["near_ties"].append({"round": r, "golden_round": gr, "row": d.row, "gap": d.gap, "bound": d.bound})
+            continue
+        m["equal"] += 1
+        gacc = np.asarray(f[g + "ddtree/accepted"][ga[gr]:ga[gr + 1]])
+        gpost = np.asarray(f[g + "ddtree/verify_argmax"][gl])
+        if not np.array_equal(acc, gacc):
+            return fail(r, f"({at}) the golden tree, but accepted rows {acc.tolist()} where golden {gacc.tolist()}")
+        if not np.array_equal(post[acc], gpost[gacc]):
+            return fail(r, f"({at}) target argmax on the accepted path {post[acc].tolist()}, golden "
+                           f"{gpost[gacc].tolist()}")
+        if int(bonus[r]) != int(f[g + "ddtree/round_bonus"][gr]):
+            return fail(r, f"({at}) bonus {int(bonus[r])}, golden {int(f[g + 'ddtree/round_bonus'][gr])}")
+    if stream[:len(tokens)] != tokens.tolist() or len(stream) < len(tokens):
+        return fail(R - 1, "the rounds' accepted tokens and bonuses do not make up the reported stream")
+    if m["near_ties"]:
+        m["drafter_atol"] = drafts.delta
+    msg = "" if not m["near_ties"] else "; ".join(
+        f"round {t['round']} (golden round {t['golden_round']}) differs at node {t['row']}: a near-tie of the "
+        f"golden drafter, golden score gap {t['gap']:.3g} <= {t['bound']:.3g}, allowed" for t in m["near_ties"])
+    if m["not_comparable"]:
+        msg += ("; " if msg else "") + f"{m['not_comparable']} round(s) start where no golden round does, not compared"
+    same = m["equal"] == R == len(go) - 1
+    return CheckResult(name, "pass", "ddtree", m, {"exact": True, "near_ties": "golden drafter"}, msg), same
+
+
+def _forwards_check(f, g: str, p: str, out: dict, all_golden: bool) -> CheckResult:
+    n = len(f[g + "ar/tokens"])                   # AR: 1 prefill + n - 1 decodes
+    fw, gfw = int(out[p + "counters"][0]), int(f[g + "ddtree/counters"][0])
+    m = {"engine": fw, "golden": gfw, "ar_forwards": n, "engine_ratio": round(n / fw, 4),
+         "golden_ratio": round(n / gfw, 4)}
+    if all_golden and fw != gfw:
+        return CheckResult(p + "target_forwards", "fail", "ddtree", m, {"exact": True},
+                           f"{fw} target forwards with every golden tree, golden {gfw}")
+    msg = "" if all_golden else f"{fw} target forwards, golden {gfw}: reported, not judged (near-tie trees)"
+    return CheckResult(p + "target_forwards", "pass", "ddtree", m, {"exact": all_golden}, msg)
