@@ -16,6 +16,10 @@ local-vs-inherited test sees it.
     position_off_by_one   decode step `step` (default 2) runs at position + 1: RoPE of that token and
                           its cache row rotate by the wrong angle      -> L0/k_pe at that step, cause
                           "input" (every layer is right on the inputs its taps show)
+    draft_row_shift       the live DDTree's tree builder reads the drafter's output one row late from
+                          round `round` (default 0) on: depth d gets the depth-(d+1) logits, the last
+                          depth repeats      -> the live `trees` check at that round only (the stream
+                          stays exact: verification still decides every token)
 
 Legend: H heads, N qk_nope_head_dim, R qk_rope_head_dim, C kv_lora_rank, A = N + R, T tokens, S cache.
 """
@@ -30,7 +34,7 @@ from conformance.records import prompts_of
 from kdtr_format import open_kdtr
 
 FAULTS = ("scale_tap", "swap_expert", "rope_pairs", "tree_mask_off_by_one", "nibble_order",
-          "position_off_by_one")
+          "position_off_by_one", "draft_row_shift")
 _NEEDS_LAYER = ("scale_tap", "swap_expert")
 _EXPERT_MATS = ("gate_proj", "up_proj", "down_proj")
 
@@ -71,7 +75,8 @@ class FaultyEngine(ReferenceEngine):
     """ReferenceEngine with `fault` (one of FAULTS) planted; `layer` for scale_tap and swap_expert.
     params: eps (scale_tap, default 1e-4), experts=(a, b) (swap_expert; default: picked from the
     bundle's golden routing so the swap really changes what the golden prompts compute), step
-    (position_off_by_one, default 2: the decode step, counted from the last reset, that is off)."""
+    (position_off_by_one, default 2: the decode step, counted from the last reset, that is off), round
+    (draft_row_shift, default 0: the first live round whose tree is built from shifted rows)."""
 
     supports_teacher_forcing = True
 
@@ -135,6 +140,16 @@ class FaultyEngine(ReferenceEngine):
     def _forward(self, ids, positions, mask=None):
         logits, taps = super()._forward(ids, positions, mask)
         return logits, self._raw_layout(taps)
+
+    def ddtree_generate(self, prompt_ids, pos0, n_tokens):
+        self.rounds_built = 0
+        return super().ddtree_generate(prompt_ids, pos0, n_tokens)
+
+    def build_tree(self, draft_logits, budget, topk):
+        if self.fault == "draft_row_shift" and self.rounds_built >= self.params.get("round", 0):
+            draft_logits = np.concatenate([draft_logits[1:], draft_logits[-1:]])   # [L, V], rows one late
+        self.rounds_built += 1
+        return super().build_tree(draft_logits, budget, topk)
 
     def verify_tree(self, ids, positions, mask):
         if self.fault == "tree_mask_off_by_one":

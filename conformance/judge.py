@@ -86,7 +86,7 @@ def judge(f, out: dict, overrides=(), dtype: str = "float32") -> tuple[list[Chec
         ar_ok = all(c.status == "pass" for c in checks if c.name == f"p{i}/ar/logits")
         checks += _ddtree_checks(f, g, i, out, overrides, dtype, ar_ok)
         if has_live(out, i):
-            checks += live_checks(f, g, i, out, drafts)
+            checks += live_checks(f, g, i, out, drafts, ar_ok)
             checks.append(_path_logits_check(f, g, f"p{i}/{LIVE}/", out, overrides, dtype,
                                              "ddtree" if ar_ok else "numeric"))
     return checks, first

@@ -55,6 +55,17 @@ class Engine(Protocol):
         """Keep cache rows start + keep[i] at start + i and truncate to start + len(keep)
         (KVCache.compact): drop the rejected tree nodes after a verify."""
 
+    def ddtree_generate(self, prompt_ids: np.ndarray, pos0: int, n_tokens: int) -> dict[str, np.ndarray]:
+        """Optional: the engine's OWN greedy DDTree loop (docs/ddtree.md §1): its drafter (the bundle's
+        `drafter.*` weights and `drafter_config`), its trees (budget and top-k from the bundle's `ddtree`
+        metadata), its verify forwards, from an empty cache and independent of the cache the calls above
+        share. The prompt [P] sits at positions pos0 .. pos0 + P - 1 (the bundle's position offset of
+        that prompt, 0 for an ordinary one); decoding stops once n_tokens are generated. Returns the
+        records of docs/run-dump.md §2, names relative to the `ddtree_live/` group: tokens [n_tokens],
+        tree_tokens and tree_parents (its trees in the bundle's layout, a root row first per round),
+        verify_argmax, accepted, accepted_offsets, round_bonus, counters [target forwards, rounds] and
+        path_logits. The runner calls it after the golden replay when the engine has it."""
+
     def run_layer(self, layer: int, inputs: Taps) -> Taps:
         """Optional: engines with supports_teacher_forcing False may omit it. Run layer `layer` alone on golden inputs
         and return its taps, so the runner can tell a local fault from inherited error.
@@ -74,6 +85,8 @@ def check_engine(engine: object) -> list[str]:
     for meth in ("load", "reset", "prefill", "decode", "verify_tree", "compact"):
         if not callable(getattr(engine, meth, None)):
             problems.append(f"method {meth}() missing")
+    if hasattr(engine, "ddtree_generate") and not callable(engine.ddtree_generate):
+        problems.append("ddtree_generate is present but not a method")
     if getattr(engine, "supports_teacher_forcing", False) and not callable(
             getattr(engine, "run_layer", None)):
         problems.append("supports_teacher_forcing is True but run_layer() is missing")
