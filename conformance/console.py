@@ -46,6 +46,7 @@ def print_console(v: Verdict, console: Console | None = None, verbose: bool = Fa
     for c in v.checks:
         if c.status == "fail" and c.kind in ("tokens", "ddtree", "coverage"):
             say(f"{c.kind} FAIL {c.name}: {c.message}", "red")
+    _live_ddtree(v, say)
     _worst(v, say, None if verbose else WORST)
     names = skipped(v.checks)
     if names:
@@ -59,6 +60,19 @@ def print_console(v: Verdict, console: Console | None = None, verbose: bool = Fa
     style = "bold green" if v.exit_code == ExitCode.OK else "bold red"
     say(f"{v.verdict.upper()} {v.engine} on {v.bundle}: exit code {int(v.exit_code)} ({v.exit_code.name})",
         style)
+
+
+def _live_ddtree(v: Verdict, say) -> None:
+    """An engine's own DDTree loop: what passed with a note (allowed near-ties, counts not judged) and
+    the target forwards against golden and AR, summed over the prompts."""
+    for c in v.checks:
+        if c.status == "pass" and c.kind == "ddtree" and c.message:
+            say(f"ddtree note {c.name}: {c.message}", "yellow")
+    fw = [c.metrics for c in v.checks if c.name.endswith("/ddtree_live/target_forwards") and c.metrics]
+    if fw:
+        e, g, ar = (sum(m[k] for m in fw) for k in ("engine", "golden", "ar_forwards"))
+        say(f"live DDTree: {e} target forwards for {len(fw)} prompts, golden {g}, AR {ar} "
+            f"({ar / e:.2f}x fewer than AR; golden {ar / g:.2f}x)")
 
 
 def _divergence(v: Verdict, say) -> None:
