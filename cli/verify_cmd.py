@@ -15,6 +15,8 @@ from conformance.console import print_console
 from conformance.report import PRECEDENCE, write_html, write_json, write_junit
 from conformance.runner import verify
 from conformance.tolerance import load_rules_file
+from kdtr_format.errors import NotARegularFileError
+from kdtr_format.paths import check_regular
 
 
 def _suffixed(path: str | None, bundle: str, many: bool) -> str | None:
@@ -63,6 +65,12 @@ def verify_cmd(bundles, engine_name, dump, rules, json_path, junit_path, html_pa
     check_output(save_dump, "--save-dump")          # a .kdtr needs a regular file (it is seeked)
     if dump and len(bundles) > 1:
         raise click.UsageError("--dump judges one run against one bundle: pass a single BUNDLE")
+    for path, what in [(b, "bundle") for b in bundles] + ([(dump, "run dump")] if dump else []):
+        try:                                        # a FIFO or device: one line and exit 5, before any run
+            check_regular(path, what)
+        except (NotARegularFileError, OSError) as e:
+            Console(stderr=True, soft_wrap=True).print(f"kdtr verify: {e}", markup=False, highlight=False)
+            sys.exit(ExitCode.INVALID_FILE)
     worst = ExitCode.OK
     for bundle in bundles:
         engine = None
@@ -83,8 +91,13 @@ def verify_cmd(bundles, engine_name, dump, rules, json_path, junit_path, html_pa
                     task[stage] = bar.add_task(f"{bundle}: {stage}", total=total)
                 bar.update(task[stage], completed=done)
 
-            v = verify(bundle, engine=engine, dump=dump, overrides=overrides, progress=progress,
-                       save_dump=_suffixed(save_dump, bundle, len(bundles) > 1), require_coverage=coverage)
+            try:
+                v = verify(bundle, engine=engine, dump=dump, overrides=overrides, progress=progress,
+                           save_dump=_suffixed(save_dump, bundle, len(bundles) > 1), require_coverage=coverage)
+            except OSError as e:        # only the dump write touches the file system after the checks above
+                if not save_dump:
+                    raise
+                fail_write(e, "kdtr verify --save-dump")
         print_console(v, Console(), verbose=verbose)
         many = len(bundles) > 1
         for path, write in ((json_path, write_json), (junit_path, write_junit), (html_path, write_html)):

@@ -131,10 +131,11 @@ def test_a_device_input_is_refused(tmp_path):
 
 
 def test_verify_refuses_a_fifo_bundle_or_dump(fifo):
-    r = kdtr("verify", fifo)
-    assert r.exit_code == ExitCode.INVALID_FILE and "is a FIFO" in r.output and "Traceback" not in r.output
+    r = kdtr("verify", fifo, "--engine", "reference")
+    one_line_error(r, ExitCode.INVALID_FILE, "kdtr verify: bundle", "is a FIFO, not a regular file")
+    assert "engine:" not in r.output                                        # refused before any run
     r = kdtr("verify", os.path.join(ROOT, "bundles", "model_tiny.kdtr"), "--dump", fifo)
-    assert r.exit_code == ExitCode.INVALID_FILE and "is a FIFO" in r.output and "Traceback" not in r.output
+    one_line_error(r, ExitCode.INVALID_FILE, "kdtr verify: run dump", "is a FIFO, not a regular file")
 
 
 def test_import_refuses_a_fifo_config(tmp_path):
@@ -351,3 +352,20 @@ def test_a_report_to_dev_stdout_redirected_to_a_file_keeps_the_console_lines(tmp
     assert text.startswith("console line\n{") and text.endswith("}\nafter\n")
     assert json.loads(text[len("console line\n"):-len("after\n")])["verdict"] == "pass"
     assert sorted(os.listdir(tmp_path)) == ["log"]
+
+
+def test_save_dump_failing_mid_run_is_one_line_exit_2(tmp_path, monkeypatch):
+    """Disk full while the run dump is written (after the up-front path check passed): one line, exit 2."""
+    import errno
+
+    import conformance.runner
+
+    def full(out, path, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(conformance.runner, "write_dump", full)
+    target = tmp_path / "run.kdtr"
+    r = kdtr("verify", os.path.join(ROOT, "bundles", "model_int4_tiny.kdtr"), "--engine", "reference",
+             "--save-dump", str(target))
+    one_line_error(r, ExitCode.USAGE, "kdtr verify --save-dump: cannot write", "No space left on device")
+    assert not target.exists()
