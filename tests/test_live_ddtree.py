@@ -1,14 +1,18 @@
 """The live DDTree protocol (`ddtree_generate`): the reference engine's own drafter and trees judged against
 the goldens (conformance/judge_live.py), near-ties of the golden drafter (conformance/tree_ties.py), a
 planted tree-builder fault, determinism, and the records in a run dump."""
+import io
 from pathlib import Path
 
 import numpy as np
 import pytest
+from rich.console import Console
 
+from conformance.console import print_console
 from conformance.exit_codes import ExitCode
 from conformance.faults import FaultyEngine
 from conformance.outputs import LIVE, LIVE_RECORDS
+from conformance.protocol import check_engine
 from conformance.records import read_dump, write_dump
 from conformance.reference_engine import ReferenceEngine
 from conformance.runner import verify
@@ -54,6 +58,13 @@ def test_reference_engine_passes_live_on_the_committed_bundle():
         assert all(t["gap"] <= t["bound"] for t in c.metrics["near_ties"])
     for c in _live(v, "target_forwards"):
         assert c.metrics["engine"] < c.metrics["ar_forwards"] / 3       # its own drafter really drafts
+    buf = io.StringIO()
+    print_console(v, Console(file=buf, width=200, color_system=None))
+    e, g = (sum(c.metrics[k] for c in _live(v, "target_forwards")) for k in ("engine", "golden"))
+    assert f"live DDTree: {e} target forwards for {len(trees)} prompts, golden {g}, AR " in buf.getvalue()
+    for c in trees:                                                     # every allowed near-tie is printed
+        if c.metrics["near_ties"]:
+            assert f"ddtree note {c.name}: {c.message}" in buf.getvalue()
 
 
 def test_planted_tree_builder_fault_fails_exit_4_naming_the_round(small_bundle):
@@ -62,6 +73,12 @@ def test_planted_tree_builder_fault_fails_exit_4_naming_the_round(small_bundle):
     bad = [c for c in v.checks if c.status == "fail"]
     assert bad and all(c.name.endswith(f"/{LIVE}/trees") for c in bad)  # the replay and the streams pass
     assert all(c.message.startswith("round 1: (golden round 1,") and "decisive" in c.message for c in bad)
+
+
+def test_a_ddtree_generate_that_is_not_a_method_is_named():
+    e = ReferenceEngine()
+    e.ddtree_generate = 3
+    assert check_engine(e) == ["ddtree_generate is present but not a method"]
 
 
 def test_two_live_runs_are_identical():
