@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from conformance.records import golden_tree, prompts_of
+from conformance.records import prompts_of
 from conformance.reference_engine import bundle_drafter, bundle_weights
 from conformance.tolerance import DerivedTolerance, derive_tolerance
 from refmodel.ddtree import build_ddtree
@@ -42,7 +42,7 @@ def replay_drafts(cfg, W: dict, dcfg, DW: dict, f, i: int) -> list[np.ndarray]:
     """The drafter logits [L, V] of every golden round of prompt i, computed in the dtype of W and DW.
     The drafter's context at a round is the target's features of the committed rows; in exact arithmetic
     a committed tree row is the AR row (docs/ddtree.md §6), so one causal forward over the prompt and the
-    golden stream gives every round's context, ten times cheaper than replaying the tree forwards."""
+    golden stream gives every round's context, cheaper than replaying the tree forwards."""
     p = f"golden/p{i}/"
     ids = np.concatenate([f[p + "prompt_ids"], f[p + "ddtree/tokens"]]).astype(np.int64)    # [P + n]
     _, hiddens = forward(cfg, W, ids, np.arange(len(ids)))
