@@ -120,6 +120,24 @@ def load_module_class(path: str) -> type:
     return cls
 
 
+def load_weights(model: torch.nn.Module, cfg: ModelConfig, W: dict) -> None:
+    """Copy W into the model's own tensors (each in the dtype it has), after checking every name and shape:
+    `load_state_dict` would silently skip per-expert names on a fused-experts model."""
+    own = model.state_dict()
+    state = hf_state(cfg, W, fused_experts=any(n.endswith("mlp.experts.gate_up_proj") for n in own))
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    if missing or unexpected:
+        raise TorchEngineError(f"{type(model).__name__}'s parameters do not carry the HF names of the bundle: "
+                               f"missing {missing[:4]}, unexpected {unexpected[:4]} (a torch engine module "
+                               f"names its parameters as transformers' DeepseekV3ForCausalLM)")
+    with torch.no_grad():
+        for name, t in state.items():
+            if tuple(own[name].shape) != tuple(t.shape):
+                raise TorchEngineError(f"{name}: the module has shape {tuple(own[name].shape)}, the bundle "
+                                       f"{tuple(t.shape)}")
+            own[name].copy_(t.to(own[name].dtype))
+
+
 def build_model(cfg: ModelConfig, W: dict, module: str | None = None, dtype: str = "float32",
                 device: str = "cpu") -> torch.nn.Module:
     """An eval-mode model holding exactly W: weights in `dtype`, router gate and bias in float32."""
@@ -130,19 +148,8 @@ def build_model(cfg: ModelConfig, W: dict, module: str | None = None, dtype: str
     else:
         config._attn_implementation = ATTENTION
         model = cls(config)
-    own = model.state_dict()
-    state = hf_state(cfg, W, fused_experts=any(n.endswith("mlp.experts.gate_up_proj") for n in own))
-    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
-    if missing or unexpected:
-        raise TorchEngineError(f"{cls.__name__}'s parameters do not carry the HF names of the bundle: "
-                               f"missing {missing[:4]}, unexpected {unexpected[:4]} (a torch engine module "
-                               f"names its parameters as transformers' DeepseekV3ForCausalLM)")
+    load_weights(model, cfg, W)
     with torch.no_grad():
-        for name, t in state.items():
-            if tuple(own[name].shape) != tuple(t.shape):
-                raise TorchEngineError(f"{name}: the module has shape {tuple(own[name].shape)}, the bundle "
-                                       f"{tuple(t.shape)}")
-            own[name].copy_(t.to(own[name].dtype))                      # built in float32: exact
         for name, p in model.named_parameters():                        # weights to dtype; buffers (the
             if not name.endswith(FP32_KEEP):                             # RoPE inv_freq, the router bias)
                 p.data = p.data.to(DTYPES[dtype])                        # stay float32 as in from_pretrained
