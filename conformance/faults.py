@@ -23,7 +23,7 @@ import os
 import numpy as np
 
 from conformance.reference_engine import ReferenceEngine
-from conformance.runner import prompts_of
+from conformance.records import prompts_of
 from kdtr_format import open_kdtr
 
 FAULTS = ("scale_tap", "swap_expert", "rope_pairs", "tree_mask_off_by_one", "nibble_order")
