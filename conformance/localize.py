@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from conformance.judge import manifest_rule, canonical_routing
+from conformance.profiles import profile_taps
 from conformance.report import Divergence
 from conformance.tolerance import check_tap, resolve_rule
 
@@ -27,7 +28,8 @@ def layer_inputs(f, div: Divergence) -> dict:
             "c_kv": cat("kv_latent"), "k_pe": cat("k_pe")}
 
 
-def localize(engine, f, div: Divergence, overrides=(), dtype="float32", full_metrics=None) -> Divergence:
+def localize(engine, f, div: Divergence, overrides=(), dtype="float32", full_metrics=None,
+             profile: str = "fp32") -> Divergence:
     """Re-run the diverging layer on golden inputs: over tolerance there too = a local fault;
     within = error inherited from earlier layers (each under tolerance, together over it).
     local_error: the tap's error on golden inputs; inherited_error: its error in the full run
@@ -44,7 +46,7 @@ def localize(engine, f, div: Divergence, overrides=(), dtype="float32", full_met
     golden = f[f"golden/p{i}/{div.name.split('/', 1)[1]}"]
     if div.phase == "ar":
         golden = golden[div.step:div.step + 1]
-    derived = manifest_rule(f.metadata["tolerances"]["taps"].get(div.name.split("/", 1)[1]))
+    derived = manifest_rule(profile_taps(f.metadata, profile).get(div.name.split("/", 1)[1]))
     rule = resolve_rule(div.name, derived, overrides)
     actual = np.asarray(taps[key])
     if div.tap in ("topk_ids", "topk_weights") and actual.shape == golden.shape:   # as judge: per-row sets

@@ -16,14 +16,17 @@ import time
 from conformance.collect import collect
 from conformance.judge import judge
 from conformance.localize import localize
+from conformance.profiles import PROFILE_OF_DTYPE, profile_taps
 from conformance.records import check_schema, prompts_of, read_dump, validate_outputs, write_dump
 from conformance.report import CheckResult, make_verdict
 from kdtr_format import KdtrError, open_kdtr
 
 
 def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), progress=None,
-           save_dump: str | None = None):
-    """Judge `engine` (live) or `dump` (a run dump) against `bundle`; returns a report.Verdict."""
+           save_dump: str | None = None, profile: str | None = None):
+    """Judge `engine` (live) or `dump` (a run dump) against `bundle`; returns a report.Verdict.
+    `profile`: the precision profile to judge with (fp32 or bf16, conformance/profiles.py); None = the
+    one of the engine's (or dump's) dtype. Raises ProfileError when the bundle lacks it."""
     t0 = time.perf_counter()
     name = "dump" if dump else getattr(engine, "name", "engine")
     try:
@@ -32,6 +35,9 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
     except KdtrError as e:
         return make_verdict(name, bundle, [CheckResult("bundle/integrity", "error", "integrity", message=str(e))])
     with f:
+        if engine is not None and dump is None:                          # a missing profile: say so before
+            profile = profile or PROFILE_OF_DTYPE.get(engine.dtype, "fp32")   # the run, not after it
+            profile_taps(f.metadata, profile)
         checks = [CheckResult("bundle/integrity", "pass", "integrity",
                               {"tensors": len(f.names), "checksums": "verified"})]
         dtype = "float32"
@@ -54,17 +60,27 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
             info = engine.dump_metadata() if callable(getattr(engine, "dump_metadata", None)) else None
             write_dump(out, save_dump, name, dtype, f.metadata.get("provenance", {}).get("command", ""), info)
         t1 = time.perf_counter()
-        judged, first = judge(f, out, overrides, dtype)
+        profile = profile or PROFILE_OF_DTYPE.get(dtype, "fp32")
+        judged, first = judge(f, out, overrides, dtype, profile)
+        _say_why_unobserved(judged, getattr(engine, "unobserved", None) or {})
         if first is not None and engine is not None and dump is None:
             try:
                 full = next(c.metrics for c in judged if c.name == first.name)
-                first = localize(engine, f, first, overrides, dtype, full)
+                first = localize(engine, f, first, overrides, dtype, full, profile)
             except Exception as e:  # noqa: BLE001 - localisation is best effort; the verdict stands
                 first.cause = f"not localised: run_layer raised {type(e).__name__}: {e}"
-        info = {"dtype": dtype, "engine_seconds": round(t1 - t0, 3),
+        info = {"dtype": dtype, "profile": profile, "engine_seconds": round(t1 - t0, 3),
                 "judge_seconds": round(time.perf_counter() - t1, 3), "prompts": len(prompts_of(f)),
                 "bundle_figures": f.metadata.get("figures", {})}
         return make_verdict(name, os.fspath(bundle), checks + judged, first, info)
+
+
+def _say_why_unobserved(checks, why: dict) -> None:
+    """A skipped tap that the engine said it cannot observe carries the engine's reason."""
+    for c in checks:
+        tap = c.name.rsplit("/", 1)[-1]
+        if c.status == "skip" and tap in why:
+            c.message = f"not observable: {why[tap]}"
 
 
 def _outputs(f, engine, dump, progress) -> tuple[dict, str]:

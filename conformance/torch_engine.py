@@ -315,9 +315,9 @@ class TorchEngine:
         """Layer `layer` alone on golden inputs (hidden [T, D], positions [T], cache rows c_kv [S, C] and
         k_pe [S, R] in the checkpoint layout), on a cache of its own."""
         dt, dev = DTYPES[self.dtype], self.device
-        h = torch.as_tensor(np.asarray(inputs["hidden"]), dtype=dt, device=dev)[None]          # [1, T, D]
+        h = torch.as_tensor(np.array(inputs["hidden"]), dtype=dt, device=dev)[None]            # [1, T, D]
         pos = torch.as_tensor(np.asarray(inputs["positions"], np.int64), device=dev)[None]     # [1, T]
-        c_kv, k_pe = np.asarray(inputs["c_kv"]), np.asarray(inputs["k_pe"])                     # [S, C], [S, R]
+        c_kv, k_pe = np.array(inputs["c_kv"]), np.array(inputs["k_pe"])                         # [S, C], [S, R]
         R = self.cfg.qk_rope_head_dim
         P = np.concatenate([np.arange(0, R, 2), np.arange(1, R, 2)])
         cache = DynamicCache(config=self.model.config)
