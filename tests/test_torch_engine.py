@@ -74,7 +74,8 @@ def test_bfloat16_passes_its_profile_and_fails_the_fp32_one(small_bundle):
 def test_planted_k_rope_bug_is_caught_at_layer0_k_pe(small_bundle, dtype):
     v = verify(small_bundle, engine=TorchEngine(dtype, module=USER + "KRopeBugForCausalLM"))
     d = v.first_divergence
-    print(f"\n{dtype}: k-rope bug -> {ExitCode(v.exit_code).name}, first divergence {d.name} ({d.cause}), local {d.local_error}")
+    print(f"\n{dtype}: k-rope bug -> {ExitCode(v.exit_code).name}, first divergence {d.name} ({d.cause}), "
+          f"local {d.local_error}")
     assert v.exit_code != ExitCode.OK
     assert (d.name, d.layer, d.tap, d.phase, d.cause) == ("p0/prefill/L0/k_pe", 0, "k_pe", "prefill", "local")
     fine = {c.name: c.status for c in v.checks}

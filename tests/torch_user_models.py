@@ -1,9 +1,9 @@
-"""User modules for `--engine torch --module`: ports of transformers' DeepseekV3 with one planted bug each.
+"""User modules for `--engine torch --module`: ports of transformers' DeepseekV3, some with a planted bug.
 
-`PortForCausalLM` is a faithful port (it must pass); `KRopeBugForCausalLM` rotates k's RoPE dims in (i, i + R/2) pairs, as if they were already de-interleaved,
-while q keeps the checkpoint's interleaved pairs (2i, 2i + 1): a port that fixed the layout on one side
-only. Everything before the rotated key (attn_in, q, kv_latent) is right, so the first divergence must be
-layer 0's `k_pe`.
+`PortForCausalLM` is a faithful port (it must pass). `KRopeBugForCausalLM` rotates k's RoPE dims in
+(i, i + R/2) pairs, as if they were already de-interleaved, while q keeps the checkpoint's interleaved
+pairs (2i, 2i + 1): a port that fixed the layout on one side only. Everything before the rotated key
+(attn_in, q, kv_latent) is right, so the first divergence must be layer 0's `k_pe`.
 """
 import torch
 from transformers import DeepseekV3ForCausalLM
