@@ -113,6 +113,11 @@ def test_run_layer_on_golden_inputs_is_within_tolerance(small_bundle):
             assert r.passed, (t, r.failures)
 
 
+def test_it_is_an_engine():
+    from conformance.protocol import check_engine
+    assert check_engine(TorchEngine("bfloat16")) == []
+
+
 def test_bad_modules_are_refused_clearly(small_bundle):
     with pytest.raises(TorchEngineError, match="RenamedForCausalLM's parameters do not carry the HF names"):
         TorchEngine("float32", module=USER + "RenamedForCausalLM").load(str(small_bundle))
