@@ -70,6 +70,15 @@ def test_bfloat16_passes_its_profile_and_fails_the_fp32_one(small_bundle):
     assert v32.first_divergence.name == "p0/prefill/L0/attn_in"        # bf16 rounding shows at once
 
 
+def test_a_bf16_run_dump_is_judged_with_the_bf16_profile(small_bundle, tmp_path):
+    """--save-dump writes the run with dtype bfloat16; judging the dump picks the bf16 profile from it."""
+    dump = tmp_path / "run.kdtr"
+    live = verify(small_bundle, engine=TorchEngine("bfloat16"), save_dump=str(dump))
+    v = verify(small_bundle, dump=str(dump))
+    assert (v.info["dtype"], v.info["profile"]) == ("bfloat16", "bf16")
+    assert v.exit_code == live.exit_code == ExitCode.OK, not_passed(v)[:5]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_planted_k_rope_bug_is_caught_at_layer0_k_pe(small_bundle, dtype):
     v = verify(small_bundle, engine=TorchEngine(dtype, module=USER + "KRopeBugForCausalLM"))
