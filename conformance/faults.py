@@ -13,6 +13,9 @@ local-vs-inherited test sees it.
     rope_pairs            NeoX rotate-half on the raw interleaved rope dims, every layer -> L0/q or L0/k_pe
     tree_mask_off_by_one  in verify_tree each node also sees the next node -> DDTree checks only
     nibble_order          INT4 words read MSB-first (INT4 bundles)    -> L{first_k_dense_replace}/mlp_out
+    position_off_by_one   decode step `step` (default 2) runs at position + 1: RoPE of that token and
+                          its cache row rotate by the wrong angle      -> L0/k_pe at that step, cause
+                          "input" (every layer is right on the inputs its taps show)
 
 Legend: H heads, N qk_nope_head_dim, R qk_rope_head_dim, C kv_lora_rank, A = N + R, T tokens, S cache.
 """
@@ -26,7 +29,8 @@ from conformance.reference_engine import ReferenceEngine
 from conformance.records import prompts_of
 from kdtr_format import open_kdtr
 
-FAULTS = ("scale_tap", "swap_expert", "rope_pairs", "tree_mask_off_by_one", "nibble_order")
+FAULTS = ("scale_tap", "swap_expert", "rope_pairs", "tree_mask_off_by_one", "nibble_order",
+          "position_off_by_one")
 _NEEDS_LAYER = ("scale_tap", "swap_expert")
 _EXPERT_MATS = ("gate_proj", "up_proj", "down_proj")
 
@@ -66,7 +70,8 @@ class _MsbFirstReader:
 class FaultyEngine(ReferenceEngine):
     """ReferenceEngine with `fault` (one of FAULTS) planted; `layer` for scale_tap and swap_expert.
     params: eps (scale_tap, default 1e-4), experts=(a, b) (swap_expert; default: picked from the
-    bundle's golden routing so the swap really changes what the golden prompts compute)."""
+    bundle's golden routing so the swap really changes what the golden prompts compute), step
+    (position_off_by_one, default 2: the decode step, counted from the last reset, that is off)."""
 
     supports_teacher_forcing = True
 
@@ -116,6 +121,16 @@ class FaultyEngine(ReferenceEngine):
                 W[p + "kv_a_proj_with_mqa.weight"] = kva
 
     # ------------------------------------------------------------ running
+
+    def reset(self) -> None:
+        super().reset()
+        self.decode_steps = 0
+
+    def decode(self, token, position):
+        if self.fault == "position_off_by_one" and self.decode_steps == self.params.get("step", 2):
+            position += 1
+        self.decode_steps += 1
+        return super().decode(token, position)
 
     def _forward(self, ids, positions, mask=None):
         logits, taps = super()._forward(ids, positions, mask)

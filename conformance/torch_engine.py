@@ -198,10 +198,15 @@ class TorchEngine:
     # -- taps
 
     def _np(self, t: torch.Tensor) -> np.ndarray:
-        return t.detach()[0].float().cpu().numpy()                       # batch row 0, as float32
+        """A float tensor as the protocol stores it: float32, or for a bfloat16 engine the raw bfloat16
+        bits (uint16). The router's float32 outputs are rounded to bfloat16 there, as a dump stores them."""
+        t = t.detach()
+        if self.dtype == "bfloat16":
+            return t.to(torch.bfloat16).view(torch.int16).cpu().numpy().view(np.uint16)
+        return t.float().cpu().numpy()
 
     def _put(self, key: str, t: torch.Tensor) -> None:
-        self._taps[key] = self._np(t)
+        self._taps[key] = self._np(t[0])                                 # batch row 0
 
     def _hook(self) -> None:
         """Forward hooks on the HF-named submodules; each writes its tap into self._taps."""
@@ -245,8 +250,8 @@ class TorchEngine:
     def _routing(self, l: int, o) -> None:
         """transformers' router returns (logits, topk_weights, topk_ids); our scores are the sigmoid."""
         logits, weights, ids = o
-        self._taps[f"L{l}/router_scores"] = torch.sigmoid(logits.float()).cpu().numpy()   # [T, E]
-        self._taps[f"L{l}/topk_weights"] = weights.detach().float().cpu().numpy()          # [T, K]
+        self._taps[f"L{l}/router_scores"] = self._np(torch.sigmoid(logits.float()))        # [T, E]
+        self._taps[f"L{l}/topk_weights"] = self._np(weights)                               # [T, K]
         self._taps[f"L{l}/topk_ids"] = ids.detach().cpu().numpy().astype(np.int64)         # [T, K]
 
     def _cache_taps(self, cache, layers, T: int) -> None:
@@ -259,8 +264,8 @@ class TorchEngine:
                     f"the module caches tensors of shape {tuple(keys.shape)} / {tuple(values.shape)}, not the "
                     f"MLA latent [1, 1, S, {C}] and rotated rope key [1, 1, S, {R}]")))
                 return
-            self._taps[f"L{l}/kv_latent"] = keys[0, 0, -T:].float().cpu().numpy()
-            self._taps[f"L{l}/k_pe"] = values[0, 0, -T:, self._inv].float().cpu().numpy()
+            self._taps[f"L{l}/kv_latent"] = self._np(keys[0, 0, -T:])
+            self._taps[f"L{l}/k_pe"] = self._np(values[0, 0, -T:, self._inv])
 
     def _ordered(self, layers, final: bool) -> dict:
         """The taps in execution order (docs/architecture.md); note the ones the module did not show."""
@@ -288,7 +293,7 @@ class TorchEngine:
                              attention_mask=self._mask(mask), cache=self.cache, use_cache=True)
         self._cache_taps(self.cache, range(self.cfg.num_hidden_layers), T)
         taps = self._ordered(range(self.cfg.num_hidden_layers), final=True)
-        logits = self._np(out.logits)                                    # [T, V]
+        logits = self._np(out.logits[0])                                 # [T, V]
         taps["logits"] = logits
         return logits, taps
 
