@@ -6,7 +6,7 @@ profile, derived the same way from a **bf16 reference run**: the refmodel on the
 bfloat16, every array operation's result rounded to bfloat16 (round to nearest even) while reductions and
 contractions accumulate in float32, teacher-forced with the golden tokens, measured against the float64
 golden on the same prompts. Each tap's rule is then `DerivedTolerance` with the same multiplier, and the
-floor is the same number of ULPs, counted in bfloat16 (docs/conformance.md, section 3).
+floor is the same number of ULPs, counted in bfloat16 (docs/conformance.md, section 3a).
 
 Rounding after every operation is stricter than a fused bf16 kernel (which keeps, say, an RMSNorm's
 statistics in float32 and rounds once), so a correct bf16 engine sits inside the reference's noise. The
