@@ -4,6 +4,7 @@ import sys
 
 import click
 
+from cli.outputs import check_output, fail_write
 from conformance.exit_codes import ExitCode
 
 
@@ -22,6 +23,7 @@ def distill_cmd(model: str, steps: int, seed: int, out: str | None) -> None:
         sys.exit(int(ExitCode.USAGE))
     from kdtr_format import KdtrError
 
+    check_output(out or model, "--out")
     bar, progress = rich_progress()
     try:
         with bar:
@@ -29,4 +31,6 @@ def distill_cmd(model: str, steps: int, seed: int, out: str | None) -> None:
     except (KdtrError, ValueError) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(int(ExitCode.INVALID_FILE))
+    except OSError as e:
+        fail_write(e)
     click.echo(f"drafter distilled: {steps} steps, seed {seed}, {info['seconds']} s -> {out or model}")
