@@ -9,7 +9,7 @@ profile's own noise (docs/conformance.md, section 3a):
   score of each expert the engine dropped exceeds that of each one it added by at most twice the
   layer's `router_scores` atol. Decode steps keep no golden router scores, so there a differing set is
   a near-tie when the profile's own reference changed expert sets at that tap too
-  (`reference_mismatch_rows` > 0, recorded by `kdtr gen`): the precision itself flips routing there.
+  (`reference_mismatches` > 0, recorded by `kdtr gen`): the precision itself flips routing there.
   The count is not a bound: the engine's flips are a different sample of the same noise (measured on
   the tiny bundle: 12 rows where the reference had 7). Their consequences (`resid_out`, logits) are
   still judged numerically.
@@ -53,7 +53,7 @@ def routing_near_ties(f, g: str, key: str, man: dict, golden_ids: np.ndarray,
     phase, layer = key.split("/")[0], key.split("/")[1]
     scores_key = f"{phase}/{layer}/router_scores"
     if phase != "prefill" or g + scores_key not in f:
-        flips = man.get(key, {}).get("reference_mismatch_rows", 0) > 0
+        flips = man.get(key, {}).get("reference_mismatches", 0) > 0
         return differ, differ if flips else differ[:0]
     bias = np.asarray(f.get(f"model.layers.{layer[1:]}.mlp.gate.e_score_correction_bias"), np.float64)
     choice = np.asarray(f[g + scores_key], np.float64) + bias                       # [T, E] biased

@@ -135,8 +135,8 @@ def derive_profile(errors: list[dict], quant: str, floor_ulps: int = DEFAULT_FLO
     multiplier = DEFAULT_MULTIPLIER[quant]
     taps = {}
     for k, a in sorted(agg.items()):
-        if "mismatch_rows" in a:
-            taps[k] = {"exact": True, "reference_mismatch_rows": int(a["mismatch_rows"])}
+        if "mismatches" in a:
+            taps[k] = {"exact": True, "reference_mismatches": int(a["mismatches"])}
             continue
         taps[k] = DerivedTolerance(
             baseline_max_abs=float(a["max_abs"]), baseline_nmse=float(a["nmse"]), multiplier=multiplier,
@@ -175,7 +175,7 @@ def reference_errors(g64: dict, gb: dict, baseline_errors) -> dict:
     out = baseline_errors(g64, gb)
     for k, g in g64.items():
         if g.dtype.kind in "iu":
-            out[k] = {"mismatch_rows": int(np.count_nonzero((np.sort(g, -1) != np.sort(gb[k], -1)).any(-1)))}
+            out[k] = {"mismatches": int(np.count_nonzero((np.sort(g, -1) != np.sort(gb[k], -1)).any(-1)))}
     return out
 
 
