@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from conformance.outputs import LIVE
-from conformance.records import golden_tree, offsets, prompts_of, ragged
+from conformance.records import golden_tree, offsets, position_offset, prompts_of, ragged
 from kdtr_format import bfloat16_to_float32
 from refmodel.ddtree import compile_tree, walk
 
@@ -41,7 +41,7 @@ def collect(engine, f, progress=None) -> dict:
         out.update({k: np.stack(v) for k, v in steps.items()})
         out.update(replay_ddtree(engine, f, i, prompt, len(tokens)))
         if callable(getattr(engine, "ddtree_generate", None)):          # optional: its own drafter and trees
-            live = engine.ddtree_generate(prompt, 0, len(tokens))
+            live = engine.ddtree_generate(prompt, position_offset(f, i), len(tokens))
             out.update({f"p{i}/{LIVE}/{k}": np.asarray(v) for k, v in live.items()})
         if progress:
             progress("engine", n + 1, len(ps), None)

@@ -39,6 +39,12 @@ def check_schema(f, path: str) -> None:
         raise BundleSchemaError(f"{path}: no golden/p{{i}}/prompt_ids tensor; regenerate the bundle with `kdtr gen`")
 
 
+def position_offset(f, i: int) -> int:
+    """Position of prompt i's first token: its prompt, decode and tree positions are this plus the cache
+    row. 0 for an ordinary prompt (and for every prompt of a bundle without `position_offsets`)."""
+    return int(f.metadata.get("position_offsets", [0] * (i + 1))[i])
+
+
 def numeric_keys(cfg: ModelConfig, ar_taps) -> list[str]:
     """Golden keys relative to golden/p{i}/, in execution order."""
     keys = [f"prefill/L{l}/{t}" for l in range(cfg.num_hidden_layers) for t in tap_names(cfg, l)]

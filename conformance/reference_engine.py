@@ -83,10 +83,8 @@ class ReferenceEngine:
         """The engine's own DDTree loop (docs/ddtree.md §1): its drafter, its trees, its verify forwards,
         from an empty cache; the run-dump records of docs/run-dump.md §2, `ddtree_live/` group. Uses its
         own caches, not the one prefill/decode/verify_tree share."""
-        if pos0:
-            raise ValueError(f"position offset {pos0}: refmodel's DDTree loop here runs from position 0 only")
         budget, topk = self.ddtree_settings["budget"], self.ddtree_settings.get("topk")
-        dec = prefill(self.cfg, self.W, np.asarray(prompt_ids, np.int64), self.dcfg)
+        dec = prefill(self.cfg, self.W, np.asarray(prompt_ids, np.int64), self.dcfg, int(pos0))
         P, rounds = len(prompt_ids), []
         while len(dec.out) - P < n_tokens:
             tree = self.build_tree(draft_logits(self.W, self.dcfg, self.DW, dec), budget, topk)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from conformance.records import prompts_of
+from conformance.records import position_offset, prompts_of
 from conformance.reference_engine import bundle_drafter, bundle_weights
 from conformance.tolerance import DerivedTolerance, derive_tolerance
 from refmodel.ddtree import build_ddtree
@@ -42,15 +42,16 @@ def replay_drafts(cfg, W: dict, dcfg, DW: dict, f, i: int) -> list[np.ndarray]:
     """The drafter logits [L, V] of every golden round of prompt i, computed in the dtype of W and DW.
     The drafter's context at a round is the target's features of the committed rows; in exact arithmetic
     a committed tree row is the AR row (docs/ddtree.md §6), so one causal forward over the prompt and the
-    golden stream gives every round's context, cheaper than replaying the tree forwards."""
-    p = f"golden/p{i}/"
+    golden stream gives every round's context, cheaper than replaying the tree forwards. Row j sits at
+    position pos0 + j (the prompt's position offset)."""
+    p, pos0 = f"golden/p{i}/", position_offset(f, i)
     ids = np.concatenate([f[p + "prompt_ids"], f[p + "ddtree/tokens"]]).astype(np.int64)    # [P + n]
-    _, hiddens = forward(cfg, W, ids, np.arange(len(ids)))
+    _, hiddens = forward(cfg, W, ids, pos0 + np.arange(len(ids)))
     feats = target_features(dcfg, hiddens)                              # [P + n, F]
     cache, done, drafts = DrafterCache(dcfg, W["model.embed_tokens.weight"].dtype), 0, []
     for start in np.asarray(f[p + "ddtree/round_start"]):
         block = [int(ids[start])] + [dcfg.mask_token_id] * (dcfg.block_size - 1)   # the round's root
-        drafts.append(drafter_forward(dcfg, DW, W, block, feats[done:start], cache, int(start)))
+        drafts.append(drafter_forward(dcfg, DW, W, block, feats[done:start], cache, int(start), pos0))
         done = int(start)
     return drafts
 

@@ -16,6 +16,7 @@ from conformance.protocol import check_engine
 from conformance.records import read_dump, write_dump
 from conformance.reference_engine import ReferenceEngine
 from conformance.runner import verify
+from conformance.tolerance import DerivedTolerance
 from conformance.tree_ties import first_difference, log_probs
 from kdtr_format import open_kdtr
 
@@ -164,3 +165,18 @@ def test_a_dump_whose_accepted_path_is_not_the_walk_fails_naming_the_round(small
     bad = [c for c in v.checks if c.status == "fail"]
     assert v.exit_code == ExitCode.DDTREE and [c.name for c in bad] == [f"p0/{LIVE}/trees"]
     assert bad[0].message.startswith("round 0: accepted") and "are not the walk" in bad[0].message
+
+
+def test_a_live_run_at_a_long_position_offset_decides_as_at_position_0(small_bundle):
+    """RoPE is relative: the prompt at positions 196608.. gives the same stream and committed logits within
+    the bundle's ar/logits tolerance; they are not bit-equal, so the offset really reached the rotations."""
+    e = ReferenceEngine()
+    with open_kdtr(small_bundle) as f:
+        e.load(f)
+        prompt = np.asarray(f["golden/p1/prompt_ids"])
+        atol = DerivedTolerance.from_dict(f.metadata["tolerances"]["taps"]["ar/logits"]).rule().atol
+    at0, far = e.ddtree_generate(prompt, 0, 8), e.ddtree_generate(prompt, 196608, 8)
+    assert np.array_equal(at0["tokens"], far["tokens"])
+    assert np.array_equal(at0["accepted_offsets"], far["accepted_offsets"])
+    diff = np.abs(at0["path_logits"].astype(np.float64) - far["path_logits"])
+    assert 0 < diff.max() <= atol
