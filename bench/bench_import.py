@@ -1,6 +1,6 @@
 """Peak memory and throughput of `kdtr import` on a synthetic multi-shard INT4 checkpoint.
 
-Claim under test (issue 4): importing N shards never holds more than one tensor (the largest, memory-mapped)
+Claim under test: importing N shards never holds more than one tensor (the largest, memory-mapped)
 plus the writer's buffers. A checkpoint of a DeepseekV3 config with K2.6's layout (routed experts INT4
 pack-quantized with bf16 scales, everything else bf16, gate bias fp32) is written with random bytes (import
 does no math), split over --shards files; the import runs in a fresh child process that reports its peak RSS

@@ -1,5 +1,5 @@
 """Open-time benchmark: how long open_kdtr takes on a ~2 GB file with many tensors, and how much
-resident memory it adds (target: < 50 ms, < 50 MB; issue 2). Not a test: run it by hand,
+resident memory it adds (target: < 50 ms, < 50 MB). Not a test: run it by hand,
 
     python bench/bench_open.py [--gb 2] [--tensors 4096] [--dir /tmp]
 

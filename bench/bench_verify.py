@@ -1,4 +1,4 @@
-"""How long `kdtr verify` takes on the committed bundles with the reference engine (issue 7: seconds,
+"""How long `kdtr verify` takes on the committed bundles with the reference engine (target: seconds,
 not minutes, on a 2-core machine). Baseline in the same run: opening the bundle and checking every
 checksum, the floor any verify pays; the ratio says how much the engine run and the judging add.
 

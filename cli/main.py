@@ -1,5 +1,5 @@
 """`kdtr` entry point. Each command lives in its own module under cli/ and is registered below;
-commands parse arguments, call one typed library function and print (STYLE rule 32)."""
+commands parse arguments, call one typed library function and print."""
 from importlib.metadata import PackageNotFoundError, version
 
 import click

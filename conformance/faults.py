@@ -32,7 +32,7 @@ _EXPERT_MATS = ("gate_proj", "up_proj", "down_proj")
 
 
 def neox_perms(R: int) -> tuple[np.ndarray, np.ndarray]:
-    """(P, Q): P = [0, 2, .., R-2, 1, 3, .., R-1] (spec §2.4) and its inverse Q. For any x [.., R],
+    """(P, Q): P = [0, 2, .., R-2, 1, 3, .., R-1] (docs/model.md §3) and its inverse Q. For any x [.., R],
     neox(x) = interleaved(x[Q])[P]: interleaved RoPE on rows permuted by Q is NeoX on the raw rows,
     with its output in the Q layout (x[Q] has pairs (2i, 2i+1) = (x[i], x[i + R/2]), NeoX's pairs)."""
     P = np.concatenate([np.arange(0, R, 2), np.arange(1, R, 2)])

@@ -393,7 +393,7 @@ def _ddtree_checks(f, g: str, i: int, out: dict, overrides=(), dtype="float32", 
 def _path_logits_check(f, g: str, p: str, out: dict, overrides, dtype, kind: str) -> CheckResult:
     """The tree forward's logits on the committed rows, against the golden AR logits with the AR logits
     tolerance. Committed row j sits at position P + j and predicts token j + 1: in exact arithmetic it is
-    AR row j + 1 (spec ddtree.md §4.1). Argmax checks alone would let a tree-only numeric bug smaller
+    AR row j + 1 (docs/ddtree.md §6). Argmax checks alone would let a tree-only numeric bug smaller
     than the token margins pass; this catches it. Compared while the engine's stream is golden. `kind`:
     "ddtree" when the AR logits passed (the tree path alone is off: a DDTree failure), else "numeric"
     (the same drift as the AR path, not a DDTree-specific fault)."""

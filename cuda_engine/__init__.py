@@ -1,1 +1,1 @@
-"""PyCUDA engine with hand-written kernels for sm_120 / sm_90 (later issues)."""
+"""PyCUDA engine with hand-written kernels for sm_120 / sm_90 (not written yet)."""

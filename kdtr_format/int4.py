@@ -1,7 +1,7 @@
 """INT4 W4A16 layout truth: compressed-tensors "pack-quantized", 4 bits, symmetric, per-group scales.
 
 Every producer and consumer of INT4 weights in kdtr (quantizer, importer, reference, kernels' tests)
-goes through this file (STYLE rule 17). Layout, for a logical weight W [N = out, K = in]:
+goes through this file (docs/int4.md describes it). Layout, for a logical weight W [N = out, K = in]:
 
     qw  int32 [N, K/8]   word (n, j) holds columns 8j..8j+7; column 8j+i is nibble i (bits 4i..4i+3),
                          so column 8j is the LEAST significant nibble. nibble u = q + 8 ("uint4b8"),
@@ -11,7 +11,7 @@ goes through this file (STYLE rule 17). Layout, for a logical weight W [N = out,
 
 This is byte-for-byte compressed-tensors' `pack_to_int32` / `unpack_from_int32` (num_bits=4,
 packed_dim=1) with `weight_packed` [N, K/8] and `weight_scale` [N, K/g], as Kimi K2-Thinking, K2.5 and
-K2.6 ship their routed experts (spec k26-architecture.md §5.4).
+K2.6 ship their routed experts (docs/int4.md).
 
 Scale convention of `quantize_w4a16` (compressed-tensors' own minmax + group strategy with
 scale_dtype=bfloat16, `calculate_qparams` and `_quantize`), per group of g input columns:
@@ -23,7 +23,8 @@ scale_dtype=bfloat16, `calculate_qparams` and `_quantize`), per group of g input
 
 P is float64 for float64 input and float32 for everything else (float16/float32 inputs are promoted
 to float32), exactly as compressed-tensors computes in the weight's own dtype. +absmax maps to 7
-(7.5 is clipped), -absmax to -8 (round half to even), so all 16 codes occur. `sc` is returned as
+(7.5 is clipped); -absmax maps to -8 if bf16 rounding did not raise the scale (-7.5 rounds half to even)
+and to -7 if it did, so a group need not use all 16 codes. `sc` is returned as
 float32 values that are exactly representable in bfloat16 (K2.6 stores bf16 scales); `bf16_bits`
 gives the raw bit pattern to store.
 

@@ -1,6 +1,6 @@
 """Import a HF-layout Kimi K2.x / DeepseekV3 checkpoint into one .kdtr model file, and load it back.
 
-Input (spec k26-architecture.md §1, §5): config.json (plain, or the K2.5/K2.6 wrapper with `text_config`
+Input (docs/model.md §1, docs/int4.md): config.json (plain, or the K2.5/K2.6 wrapper with `text_config`
 whose tensors carry a `language_model.` prefix; `vision_tower.*` / `mm_projector.*` are dropped), and one
 `model.safetensors` or shards listed by `model.safetensors.index.json`. Tensors are BF16/F16/F32, and
 compressed-tensors "pack-quantized" INT4 linears (`<m>.weight_packed` int32 [out, in/8], `<m>.weight_scale`

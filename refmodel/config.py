@@ -1,7 +1,7 @@
 """ModelConfig: every DeepseekV3 / Kimi K2.x config.json field that changes the math, plus named presets.
 
 Field names are the HF names unchanged. Derived constants (qk_head_dim, the YaRN softmax scale with mscale^2,
-the cos/sin attention factor) are computed once in __post_init__. Spec: shared/spec/k26-architecture.md.
+the cos/sin attention factor) are computed once in __post_init__. Math: docs/model.md.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ _ROPE_KEYS = ("type", "factor", "original_max_position_embeddings", "beta_fast",
 
 
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
-    """YaRN magnitude correction m(s, a) = 1 + 0.1 a ln s for s > 1, else 1 (spec 2.4)."""
+    """YaRN magnitude correction m(s, a) = 1 + 0.1 a ln s for s > 1, else 1 (docs/model.md §3)."""
     if scale <= 1:
         return 1.0
     return 0.1 * mscale * math.log(scale) + 1.0
@@ -48,7 +48,7 @@ class ModelConfig:
     max_position_embeddings: int
     rms_norm_eps: float                 # input, post-attention and final norms
     tie_word_embeddings: bool = False
-    latent_norm_eps: float = 1e-6       # q_a_layernorm / kv_a_layernorm: HF hard-codes 1e-6 (spec 2.3)
+    latent_norm_eps: float = 1e-6       # q_a_layernorm / kv_a_layernorm: HF hard-codes 1e-6 (docs/model.md §2)
 
     # derived in __post_init__
     qk_head_dim: int = field(init=False)
@@ -155,7 +155,7 @@ def _normalise_rope_scaling(rope: dict | None) -> dict | None:
 
 
 def _yarn_scales(qk_head_dim: int, rope: dict | None) -> tuple[float, float]:
-    """(softmax scale, cos/sin attention factor) exactly as HF decides them (spec 2.4, 2.5, 6.2)."""
+    """(softmax scale, cos/sin attention factor) exactly as HF decides them (docs/model.md §3, §7)."""
     scale = qk_head_dim ** -0.5
     if rope is None:
         return scale, 1.0
@@ -175,7 +175,7 @@ _KIMI_ROPE = {"type": "yarn", "factor": 64.0, "original_max_position_embeddings"
               "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
 
 PRESETS = {
-    # The golden model: Kimi's structure scaled down (issue 3).
+    # The golden model: Kimi's structure scaled down (docs/golden-bundles.md).
     "tiny": ModelConfig(vocab_size=400, hidden_size=192, intermediate_size=384, moe_intermediate_size=32,
                  num_hidden_layers=6, num_attention_heads=6, q_lora_rank=96, kv_lora_rank=64,
                  qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=16,
@@ -183,7 +183,7 @@ PRESETS = {
                  norm_topk_prob=True, routed_scaling_factor=2.827, rope_theta=50000.0,
                  rope_scaling=dict(_KIMI_ROPE), max_position_embeddings=262144, rms_norm_eps=1e-5,
                  tie_word_embeddings=False),
-    # Real Kimi K2.6 text model (spec 1.1/1.2). Used for real-shape slices; never allocated whole.
+    # Real Kimi K2.6 text model (docs/model.md §1). Used for real-shape slices; never allocated whole.
     "k26": ModelConfig(vocab_size=163840, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
                 num_hidden_layers=61, num_attention_heads=64, q_lora_rank=1536, kv_lora_rank=512,
                 qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=384,

@@ -1,4 +1,4 @@
-"""DDTree speculative decoding (shared/spec/ddtree.md): the best-first draft-tree builder, tree compile,
+"""DDTree speculative decoding (docs/ddtree.md): the best-first draft-tree builder, tree compile,
 the greedy acceptance walk, and one generation loop that runs DDTree, the DFlash chain and plain AR.
 
 Legend: V vocab, L draft depth (= block_size - 1), N node budget (non-root nodes), n built nodes,
@@ -14,13 +14,13 @@ from refmodel.model import KVCache, forward
 
 
 # ----------------------------------------------------------------------------------------------------
-# Tree builder (spec §2.2, byte-for-byte the reference algorithm)
+# Tree builder (docs/ddtree.md §3, byte-for-byte the published DDTree algorithm)
 
 
 @dataclass
 class Tree:
     """A draft tree. Index 0 is the root (the previous bonus token); nodes 1..n are in heap-pop order,
-    so scores are non-increasing and parents[i] < i (spec §2.3)."""
+    so scores are non-increasing and parents[i] < i (docs/ddtree.md §3)."""
     tokens: np.ndarray       # [n] int64, token of node i+1
     depths: np.ndarray       # [n] int64, depth 1..L of node i+1 (the root has depth 0)
     parents: np.ndarray      # [n+1] int64, parents[0] = -1
@@ -38,7 +38,7 @@ class Tree:
 def _top_log_probs(draft_logits: np.ndarray, K: int) -> tuple[np.ndarray, np.ndarray]:
     """Per-row top-K token ids and their float32 log-softmax values, best first. Ties between equal
     logits go to the lower token id (stable sort); the reference's torch.topk leaves that order
-    implementation-defined, and ties change only the tree, never the output (spec §2.3)."""
+    implementation-defined, and ties change only the tree, never the output (docs/ddtree.md §3)."""
     x = np.asarray(draft_logits, dtype=np.float32)                      # [L, V]
     top_id = np.argsort(-x, axis=-1, kind="stable")[:, :K]              # [L, V] -> [L, K]
     top_logit = np.take_along_axis(x, top_id, axis=-1)                  # [L, K]
@@ -54,7 +54,7 @@ def _root_only() -> Tree:
 
 
 def build_ddtree(draft_logits: np.ndarray, budget: int, topk: int | None = None) -> Tree:
-    """The N = budget most probable prefixes under the factorised draft distribution (spec §2.2).
+    """The N = budget most probable prefixes under the factorised draft distribution (docs/ddtree.md §3).
     draft_logits [L, V]: row d-1 is the depth-d marginal. topk overrides K = min(N, V); topk=1 with
     budget = L is the vanilla DFlash chain."""
     L, V = draft_logits.shape
@@ -64,7 +64,7 @@ def build_ddtree(draft_logits: np.ndarray, budget: int, topk: int | None = None)
     top_id, lp = _top_log_probs(draft_logits, K)                        # [L, K], [L, K]
     first = float(lp[0, 0])
     # Entry: (-score, rank path, parent, depth, rank, score). Equal scores fall to the rank path:
-    # the lexicographically smaller path wins and a prefix beats its extension (spec §2.3).
+    # the lexicographically smaller path wins and a prefix beats its extension (docs/ddtree.md §3).
     heap = [(-first, (0,), 0, 1, 0, first)]
     tokens, depths, ranks, scores, parents, child_maps = [], [], [], [], [-1], [{}]
     while heap and len(tokens) < budget:
@@ -85,7 +85,7 @@ def build_ddtree(draft_logits: np.ndarray, budget: int, topk: int | None = None)
 
 
 def visibility(parents) -> np.ndarray:
-    """[n+1, n+1] bool: row i = the ancestors of i (root included) and i itself (spec §2.2)."""
+    """[n+1, n+1] bool: row i = the ancestors of i (root included) and i itself (docs/ddtree.md §3)."""
     n = len(parents) - 1
     vis = np.zeros((n + 1, n + 1), dtype=bool)                          # [n+1, n+1]
     vis[0, 0] = True
@@ -96,13 +96,13 @@ def visibility(parents) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Verification (spec §3): compile, one target forward, greedy walk, in-order compaction
+# Verification (docs/ddtree.md §4, §5): compile, one target forward, greedy walk, in-order compaction
 
 
 def compile_tree(tree: Tree, root: int, start: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Target inputs for one verify forward: ids [T] = [root, tokens], positions [T] = start + depth
     (depth-based, not sequential), additive mask [T, start + T]: the committed context is visible to every
-    row, inside the tree only ancestors and self (spec §3.1)."""
+    row, inside the tree only ancestors and self (docs/ddtree.md §4)."""
     ids = np.concatenate([[root], tree.tokens]).astype(np.int64)               # [T]
     positions = start + np.concatenate([[0], tree.depths]).astype(np.int64)   # [T]
     mask = np.zeros((tree.size, start + tree.size))                           # [T, S+T]
@@ -111,7 +111,7 @@ def compile_tree(tree: Tree, root: int, start: int) -> tuple[np.ndarray, np.ndar
 
 
 def walk(child_maps: list, post: np.ndarray) -> tuple[list, int]:
-    """Greedy acceptance (spec §3.3): follow the target's argmax down the tree while it matches a child.
+    """Greedy acceptance (docs/ddtree.md §4): follow the target's argmax down the tree while it matches a child.
     Returns the accepted node indices (root first, strictly increasing) and the bonus token."""
     acc, cur, nxt = [0], 0, int(post[0])
     while nxt in child_maps[cur]:
@@ -123,7 +123,7 @@ def walk(child_maps: list, post: np.ndarray) -> tuple[list, int]:
 
 # ----------------------------------------------------------------------------------------------------
 # Generation: one loop for DDTree (budget N), the DFlash chain (topk=1, N=B-1) and plain AR (N=0: the tree
-# is the root alone, no drafter call, one token per target forward). Stops by length only (spec §3.4).
+# is the root alone, no drafter call, one token per target forward). Stops by length only (docs/ddtree.md §1).
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The DFlash block-diffusion drafter (shared/spec/ddtree.md §1), adapted to the kdtr target.
+"""The DFlash block-diffusion drafter (docs/ddtree.md §2), adapted to the kdtr target.
 
 One call drafts a whole block: the input is [bonus, MASK x (B-1)] embedded with the TARGET's embedding, the
 context is the target's hidden states from `target_layer_ids` fused by fc + RMSNorm, every block query sees
@@ -7,7 +7,7 @@ hidden states into B-1 per-position logits. Draft layers are Qwen3-flavoured: GQ
 NeoX RoPE, SwiGLU MLP. Only context K/V are cached (block rows never are), so the cache always holds exactly
 the committed positions.
 
-Deviations from the DFlash spec (both exist identically here and in refmodel/distill.py's torch forward):
+Deviations from DFlash (docs/ddtree.md §8; both exist identically here and in refmodel/distill.py's torch forward):
 
 * `block_pos_embed` (DrafterConfig field, on in the `tiny` preset; tensor `drafter.block_pos_embed` [B, D]):
   a learned per-block-offset vector added to the block input, row k gets embed[block_ids[k]] + pe[k].

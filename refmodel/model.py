@@ -1,8 +1,8 @@
 """Kimi K2.6 (DeepSeek-V3) forward pass in float64 NumPy: MLA (naive and absorbed), YaRN RoPE, sigmoid noaux_tc MoE.
 
-Spec: shared/spec/k26-architecture.md (sections in brackets below). Weights are a dict with HF names (refmodel.weights);
+Math: docs/model.md (its sections in brackets below). Weights are a dict with HF names (refmodel.weights);
 every access is a plain dict lookup, so an INT4 dict dequantized by refmodel/quant.py works unchanged.
-RoPE dims stay in the checkpoint's interleaved-pair layout [2.4]: our k_pe / q_pe tensors equal HF's de-interleaved
+RoPE dims stay in the checkpoint's interleaved-pair layout [3]: our k_pe / q_pe tensors equal HF's de-interleaved
 ones up to the fixed permutation P = [0, 2, ..., R-2, 1, 3, ..., R-1]; every dot product and the logits are the same.
 
 Legend of dimensions:
@@ -58,14 +58,14 @@ def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 def swiglu(W: dict, p: str, x: np.ndarray) -> np.ndarray:
-    """down(silu(gate x) * up x): dense MLP, routed experts and the shared expert [3.2]."""
+    """down(silu(gate x) * up x): dense MLP, routed experts and the shared expert [5]."""
     g = linear(x, W[p + "gate_proj.weight"])                             # [T, D] -> [T, I]
     u = linear(x, W[p + "up_proj.weight"])                               # [T, D] -> [T, I]
     return linear(silu(g) * u, W[p + "down_proj.weight"])                # [T, I] -> [T, D]
 
 
 def yarn_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Per-pair inverse frequencies, DeepSeek YaRN ramp between beta_fast and beta_slow [2.4]."""
+    """Per-pair inverse frequencies, DeepSeek YaRN ramp between beta_fast and beta_slow [3]."""
     R, theta, rope = cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling
     inv_freq = 1.0 / theta ** (np.arange(0, R, 2, dtype=np.float64) / R)  # [R/2]
     if rope is None:
@@ -92,7 +92,7 @@ def rope_cos_sin(cfg: ModelConfig, positions: np.ndarray, dtype=np.float64) -> t
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """Rotate interleaved pairs (2i, 2i+1) by angle i; the output stays interleaved [2.4]. x: [T, ..., R]."""
+    """Rotate interleaved pairs (2i, 2i+1) by angle i; the output stays interleaved [3]. x: [T, ..., R]."""
     bshape = (cos.shape[0],) + (1,) * (x.ndim - 2) + (cos.shape[1],)
     c, s = cos.reshape(bshape), sin.reshape(bshape)                      # [T, R/2] -> [T, 1.., R/2]
     x0, x1 = x[..., 0::2], x[..., 1::2]                                  # [T, .., R] -> 2 x [T, .., R/2]
@@ -154,7 +154,7 @@ class KVCache:
         return new
 
 
-# ---------------------------------------------------------------- attention (MLA) [2.2, 2.6]
+# ---------------------------------------------------------------- attention (MLA) [4.2, 4.3]
 
 def mla(cfg: ModelConfig, W: dict, l: int, x: np.ndarray, cos: np.ndarray, sin: np.ndarray,
         cache: KVCache | None, mask: np.ndarray, absorbed: bool, taps: dict | None) -> np.ndarray:
@@ -166,7 +166,7 @@ def mla(cfg: ModelConfig, W: dict, l: int, x: np.ndarray, cos: np.ndarray, sin: 
     q = linear(c_q, W[p + "q_b_proj.weight"]).reshape(T, H, cfg.qk_head_dim)  # [T, Q] -> [T, H, A]
     q_nope, q_pe = q[..., :N], apply_rope(q[..., N:], cos, sin)          # [T, H, N], [T, H, R]
     kv = linear(x, W[p + "kv_a_proj_with_mqa.weight"])                   # [T, D] -> [T, C + R]
-    # k_pe is split off before the latent norm and never normalised [2.2 step 2]
+    # k_pe is split off before the latent norm and never normalised [4.2]
     c_kv = rms_norm(kv[:, :C], W[p + "kv_a_layernorm.weight"], cfg.latent_norm_eps)  # [T, C]
     k_pe = apply_rope(kv[:, C:], cos, sin)                               # [T, R]
     _tap(taps, l, "q", np.concatenate([q_nope, q_pe], axis=-1))          # [T, H, A]
@@ -194,7 +194,7 @@ def mla(cfg: ModelConfig, W: dict, l: int, x: np.ndarray, cos: np.ndarray, sin: 
     return np.einsum("thu,dhu->td", o, w_o)                              # [T, H, U] -> [T, D]
 
 
-# ---------------------------------------------------------------- MoE [3.1, 3.2]
+# ---------------------------------------------------------------- MoE [5.1, 5.2]
 
 def _topk_stable(scores: np.ndarray, k: int) -> np.ndarray:
     """Indices of the k largest per row, ordered by (-score, index): ties go to the lower index."""
@@ -236,7 +236,7 @@ def moe(cfg: ModelConfig, W: dict, l: int, x: np.ndarray, taps: dict | None) -> 
     return y
 
 
-# ---------------------------------------------------------------- block and model [4]
+# ---------------------------------------------------------------- block and model [2]
 
 def block(cfg: ModelConfig, W: dict, l: int, h: np.ndarray, cos: np.ndarray, sin: np.ndarray,
           cache: KVCache | None, mask: np.ndarray, absorbed: bool, taps: dict | None) -> np.ndarray:

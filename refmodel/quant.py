@@ -5,7 +5,7 @@ linears are INT4 and renames them: `<module>.weight` [out, in] becomes `<module>
 `<module>.sc` [out, in/group_size] (float32 values exactly representable in bf16, or raw bf16 bits as
 uint16 when loaded from a bundle). The forward never sees INT4: dequantize_model turns every pair back into
 a dense float64 `<module>.weight` = q * scale, which is exact, so an INT4 bundle's goldens are the exact
-output of the quantized model (STYLE rule 12: quantization happens only in these functions).
+output of the quantized model (quantization happens only in these functions; layout and scheme: docs/int4.md).
 
 Scopes:
     experts   routed experts' gate/up/down_proj only: what Kimi K2-Thinking / K2.5 / K2.6 ship (default)

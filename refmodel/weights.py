@@ -1,7 +1,7 @@
 """Deterministic float64 weights with HF names, and the golden "worth drafting" target construction.
 
 Every tensor is drawn from one numpy Generator(PCG64(seed)) in the fixed order of expected_shapes(cfg), so the
-bytes are identical on every machine. Plain random weights give chaotic greedy streams (issue 5 item 5), so the
+bytes are identical on every machine. Plain random weights give chaotic greedy streams (no drafter can follow), so the
 golden target is built to be predictable in stretches:
 
 * lm_head row perm[x] = embed row x * head_scale, where perm is a seeded permutation of the ids 0..V-2. The

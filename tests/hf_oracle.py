@@ -1,6 +1,6 @@
 """Build transformers' DeepseekV3ForCausalLM from our ModelConfig + weights: the independent oracle (tests only).
 
-Traps handled (spec 6.2): n_group/topk_group always set; max_position_embeddings = factor x original (some
+Traps handled (docs/model.md §7): n_group/topk_group always set; max_position_embeddings = factor x original (some
 transformers revisions recompute factor from it); mscale and mscale_all_dim passed through; rope_interleave left
 at its default (True); experts written straight into the fused v5 params (load_state_dict with per-expert names
 silently skips them); experts_implementation="eager" so the model can run in float64.

@@ -125,7 +125,7 @@ def test_swap_expert_is_caught_at_mlp_out_not_routing(fault_verdict, small_bundl
 
 
 def test_rope_pairs_emulation_is_neox_rotate_half_on_the_raw_layout(small_bundle):
-    """The permuted-weights trick (spec §2.4) really computes NeoX on the checkpoint's raw rope dims,
+    """The permuted-weights trick (docs/model.md §3) really computes NeoX on the checkpoint's raw rope dims,
     and the engine reports q_pe / k_pe in that raw layout: checked against NeoX written out by hand."""
     ref, bad = ReferenceEngine(), FaultyEngine("rope_pairs")
     ref.load(small_bundle)

@@ -1,4 +1,4 @@
-"""build_ddtree against brute-force enumeration of every prefix (spec §4.4 item 1), plus its
+"""build_ddtree against brute-force enumeration of every prefix (docs/ddtree.md §3, §7), plus its
 structural guarantees and degenerate cases (budget 0, the topk=1 DFlash chain)."""
 import itertools
 

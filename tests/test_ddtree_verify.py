@@ -1,4 +1,4 @@
-"""DDTree verification invariants (spec §4.4): compile and walk, node context, KV compaction, draft cache.
+"""DDTree verification invariants (docs/ddtree.md §7): compile and walk, node context, KV compaction, draft cache.
 
 Rounds are driven by hand with "oracle" draft logits that put the true AR continuation at rank 0, 1 or 2
 (or nowhere) at each depth, so deep acceptances, off-spine acceptances and early rejections all occur

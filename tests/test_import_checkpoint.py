@@ -1,5 +1,5 @@
 """`kdtr import` on synthetic K2.6-format checkpoints: a tiny DeepseekV3 saved by transformers (sharded),
-routed experts compressed by compressed-tensors with the real key names and quantization_config (spec §5),
+routed experts compressed by compressed-tensors with the real key names and quantization_config (docs/int4.md),
 plain (K2-Thinking names) and wrapped (K2.5/K2.6 text_config + language_model. prefix + vision tensors).
 The reference on the imported file must reproduce transformers on the dequantized weights."""
 import dataclasses
@@ -33,7 +33,7 @@ CFG = dataclasses.replace(PRESETS["tiny"], vocab_size=256, hidden_size=64, inter
                           kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
                           n_routed_experts=8, num_experts_per_tok=2)
 GROUP = 32
-QUANT_CONFIG = {   # spec §5.1, verbatim field list
+QUANT_CONFIG = {   # K2.6's field list (docs/int4.md §6)
     "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
     "config_groups": {"group_0": {
         "targets": ["Linear"],

@@ -19,7 +19,7 @@ SETTINGS = settings(max_examples=40, deadline=None, derandomize=True,
 
 
 def ct_scheme(group_size: int) -> QuantizationScheme:
-    """The K2.6 weight scheme (spec §5.1), with bf16 scales as K2.6 stores them."""
+    """The K2.6 weight scheme (docs/int4.md §6), with bf16 scales as K2.6 stores them."""
     args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group",
                             group_size=group_size, scale_dtype=torch.bfloat16)
     return QuantizationScheme(targets=["Linear"], weights=args)

@@ -97,7 +97,7 @@ def _weight_nmse(W, Q):
 
 @pytest.mark.parametrize("scope", ["experts", "mlp"])
 def test_int4_vs_full_precision_on_tiny(W, scope):
-    """The figures for issue 4: logit max abs diff (32-token teacher-forced prompt) and greedy agreement
+    """The INT4-vs-dense figures: logit max abs diff (32-token teacher-forced prompt) and greedy agreement
     over 64 steps. Bounds are regression guards around the measured values (seed 0), not targets."""
     Q = quantize_model(W, CFG, scope)
     D = dequantize_model(Q)

@@ -21,7 +21,7 @@ _SMALL = dict(vocab_size=100, hidden_size=64, intermediate_size=96, moe_intermed
 # name -> (config, prompt length). Each odd setting is there to reach a code path Kimi's own values never take.
 CONFIGS = {
     "tiny": (TINY, 9),
-    "spec9": (dataclasses.replace(TINY, **_SMALL), 7),                       # the spec's section-9 recipe shapes
+    "spec9": (dataclasses.replace(TINY, **_SMALL), 7),                       # the small HF-oracle recipe's shapes
     "groups_long": (dataclasses.replace(TINY, **{**_SMALL,                   # n_group > 1, topk_group < n_group
         "n_routed_experts": 16, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 3, "n_shared_experts": 2,
         "first_k_dense_replace": 2, "num_hidden_layers": 4, "norm_topk_prob": False,

@@ -1,8 +1,8 @@
 """Our float64 forward against transformers' DeepseekV3ForCausalLM (an implementation nobody here wrote).
 
-Budget: max |logit diff| <= 1e-4 against HF float32 (the spec's measured same-setting baseline is 2.5e-6 with
+Budget: max |logit diff| <= 1e-4 against HF float32 (an independent fp64 port measured 2.5e-6 in the same setting with
 |logit| <= 3.5; our golden logits reach ~25, so float32 rounding is ~1e-5). The injected-mistake tests prove the
-comparison bites: each spec section-8 mistake moves the logits by > 1e-3.
+comparison bites: each mistake listed in docs/model.md §8 moves the logits by > 1e-3.
 """
 import dataclasses
 
@@ -91,7 +91,7 @@ def test_injected_mistake_is_caught(tiny_case, monkeypatch, mistake):
 
 
 def test_latent_eps_mistake_is_caught():
-    # With Kimi-scale latents the eps 1e-5 vs 1e-6 difference is ~1e-5 (spec 8), inside float32 noise. Shrinking
+    # With Kimi-scale latents the eps 1e-5 vs 1e-6 difference is ~1e-5 (docs/model.md), inside float32 noise. Shrinking
     # the latent projections makes mean(c^2) ~ 1e-4, where eps matters: the HF convention (1e-6) must then hold.
     W = init_weights(TINY, 0)
     for k in W:

@@ -78,7 +78,7 @@ def test_golden_construction(tiny_w):
 
 
 def test_golden_target_is_worth_drafting(tiny_w):
-    """Predictable in stretches with deviations, decisive margins, every expert used (issue 5 item 5)."""
+    """Predictable in stretches with deviations, decisive margins, every expert used (docs/golden-bundles.md)."""
     perm, rng = permutation(TINY, 0), np.random.default_rng(1)
     follow, margins, usage = [], [], np.zeros((6, 16))
     for _ in range(3):
