@@ -194,7 +194,7 @@ def _layer(dcfg, DW, l, h, c, pos_blk, pos_ctx, cache):
 
 
 def drafter_forward(dcfg: DrafterConfig, DW: dict, W: dict, block_ids, ctx_features: np.ndarray,
-                    cache: DrafterCache, start: int) -> np.ndarray:
+                    cache: DrafterCache, start: int, pos0: int = 0) -> np.ndarray:
     """Draft one block. block_ids [B] = [bonus, MASK...] at positions start..start+B-1; ctx_features [C, F]
     are the fused-layer target features of positions start-C..start-1 (the rows committed since the last
     call). Appends their K/V to cache (which must hold exactly [0, start-C) before, [0, start) after) and
@@ -207,7 +207,7 @@ def drafter_forward(dcfg: DrafterConfig, DW: dict, W: dict, block_ids, ctx_featu
     h = W["model.embed_tokens.weight"][np.asarray(block_ids)]           # [B, D], the target's embedding
     if dcfg.block_pos_embed:
         h = h + DW["drafter.block_pos_embed"][:B]                       # [B, D], row k: block offset k
-    pos_ctx, pos_blk = np.arange(start - C, start), np.arange(start, start + B)
+    pos_ctx, pos_blk = pos0 + np.arange(start - C, start), pos0 + np.arange(start, start + B)  # cache row j: pos0 + j
     for l in range(dcfg.num_hidden_layers):
         h = _layer(dcfg, DW, l, h, c, pos_blk, pos_ctx, cache)
     out = rms_norm(h[1:], DW["drafter.norm.weight"], eps)              # [B-1, D]; block row 0 is dropped
