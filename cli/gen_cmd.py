@@ -75,8 +75,9 @@ class _Bars:
 
 @click.command("gen")
 @click.option("--preset", default="tiny", show_default=True, help="Model preset (refmodel.config.PRESETS).")
-@click.option("--quant", type=click.Choice(["fp32", "int4"]), default="fp32", show_default=True,
-              help="fp32 weights, or INT4 W4A16 group-32 (compressed-tensors layout).")
+@click.option("--quant", type=click.Choice(["fp32", "int4"]), default=None,
+              help="fp32 weights, or INT4 W4A16 group-32 (compressed-tensors layout). Default: the model's "
+                   "own (--model, --from-checkpoint), fp32 for --preset.")
 @click.option("--int4-scope", type=click.Choice(["experts", "mlp"]), default="experts", show_default=True,
               help="INT4 modules: routed experts only (as K2.6 ships) or every MLP.")
 @click.option("--from-checkpoint", "checkpoint", type=click.Path(exists=True, file_okay=False),

@@ -13,6 +13,10 @@ local-vs-inherited test sees it.
     rope_pairs            NeoX rotate-half on the raw interleaved rope dims, every layer -> L0/q or L0/k_pe
     tree_mask_off_by_one  in verify_tree each node also sees the next node -> DDTree checks only
     nibble_order          INT4 words read MSB-first (INT4 bundles)    -> L{first_k_dense_replace}/mlp_out
+    rope_f32_angles       RoPE angles position * inv_freq formed in float32 (as many engines do), cos/sin
+                          of them                                     -> the long-position prompt's L0/q
+                          (at positions < 2^11 the float32 angle is exact to a few ULPs: the other
+                          prompts pass)
 
 Legend: H heads, N qk_nope_head_dim, R qk_rope_head_dim, C kv_lora_rank, A = N + R, T tokens, S cache.
 """
@@ -25,8 +29,9 @@ import numpy as np
 from conformance.reference_engine import ReferenceEngine
 from conformance.runner import prompts_of
 from kdtr_format import open_kdtr
+from refmodel.model import yarn_inv_freq
 
-FAULTS = ("scale_tap", "swap_expert", "rope_pairs", "tree_mask_off_by_one", "nibble_order")
+FAULTS = ("scale_tap", "swap_expert", "rope_pairs", "tree_mask_off_by_one", "nibble_order", "rope_f32_angles")
 _NEEDS_LAYER = ("scale_tap", "swap_expert")
 _EXPERT_MATS = ("gate_proj", "up_proj", "down_proj")
 
@@ -116,6 +121,14 @@ class FaultyEngine(ReferenceEngine):
                 W[p + "kv_a_proj_with_mqa.weight"] = kva
 
     # ------------------------------------------------------------ running
+
+    def _cos_sin(self, positions):
+        if self.fault != "rope_f32_angles":
+            return super()._cos_sin(positions)
+        inv_freq = yarn_inv_freq(self.cfg).astype(np.float32)                 # [R/2]
+        angle = np.asarray(positions, np.float32)[:, None] * inv_freq          # [T, R/2], rounded to float32
+        a = np.float32(self.cfg.rope_attention_factor)
+        return np.cos(angle) * a, np.sin(angle) * a
 
     def _forward(self, ids, positions, mask=None):
         logits, taps = super()._forward(ids, positions, mask)

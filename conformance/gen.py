@@ -40,7 +40,7 @@ class GenError(ValueError):
 @dataclass
 class GenSettings:
     preset: str = "tiny"
-    quant: str = "fp32"                   # fp32 | int4
+    quant: str | None = "fp32"            # fp32 | int4 | None: the --model's own quantization
     int4_scope: str = "experts"
     seed: int = 0
     prompts: list | None = None           # explicit prompt id lists; else num_prompts random ones
@@ -141,19 +141,31 @@ def _bf16_round(W: dict) -> dict:
     return {k: bfloat16_to_float32(float32_to_bfloat16(v.astype(np.float32))) for k, v in W.items()}
 
 
+TORCH_NEEDED = ("distilling the drafter needs torch, which is not installed here: pip install torch==2.13.0 "
+                "(the CPU wheel; an unpinned torch pulls a CUDA build). Without torch: --distill-steps 0 "
+                "(an untrained drafter) or --model with a bundle that already has a drafter")
+
+
 def _distill(cfg, W, dcfg, s: GenSettings, progress) -> dict:
     if s.distill_steps <= 0:
         return _bf16_round(init_drafter(dcfg, s.seed))
-    from refmodel.distill import distill_drafter  # torch: only when a drafter is trained
-
+    try:
+        from refmodel.distill import distill_drafter  # torch: only when a drafter is trained
+    except ModuleNotFoundError as e:
+        if e.name != "torch":
+            raise
+        raise GenError(TORCH_NEEDED) from None
     return _bf16_round(distill_drafter(cfg, dequantize_model(W), dcfg, s.seed, s.distill_steps, progress))
 
 
 def apply_quant(m: Model, s: GenSettings) -> Model:
-    """INT4 bundles quantize the float32 target (scope experts or mlp); the drafter is kept."""
+    """INT4 bundles quantize the float32 target (scope experts or mlp); the drafter is kept. quant None:
+    the model's own quantization (an INT4 model stays INT4, a float32 one float32)."""
+    if s.quant is None:
+        return m
     if s.quant == "fp32":
         if any(k.endswith(".qw") for k in m.W):
-            raise GenError("the model is INT4 already; pass --quant int4 to keep it so")
+            raise GenError("the model is INT4 already; pass --quant int4 (or leave --quant out) to keep it so")
         return m
     if s.quant != "int4":
         raise GenError(f"--quant {s.quant!r}: choose fp32 or int4")
@@ -162,6 +174,11 @@ def apply_quant(m: Model, s: GenSettings) -> Model:
     W = quantize_model(dequantize_model(m.W), m.cfg, s.int4_scope)
     W = {k: (v if k.endswith(".qw") else v.astype(np.float32)) for k, v in W.items()}
     return Model(m.cfg, W, m.dcfg, m.DW, {**m.meta, "quantization": quant_config(s.int4_scope)})
+
+
+def quant_of(m: Model) -> str:
+    """"int4" when the target holds packed INT4 weights, else "fp32" (the tolerance multiplier's key)."""
+    return "int4" if any(k.endswith(".qw") for k in m.W) else "fp32"
 
 
 # ---------------------------------------------------------------- goldens
@@ -420,7 +437,7 @@ def generate_bundle(m: Model, s: GenSettings, out: str, progress=None) -> dict:
             progress("goldens", i + 1, len(prompts), None)
     draws = [0] * len(pgs)
     while True:                          # the tolerances depend on the prompt set: judge, redraw, repeat
-        man = manifest(pgs, s.quant)
+        man = manifest(pgs, quant_of(m))
         logits_atol = max(_atol(man, "prefill/logits"), _atol(man, "ar/logits"))
         router_atol = max([_atol(man, k) for k in man["taps"] if k.endswith("/router_scores")], default=0.0)
         rejected = [(i, why) for i, pg in enumerate(pgs) if (why := check_decisive(pg, logits_atol, router_atol))]

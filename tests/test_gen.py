@@ -118,3 +118,32 @@ def test_undecisive_random_prompt_is_redrawn(monkeypatch, tmp_path):
     with open_kdtr(out) as f:
         assert np.array_equal(f["golden/p1/prompt_ids"], gen.random_prompt(cfg, 0, 1, 1))
         assert np.array_equal(f["golden/p0/prompt_ids"], gen.random_prompt(cfg, 0, 0, 0))
+
+
+def test_gen_without_torch_says_how_to_install_it(monkeypatch, tmp_path):
+    import sys
+    monkeypatch.setitem(sys.modules, "torch", None)                  # `import torch` now fails, as uninstalled
+    monkeypatch.delitem(sys.modules, "refmodel.distill", raising=False)
+    r = CliRunner().invoke(main, ["gen", "--prompt-ids", "5", "--max-new-tokens", "2", "--distill-steps", "1",
+                                  "--out", str(tmp_path / "x.kdtr")])
+    assert r.exit_code == 2, r.output
+    assert "distilling the drafter needs torch, which is not installed here: pip install torch==2.13.0" in r.output
+    assert "Traceback" not in r.output and not (tmp_path / "x.kdtr").exists()
+    r = CliRunner().invoke(main, ["gen", "--prompt-ids", "5", "--max-new-tokens", "2", "--distill-steps", "0",
+                                  "--out", str(tmp_path / "x.kdtr")])
+    assert r.exit_code == 0, r.output                                  # an untrained drafter needs no torch
+
+
+def test_gen_from_an_int4_model_keeps_its_quantization(small_int4_bundle, tmp_path):
+    out = tmp_path / "again.kdtr"
+    r = CliRunner().invoke(main, ["gen", "--model", str(small_int4_bundle), "--prompt-ids", "5",
+                                  "--max-new-tokens", "2", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    with open_kdtr(out) as f, open_kdtr(small_int4_bundle) as src:
+        assert f.metadata["quantization"] == src.metadata["quantization"]
+        assert f.metadata["tolerances"]["multiplier"] == src.metadata["tolerances"]["multiplier"]
+        qw = [n for n in src.names if n.endswith(".qw")]
+        assert qw and all(f.info(n).checksum == src.info(n).checksum for n in qw)
+    r = CliRunner().invoke(main, ["gen", "--model", str(small_int4_bundle), "--quant", "fp32", "--prompt-ids",
+                                  "5", "--max-new-tokens", "2", "--out", str(tmp_path / "y.kdtr")])
+    assert r.exit_code == 2 and "the model is INT4 already" in r.output
