@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from conformance.engines import ENGINES, EngineUnavailable, pick_engine
+from conformance.engine_choice import ENGINES, EngineUnavailable, pick_engine
 from conformance.exit_codes import ExitCode
 from conformance.report import PRECEDENCE, print_console, write_html, write_json, write_junit
 from conformance.runner import verify

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from conformance.records import BUNDLE_SCHEMA, offsets, ragged
 from conformance.tolerance import DEFAULT_FLOOR_ULPS, DEFAULT_MULTIPLIER, derive_tolerance
 from kdtr_format import Tensor, bfloat16_to_float32, float32_to_bfloat16, open_kdtr, write_kdtr
 from refmodel.config import PRESETS, ModelConfig
@@ -26,7 +27,6 @@ from refmodel.model import KVCache, tap_names
 from refmodel.quant import dequantize_model, quant_config, quantize_model
 from refmodel.weights import construction_info, init_weights, mask_token_id
 
-SCHEMA = "kdtr-bundle/1"
 # Decode steps keep only the taps that pin down each layer's state cheaply (the cache rows an engine
 # writes, the routing decision and the layer output); prefill keeps every tap. docs/golden-bundles.md.
 AR_TAPS = ("kv_latent", "k_pe", "topk_ids", "resid_out")
@@ -338,16 +338,6 @@ def check_prompt(cfg: ModelConfig, prompt) -> np.ndarray:
 
 # ---------------------------------------------------------------- the bundle
 
-def ragged(rows) -> np.ndarray:
-    """Per-round int records concatenated into one int64 tensor (read back with `offsets`)."""
-    return np.concatenate([np.asarray(x, np.int64).reshape(-1) for x in rows]) if rows else np.zeros(0, np.int64)
-
-
-def offsets(sizes) -> np.ndarray:
-    """[R+1] int64: round r's rows of a ragged tensor are [o[r], o[r+1])."""
-    return np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-
-
 def ddtree_tensors(dd) -> dict:
     """Per-round DDTree records as ragged tensors with offsets (docs/golden-bundles.md)."""
     R = dd.rounds
@@ -453,7 +443,7 @@ def generate_bundle(m: Model, s: GenSettings, out: str, progress=None) -> dict:
             pgs[i] = golden_for_prompt(m, W64, random_prompt(m.cfg, s.seed, i, draws[i]), s.max_new_tokens,
                                        s.budget)
     meta = {
-        "schema": SCHEMA,
+        "schema": BUNDLE_SCHEMA,
         "model_config": m.cfg.to_dict(),
         "drafter_config": m.dcfg.to_dict(),
         "quantization": m.meta.get("quantization", {"method": "none", "weights": "float32"}),

@@ -1,7 +1,7 @@
 """The `reference` engine: refmodel run in float32 on a bundle's own weights.
 
 It is the CI-side proof that a correct fp32 engine passes the bundle's tolerances, and the engine that
-fault injection (conformance/faults.py) wraps. Implements conformance.engine.Engine, teacher forcing
+fault injection (conformance/faults.py) wraps. Implements conformance.protocol.Engine, teacher forcing
 included (run_layer feeds a layer its golden input and golden cache rows).
 """
 from __future__ import annotations

@@ -16,7 +16,8 @@ from safetensors.numpy import save_file
 from conformance.exit_codes import ExitCode
 from conformance.faults import FaultyEngine, msb_first, neox_perms
 from conformance.reference_engine import ReferenceEngine
-from conformance.runner import DUMP_SCHEMA, verify
+from conformance.records import DUMP_SCHEMA
+from conformance.runner import verify
 from kdtr_format import Tensor, open_kdtr, write_kdtr
 from kdtr_format.int4 import pack_int4, unpack_int4
 from kdtr_format.interop import convert_safetensors

@@ -1,5 +1,5 @@
 """conformance.report: exit-code precedence, and the JSON / JUnit / HTML / console writers on a
-verdict built from real tolerance checks. Also conformance.engine.check_engine."""
+verdict built from real tolerance checks. Also conformance.protocol.check_engine."""
 import io
 import json
 import os
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from conformance.engine import check_engine
+from conformance.protocol import check_engine
 from conformance.exit_codes import ExitCode
 from conformance.report import (CheckResult, Divergence, exit_code_for, layer_series, make_verdict,
                                 print_console, write_html, write_json, write_junit)

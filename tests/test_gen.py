@@ -10,7 +10,7 @@ from click.testing import CliRunner
 import conformance.gen as gen
 from cli.main import main
 from conformance.gen import GenSettings, apply_quant, generate_bundle, model_from_preset
-from conformance.runner import numeric_keys
+from conformance.records import numeric_keys
 from hf_oracle import hf_logits, hf_model
 from kdtr_format import open_kdtr
 from refmodel.config import ModelConfig

@@ -1,0 +1,74 @@
+"""Driving a live engine (conformance.protocol.Engine) through a bundle's golden prompts: the AR run,
+teacher-forced with the golden tokens, and the DDTree replay of the golden trees. Returns the outputs
+under the run-dump names of docs/run-dump.md, which the judge then compares with the goldens."""
+from __future__ import annotations
+
+import numpy as np
+
+from conformance.records import golden_tree, offsets, prompts_of, ragged
+from refmodel.ddtree import compile_tree, walk
+
+
+def collect(engine, f, progress=None) -> dict:
+    """Drive `engine` through every golden prompt; returns outputs under run-dump names."""
+    out, ps = {}, prompts_of(f)
+    ar_taps = set(f.metadata["taps"]["ar"])
+    for n, i in enumerate(ps):
+        p = f"golden/p{i}/"
+        prompt, tokens = np.asarray(f[p + "prompt_ids"]), np.asarray(f[p + "ar/tokens"])
+        P = len(prompt)
+        engine.reset()
+        logits, taps = engine.prefill(prompt, np.arange(P))
+        out.update({f"p{i}/prefill/{k}": np.asarray(v) for k, v in taps.items()})
+        rows, steps = [np.asarray(logits)[-1]], {}
+        for s, tok in enumerate(tokens[:-1]):                            # teacher forcing: golden tokens in
+            lg, tp = engine.decode(int(tok), P + s)
+            rows.append(np.asarray(lg)[-1])
+            for k, v in tp.items():
+                if k.split("/")[-1] in ar_taps and k.startswith("L"):
+                    steps.setdefault(f"p{i}/ar/{k}", []).append(np.asarray(v)[0])
+        out[f"p{i}/ar/logits"] = np.stack(rows)                          # [n, V]
+        out[f"p{i}/ar/tokens"] = np.argmax(out[f"p{i}/ar/logits"], axis=-1).astype(np.int64)
+        out.update({k: np.stack(v) for k, v in steps.items()})
+        out.update(replay_ddtree(engine, f, i, prompt, len(tokens)))
+        if progress:
+            progress("engine", n + 1, len(ps), None)
+    return out
+
+
+def replay_ddtree(engine, f, i: int, prompt, n_tokens: int) -> dict:
+    """Verify the golden trees with the engine: depth positions, ancestor-only mask, walk, compaction.
+    The roots are the engine's own bonus tokens, so its DDTree stream is its own."""
+    p = f"golden/p{i}/"
+    engine.reset()
+    P = len(prompt)
+    logits, _ = engine.prefill(prompt, np.arange(P))
+    emitted, start, forwards = [int(np.argmax(np.asarray(logits)[-1]))], P, 1
+    argmaxes, accepted, acc_sizes, bonuses, path = [], [], [], [], []
+    for r, golden_start in enumerate(np.asarray(f[p + "ddtree/round_start"])):
+        if start != golden_start:
+            break                                                        # already diverged: judged below
+        tree = golden_tree(f, p, r)
+        ids, positions, mask = compile_tree(tree, emitted[-1], start)
+        lg, _ = engine.verify_tree(ids, positions, mask)
+        forwards += 1
+        post = np.argmax(np.asarray(lg), axis=-1)
+        acc, bonus = walk(tree.child_maps, post)
+        engine.compact(start, np.asarray(acc))
+        emitted += [int(t) for t in ids[acc[1:]]] + [int(bonus)]
+        start += len(acc)
+        argmaxes.append(post)
+        path.append(np.asarray(lg)[acc])                                 # the rows that were committed
+        accepted.append(acc)
+        acc_sizes.append(len(acc))
+        bonuses.append(bonus)
+    return {
+        f"p{i}/ddtree/tokens": np.asarray(emitted[:n_tokens], np.int64),
+        f"p{i}/ddtree/verify_argmax": ragged(argmaxes),
+        f"p{i}/ddtree/accepted": ragged(accepted),
+        f"p{i}/ddtree/accepted_offsets": offsets(acc_sizes),
+        f"p{i}/ddtree/round_bonus": np.asarray(bonuses, np.int64),
+        f"p{i}/ddtree/counters": np.array([forwards, len(bonuses)], np.int64),
+        f"p{i}/ddtree/path_logits": np.concatenate(path) if path else np.zeros((0, np.asarray(logits).shape[-1])),
+    }
+

@@ -1,0 +1,278 @@
+"""Judging an engine's outputs (run-dump names, docs/run-dump.md) against a bundle's goldens:
+
+1. numeric: every tap, in execution order (prefill L0..L{n-1}, final_hidden, logits; then the decode
+   steps, teacher-forced with the golden tokens), with the bundle's derived tolerances or a rules file;
+2. tokens: the engine's argmax at every golden step equals the golden token (exact); a mismatch reports
+   the step, both tokens, the golden top-1/top-2 margin and the engine's logit error there;
+3. ddtree: the engine's DDTree stream equals the golden stream and its own AR stream (100%), every
+   round's verify argmax, accepted path and bonus equal the golden ones, target-forward counts equal.
+
+The first numeric failure in execution order is the first divergence (conformance/localize.py then
+tells a local fault from inherited error).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from conformance.metrics import logits_metrics
+from conformance.records import numeric_keys, prompts_of
+from conformance.report import CheckResult, Divergence
+from conformance.tolerance import DerivedTolerance, Rule, check_tap, resolve_rule
+from refmodel.config import ModelConfig
+
+
+def manifest_rule(entry: dict | None):
+    if entry and "baseline_max_abs" in entry:
+        return DerivedTolerance.from_dict(entry)
+    return Rule(mode="exact", source="manifest (exact tap)")
+
+
+def canonical_routing(ids: np.ndarray, weights: np.ndarray | None):
+    """Routing as per-row sets: ids sorted ascending, weights permuted alike. The order of the top-k
+    is a tie rule, not arithmetic (docs/golden-bundles.md): engines may list the same experts otherwise."""
+    order = np.argsort(ids, axis=-1, kind="stable")
+    ids = np.take_along_axis(ids, order, axis=-1)
+    return ids, None if weights is None else np.take_along_axis(weights, order, axis=-1)
+
+
+def _routing_views(f, g: str, key: str, out: dict, name: str):
+    """(golden, actual) for a tap, with topk_ids/topk_weights in canonical per-row order."""
+    golden, actual = f[g + key], out.get(name)
+    tap = key.rsplit("/", 1)[-1]
+    if tap not in ("topk_ids", "topk_weights") or actual is None or np.shape(actual) != golden.shape:
+        return golden, actual                                            # a wrong shape fails as such
+    ids_key, ids_name = key[: -len(tap)] + "topk_ids", name[: -len(tap)] + "topk_ids"
+    if ids_name not in out or np.asarray(out[ids_name]).shape != f[g + ids_key].shape:
+        return golden, actual
+    gi, gv = canonical_routing(np.asarray(f[g + ids_key]), np.asarray(golden) if tap == "topk_weights" else None)
+    ai, av = canonical_routing(np.asarray(out[ids_name]), np.asarray(actual) if tap == "topk_weights" else None)
+    return (gi, ai) if tap == "topk_ids" else (gv, av)
+
+
+REQUIRED = ("prefill/logits", "ar/logits")    # an engine may skip taps, never these
+
+
+def judge(f, out: dict, overrides=(), dtype: str = "float32") -> tuple[list[CheckResult], Divergence | None]:
+    """All checks for outputs `out` (run-dump names) against the open bundle `f`, and the first
+    divergence in execution order (earliest prompt, then prefill, then the earliest decode step)."""
+    meta = f.metadata
+    cfg = ModelConfig.from_dict(meta["model_config"])
+    man = meta["tolerances"]["taps"]
+    keys = numeric_keys(cfg, set(meta["taps"]["ar"]))
+    checks, first = [], None
+    for i in prompts_of(f):
+        g = f"golden/p{i}/"
+        failed_here = []
+        for order, key in enumerate(keys):
+            name = f"p{i}/{key}"
+            if g + key not in f:
+                continue
+            golden, actual = _routing_views(f, g, key, out, name)
+            c, failed = _numeric_check(name, golden, actual, man.get(key), overrides, dtype)
+            if actual is None and key in REQUIRED:
+                c = CheckResult(name, "fail", "numeric", message="the engine did not report it (required)")
+            checks.append(c)
+            if failed:
+                failed_here.append((_time_key(key, c, order, cfg), c))
+        if failed_here and first is None:
+            first = _divergence(min(failed_here, key=lambda t: t[0])[1], len(f[g + "prompt_ids"]))
+        checks.append(_token_check(f, g, i, out))
+        ar_ok = all(c.status == "pass" for c in checks if c.name == f"p{i}/ar/logits")
+        checks += _ddtree_checks(f, g, i, out, overrides, dtype, ar_ok)
+    return checks, first
+
+
+def _time_key(key: str, c: CheckResult, order: int, cfg: ModelConfig) -> tuple:
+    """When a failing check's first bad value was computed: prefill first (in tap order), then decode
+    step s (layer taps of step s in order, then logits row s + 1, which step s produced)."""
+    row = c.metrics.get("first_bad_row", 0) or 0
+    if key.startswith("prefill/"):
+        return (-2, 0, order)
+    if key == "ar/logits":
+        return (row - 1, 1, order)                                       # row 0 came from the prefill
+    return (row, 0, order)
+
+
+def _numeric_check(name, golden, actual, entry, overrides, dtype) -> tuple[CheckResult, bool]:
+    if actual is None:
+        return CheckResult(name, "skip", "numeric", message="the engine did not report this tap"), False
+    derived = manifest_rule(entry)
+    rule = resolve_rule(name, derived, overrides)
+    golden, actual = np.asarray(golden), np.asarray(actual)
+    if golden.shape != actual.shape:
+        return CheckResult(name, "fail", "numeric", tolerance=rule.to_dict(),
+                           message=f"shape {actual.shape} but the golden is {golden.shape}"), True
+    r = check_tap(golden, actual, rule, dtype, derived=derived if isinstance(derived, DerivedTolerance) else None)
+    if not r.passed:
+        r.metrics["first_bad_row"] = first_bad_row(golden, actual, rule)
+    if name.endswith("/logits") and golden.ndim == 2:                   # distribution-level view, reported
+        lm = logits_metrics(golden, actual)
+        r.metrics.update({k: lm[k] for k in ("topk_overlap_min", "kl_max", "argmax_agreement")})
+    return CheckResult(name, "pass" if r.passed else "fail", "numeric", r.metrics, rule.to_dict(),
+                       "; ".join(r.failures), r.min_passing), not r.passed
+
+
+def first_bad_row(golden: np.ndarray, actual: np.ndarray, rule: Rule) -> int:
+    """The first row (token or step) with an element over the elementwise bound: where the error began,
+    which the worst element need not be. Aggregate-only failures point at row 0."""
+    g, a = np.asarray(golden), np.asarray(actual)
+    if g.ndim == 0 or g.shape[0] == 0:
+        return 0
+    g64, a64 = g.astype(np.float64), a.astype(np.float64)
+    if g.dtype.kind in "iu" or rule.mode == "exact":
+        bad = g64 != a64
+    else:
+        bad = ~(np.abs(a64 - g64) <= rule.atol + rule.rtol * np.abs(g64))  # NaN counts as bad
+    rows = np.nonzero(bad.reshape(g.shape[0], -1).any(axis=1))[0]
+    if not rows.size and rule.nmse is not None:                          # an aggregate-only failure:
+        err = ((a64 - g64) ** 2).reshape(g.shape[0], -1).sum(axis=1)     # the first row over the NMSE
+        ref = (g64 ** 2).reshape(g.shape[0], -1).sum(axis=1)
+        rows = np.nonzero(err > rule.nmse * np.maximum(ref, np.finfo(float).tiny))[0]
+    return int(rows[0]) if rows.size else 0
+
+
+def _divergence(c: CheckResult, P: int) -> Divergence:
+    """Where a failed numeric check points: layer, tap, phase, step, token position, worst element."""
+    parts = c.name.split("/")                                            # p{i}/{phase}/[L{l}/]{tap}
+    phase, tap = parts[1], parts[-1]
+    layer = int(parts[2][1:]) if len(parts) == 4 else None
+    worst = c.metrics.get("worst_index") or c.metrics.get("first_mismatch")
+    worst = tuple(int(x) for x in worst) if worst is not None else None
+    row = c.metrics.get("first_bad_row", worst[0] if worst else None)
+    if phase == "prefill":
+        step, pos = None, row
+    elif tap == "logits":                                   # ar/logits row r: made by decode step r-1 at P-1+r
+        step, pos = None if row is None else row - 1, None if row is None else P - 1 + row
+    else:                                                                # decode forward s at position P+s
+        step, pos = row, None if row is None else P + row
+    golden = c.metrics.get("golden_at_worst", c.metrics.get("golden_at_first"))
+    actual = c.metrics.get("actual_at_worst", c.metrics.get("actual_at_first"))
+    return Divergence(c.name, layer, tap, phase, step, pos, worst, golden, actual)
+
+
+def _token_check(f, g: str, i: int, out: dict) -> CheckResult:
+    name = f"p{i}/ar/tokens"
+    gold, got = np.asarray(f[g + "ar/tokens"]), out.get(name)
+    if got is None:
+        return CheckResult(name, "fail", "tokens", message="the engine reported no AR tokens (required)")
+    got = np.asarray(got)
+    n = min(len(gold), len(got))
+    bad = np.nonzero(gold[:n] != got[:n])[0]
+    metrics = {"tokens": int(len(gold)), "matching_prefix": int(bad[0]) if bad.size else n}
+    if not bad.size and len(got) == len(gold):
+        return CheckResult(name, "pass", "tokens", metrics, {"exact": True})
+    if not bad.size:
+        return CheckResult(name, "fail", "tokens", metrics, {"exact": True},
+                           f"{len(got)} tokens, the golden stream has {len(gold)}")
+    s = int(bad[0])
+    margin = float(f[g + "ar/margins"][s])
+    msg = f"step {s}: golden token {int(gold[s])}, engine {int(got[s])}; golden top-1/top-2 margin {margin:.4g}"
+    logits = out.get(f"p{i}/ar/logits")
+    if logits is not None and len(logits) > s:
+        err = float(np.max(np.abs(np.asarray(logits[s], np.float64) - np.asarray(f[g + "ar/logits"][s]))))
+        metrics.update(step=s, golden_token=int(gold[s]), engine_token=int(got[s]), margin=margin,
+                       logit_error=err)
+        why = ("its logit error exceeds half the margin: a numeric fault big enough to flip a decisive token"
+               if 2 * err >= margin else
+               "its logit error is under half the margin, so noise cannot explain the flip: "
+               "look at argmax / tie-breaking / the token fed back")
+        msg += f", engine logit error there {err:.4g}: {why}"
+    return CheckResult(name, "fail", "tokens", metrics, {"exact": True}, msg)
+
+
+def _ddtree_checks(f, g: str, i: int, out: dict, overrides=(), dtype="float32", ar_ok=True) -> list[CheckResult]:
+    p = f"p{i}/ddtree/"
+    if p + "tokens" not in out:
+        return [CheckResult(p + "tokens", "fail", "ddtree", message="the engine reported no DDTree run (required)")]
+    checks = []
+    mine, gold = np.asarray(out[p + "tokens"]), np.asarray(f[g + "ddtree/tokens"])
+    n = min(len(gold), len(mine))
+    bad = np.nonzero(gold[:n] != mine[:n])[0]
+    ok = not bad.size and len(gold) == len(mine)
+    msg = "" if ok else (f"differs from the golden DDTree stream at token {int(bad[0])}: expected "
+                         f"{int(gold[bad[0]])}, got {int(mine[bad[0]])}" if bad.size else
+                         f"{len(mine)} tokens, the golden DDTree stream has {len(gold)}")
+    checks.append(CheckResult(p + "tokens", "pass" if ok else "fail", "ddtree", {"tokens": int(len(mine))},
+                              {"exact": True}, msg))
+    ar = out.get(f"p{i}/ar/tokens")
+    if ar is not None:
+        # The AR tokens are teacher-forced (context = the golden prefix), so DDTree token j is comparable
+        # while the DDTree stream's own prefix [:j] is golden: up to and including its first deviation.
+        ar = np.asarray(ar)
+        k = min(len(ar), len(mine), int(bad[0]) + 1 if bad.size else n)
+        diff = np.nonzero(ar[:k] != mine[:k])[0]
+        msg = "" if not diff.size else (f"token {int(diff[0])}: DDTree emitted {int(mine[diff[0]])} where the "
+                                        f"engine's own AR argmax is {int(ar[diff[0]])}")
+        checks.append(CheckResult(p + "tokens_vs_own_ar", "fail" if diff.size else "pass", "ddtree",
+                                  {"compared": int(k)}, {"exact": True}, msg))
+    checks.append(_rounds_check(f, g, p, out))
+    checks.append(_path_logits_check(f, g, p, out, overrides, dtype, "ddtree" if ar_ok else "numeric"))
+    fw, gfw = out.get(p + "counters"), np.asarray(f[g + "ddtree/counters"])
+    if fw is None:
+        checks.append(CheckResult(p + "target_forwards", "fail", "ddtree", message="no ddtree/counters (required)"))
+    else:
+        ok = int(fw[0]) == int(gfw[0])
+        checks.append(CheckResult(p + "target_forwards", "pass" if ok else "fail", "ddtree",
+                                  {"engine": int(fw[0]), "golden": int(gfw[0])}, {"exact": True},
+                                  "" if ok else f"{int(fw[0])} target forwards, golden {int(gfw[0])}"))
+    return checks
+
+
+def _path_logits_check(f, g: str, p: str, out: dict, overrides, dtype, kind: str) -> CheckResult:
+    """The tree forward's logits on the committed rows, against the golden AR logits with the AR logits
+    tolerance. Committed row j sits at position P + j and predicts token j + 1: in exact arithmetic it is
+    AR row j + 1 (spec ddtree.md §4.1). Argmax checks alone would let a tree-only numeric bug smaller
+    than the token margins pass; this catches it. Compared while the engine's stream is golden. `kind`:
+    "ddtree" when the AR logits passed (the tree path alone is off: a DDTree failure), else "numeric"
+    (the same drift as the AR path, not a DDTree-specific fault)."""
+    name = p + "path_logits"
+    got = out.get(name)
+    if got is None:
+        return CheckResult(name, "fail", kind, message="no ddtree/path_logits (required)")
+    gold_ar, mine, gold = f[g + "ar/logits"], np.asarray(out[p + "tokens"]), np.asarray(f[g + "ar/tokens"])
+    n = min(len(mine), len(gold))
+    bad = np.nonzero(mine[:n] != gold[:n])[0]
+    k = min(len(got), len(gold_ar) - 1, int(bad[0]) if bad.size else n)
+    derived = manifest_rule(f.metadata["tolerances"]["taps"].get("ar/logits"))
+    rule = resolve_rule(name, derived, overrides)
+    r = check_tap(np.asarray(gold_ar[1:1 + k]), np.asarray(got[:k]), rule, dtype,
+                  derived=derived if isinstance(derived, DerivedTolerance) else None)
+    r.metrics["rows"] = k
+    return CheckResult(name, "pass" if r.passed else "fail", kind, r.metrics, rule.to_dict(),
+                       "; ".join(r.failures), r.min_passing)
+
+
+def _rounds_check(f, g: str, p: str, out: dict) -> CheckResult:
+    """Round by round: the accepted node path, the target's argmax on it and the bonus equal the golden
+    ones. Off-path rows are reported, not judged: their argmax changes no output and, unlike every
+    decision on the path (an AR decision, margin-checked by `kdtr gen`), has no margin guarantee."""
+    go, ga = np.asarray(f[g + "ddtree/tree_offsets"]), np.asarray(f[g + "ddtree/accepted_offsets"])
+    eo = out.get(p + "accepted_offsets")
+    if eo is None:
+        return CheckResult(p + "rounds", "fail", "ddtree", message="the engine reported no per-round records")
+    eo, R, off_path = np.asarray(eo), len(go) - 1, 0
+    fail = lambda r, msg: CheckResult(p + "rounds", "fail", "ddtree", {"rounds": R, "matching": r},  # noqa: E731
+                                      {"exact": True}, f"round {r}: {msg}")
+    for r in range(R):
+        if r + 1 >= len(eo):
+            return fail(r, f"the engine ran {len(eo) - 1} rounds, the golden run {R}")
+        for key in ("tree_tokens", "tree_parents"):                      # an engine with its own drafter
+            if p + key in out and len(out[p + key]) >= go[r + 1]:
+                tg, te = np.asarray(f[g + "ddtree/" + key][go[r]:go[r + 1]]), np.asarray(out[p + key])[go[r]:go[r + 1]]
+                if not np.array_equal(tg, te):
+                    return fail(r, f"{key} {te.tolist()} but golden {tg.tolist()} (the drafter proposed another tree)")
+        acc_g = np.asarray(f[g + "ddtree/accepted"][ga[r]:ga[r + 1]])
+        acc_e = np.asarray(out[p + "accepted"])[eo[r]:eo[r + 1]]
+        if not np.array_equal(acc_g, acc_e):
+            return fail(r, f"accepted rows {acc_e.tolist()} but golden {acc_g.tolist()}")
+        post_g = np.asarray(f[g + "ddtree/verify_argmax"][go[r]:go[r + 1]])
+        post_e = np.asarray(out.get(p + "verify_argmax", np.zeros(0)))[go[r]:go[r + 1]]
+        if len(post_e) == len(post_g):
+            if not np.array_equal(post_g[acc_g], post_e[acc_g]):
+                return fail(r, f"target argmax on the accepted path {post_e[acc_g].tolist()} but golden "
+                               f"{post_g[acc_g].tolist()}")
+            off_path += int(np.count_nonzero(post_g != post_e))
+        if int(out[p + "round_bonus"][r]) != int(f[g + "ddtree/round_bonus"][r]):
+            return fail(r, f"bonus {int(out[p + 'round_bonus'][r])}, golden {int(f[g + 'ddtree/round_bonus'][r])}")
+    return CheckResult(p + "rounds", "pass", "ddtree", {"rounds": R, "off_path_argmax_differences": off_path},
+                       {"exact": True})

@@ -1,0 +1,162 @@
+"""The records of a golden bundle and of a run dump: schema names, the layout of the per-prompt and
+per-round records (docs/golden-bundles.md, docs/run-dump.md), their structural validation, and reading
+and writing run dumps. Everything here is layout; nothing judges numbers or drives an engine."""
+from __future__ import annotations
+
+import numpy as np
+
+from kdtr_format import KdtrError, Tensor, open_kdtr, write_kdtr
+from refmodel.config import ModelConfig
+from refmodel.ddtree import Tree, visibility
+from refmodel.model import tap_names
+
+BUNDLE_SCHEMA = "kdtr-bundle/1"
+DUMP_SCHEMA = "kdtr-run-dump/1"
+
+
+class BundleSchemaError(KdtrError):
+    """A well-formed .kdtr file that is not a golden bundle of a schema this kdtr understands."""
+
+
+
+def prompts_of(f) -> list[int]:
+    return sorted(int(n.split("/")[1][1:]) for n in f.names if n.startswith("golden/p") and n.endswith("/prompt_ids"))
+
+
+def check_schema(f, path: str) -> None:
+    meta = f.metadata
+    if meta.get("schema") is None and "config" in meta:
+        raise BundleSchemaError(f"{path} is a model file (from `kdtr import`), not a golden bundle: make one "
+                                f"from it with `kdtr gen --model {path} --out BUNDLE.kdtr`")
+    if meta.get("schema") != BUNDLE_SCHEMA:
+        raise BundleSchemaError(f"{path}: metadata schema is {meta.get('schema')!r}, expected {BUNDLE_SCHEMA!r}: "
+                                f"not a golden bundle (or a newer one); regenerate it with the command in "
+                                f"bundles/MANIFEST.md")
+    for key in ("model_config", "tolerances", "taps", "ddtree"):
+        if key not in meta:
+            raise BundleSchemaError(f"{path}: metadata lacks {key!r}; regenerate the bundle with `kdtr gen`")
+    if not prompts_of(f):
+        raise BundleSchemaError(f"{path}: no golden/p{{i}}/prompt_ids tensor; regenerate the bundle with `kdtr gen`")
+
+
+def numeric_keys(cfg: ModelConfig, ar_taps) -> list[str]:
+    """Golden keys relative to golden/p{i}/, in execution order."""
+    keys = [f"prefill/L{l}/{t}" for l in range(cfg.num_hidden_layers) for t in tap_names(cfg, l)]
+    keys += ["prefill/final_hidden", "prefill/logits", "ar/logits"]
+    keys += [f"ar/L{l}/{t}" for l in range(cfg.num_hidden_layers) for t in tap_names(cfg, l) if t in ar_taps]
+    return keys
+
+
+def golden_tree(f, p: str, r: int) -> Tree:
+    """Round r's tree from the ragged golden records (row 0 = root)."""
+    o = f[p + "ddtree/tree_offsets"]
+    lo, hi = int(o[r]), int(o[r + 1])
+    tokens = np.asarray(f[p + "ddtree/tree_tokens"][lo + 1:hi], np.int64)
+    parents = np.asarray(f[p + "ddtree/tree_parents"][lo:hi], np.int64)
+    depths = np.asarray(f[p + "ddtree/tree_depths"][lo + 1:hi], np.int64)
+    child_maps = [{} for _ in range(len(tokens) + 1)]
+    for i in range(1, len(tokens) + 1):
+        child_maps[parents[i]][int(tokens[i - 1])] = i
+    ranks = np.asarray(f[p + "ddtree/tree_ranks"][lo + 1:hi], np.int64)
+    return Tree(tokens, depths, parents, child_maps, visibility(parents), ranks, np.zeros(len(tokens)))
+
+
+def ragged(rows) -> np.ndarray:
+    """Per-round int records concatenated into one int64 tensor (read back with `offsets`)."""
+    return np.concatenate([np.asarray(x, np.int64).reshape(-1) for x in rows]) if rows else np.zeros(0, np.int64)
+
+
+def offsets(sizes) -> np.ndarray:
+    """[R+1] int64: round r's rows of a ragged tensor are [o[r], o[r+1])."""
+    return np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+
+
+# ---------------------------------------------------------------- engine outputs (run-dump names)
+
+def validate_outputs(f, out: dict) -> list[str]:
+    """Structural problems of an engine's outputs (run-dump names) that would make judging meaningless:
+    required names, ranks, integer dtypes, consistent DDTree offsets. Empty when judging can proceed."""
+    V = ModelConfig.from_dict(f.metadata["model_config"]).vocab_size
+    problems = []
+
+    def need(name, ndim, kind, rows=None):
+        if name not in out:
+            problems.append(f"{name} is missing (required)")
+            return None
+        a = np.asarray(out[name])
+        if a.ndim != ndim or (kind == "int" and a.dtype.kind not in "iu") or (kind == "float" and a.dtype.kind != "f"):
+            problems.append(f"{name} is {a.dtype}{list(a.shape)}, expected a {ndim}-D {kind} tensor")
+            return None
+        if ndim == 2 and a.shape[1] != V:
+            problems.append(f"{name} has {a.shape[1]} columns, the vocabulary has {V}")
+            return None
+        if rows is not None and a.shape[0] != rows:
+            problems.append(f"{name} has {a.shape[0]} rows, expected {rows}")
+            return None
+        return a
+
+    for i in prompts_of(f):
+        p, n = f"p{i}/", len(f[f"golden/p{i}/ar/tokens"])
+        need(p + "prefill/logits", 2, "float", len(f[f"golden/p{i}/prompt_ids"]))
+        need(p + "ar/logits", 2, "float", n)
+        for name in ("ar/tokens", "ddtree/tokens", "ddtree/verify_argmax", "ddtree/round_bonus"):
+            need(p + name, 1, "int")
+        need(p + "ddtree/counters", 1, "int", 2)
+        offsets, acc = need(p + "ddtree/accepted_offsets", 1, "int"), need(p + "ddtree/accepted", 1, "int")
+        bonus, path = out.get(p + "ddtree/round_bonus"), need(p + "ddtree/path_logits", 2, "float")
+        if offsets is None or acc is None:
+            continue
+        if len(offsets) < 1 or offsets[0] != 0 or np.any(np.diff(offsets) < 1) or offsets[-1] != len(acc):
+            problems.append(f"{p}ddtree/accepted_offsets must start at 0, increase, and end at len(accepted) "
+                            f"= {len(acc)}; got {offsets[:8].tolist()}...")
+        elif bonus is not None and len(bonus) != len(offsets) - 1:
+            problems.append(f"{p}ddtree/round_bonus has {len(bonus)} rounds, accepted_offsets {len(offsets) - 1}")
+        elif path is not None and not min(offsets[-1], n - 1) <= len(path) <= offsets[-1]:
+            problems.append(f"{p}ddtree/path_logits has {len(path)} rows, expected one per accepted row "
+                            f"({int(offsets[-1])}; at least the {min(int(offsets[-1]), n - 1)} that have a golden)")
+    return problems
+
+
+# ---------------------------------------------------------------- run dumps
+
+def read_dump(path: str) -> tuple[dict, str]:
+    """A run dump's outputs (run-dump names) and the engine's compute dtype. A golden bundle given as the
+    dump stands for its own goldens (to judge a regenerated bundle against a committed one)."""
+    with open_kdtr(path, verify=True) as d:
+        meta = d.metadata
+        if meta.get("schema") == BUNDLE_SCHEMA:                      # a regenerated bundle: its goldens
+            return bundle_as_outputs(d), "float32"
+        if meta.get("schema") != DUMP_SCHEMA:
+            raise BundleSchemaError(f"metadata schema is {meta.get('schema')!r}, expected {DUMP_SCHEMA!r} "
+                                    f"(docs/run-dump.md)")
+        dtype = meta.get("dtype", "float32")
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise BundleSchemaError(f"metadata dtype {dtype!r}: the engine's compute dtype must be float32, "
+                                    f"bfloat16 or float16 (docs/run-dump.md)")
+        return {n: np.array(d.get(n)) for n in d.names}, dtype
+
+
+def bundle_as_outputs(d) -> dict:
+    """A bundle's goldens under run-dump names (to judge a regenerated bundle against a committed one).
+    Its float64 tree forwards equal its AR forwards (to ~1e-10, tests/test_ddtree_verify.py), so the
+    committed path rows are its AR logits rows 1.. (see `_path_logits_check` in conformance/judge.py)."""
+    out = {n[len("golden/"):]: np.array(d.get(n)) for n in d.names if n.startswith("golden/")}
+    for i in prompts_of(d):
+        p = f"p{i}/"
+        rows = int(out[p + "ddtree/accepted_offsets"][-1])
+        out[p + "ddtree/path_logits"] = out[p + "ar/logits"][1:1 + rows]
+    return out
+
+
+def write_dump(out: dict, path: str, engine_name: str, dtype: str, bundle_command: str = "",
+               engine_info: dict | None = None) -> None:
+    """A run dump (docs/run-dump.md) of a live engine's outputs: what an external engine writes.
+    engine_info: the engine's own provenance (`dump_metadata()`, e.g. the CUDA engine's device and source
+    hash), stored under metadata "engine_info"."""
+
+    meta = {"schema": DUMP_SCHEMA, "engine": engine_name, "dtype": dtype, "bundle_command": bundle_command}
+    if engine_info:
+        meta["engine_info"] = engine_info
+    bf16 = lambda v: dtype == "bfloat16" and v.dtype == np.uint16  # noqa: E731 - raw bf16 bit patterns
+    write_kdtr(path, ((k, Tensor(np.ascontiguousarray(v), dtype="bfloat16") if bf16(v) else np.ascontiguousarray(v))
+                      for k, v in out.items()), meta)

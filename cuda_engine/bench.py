@@ -1,0 +1,94 @@
+"""Decode latency of the CUDA engine on a bundle's model: one token per step, greedy (AR), the step run
+as prepared PyCUDA launches and as a replayed CUDA graph, against the launch floor measured in the same
+run (the same number of launches of a one-thread kernel, prepared and as a graph).
+
+Used by `kdtr bench engine` and bench/bench_engine.py. Times are CUDA-event times over `steps`
+back-to-back steps after `warmup` steps; the graph steps need no host work at all (the argmax feeds the
+next step's token on the device), the prepared steps pay Python's launch cost per kernel.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from cuda_engine.device import DevBuf, device_info, driver
+from cuda_engine.engine import CudaEngine
+
+
+def _timed(ops, fn, n: int) -> float:
+    """Microseconds per call of fn() over n calls on ops.stream (CUDA events)."""
+    drv = driver()
+    start, end = drv.Event(), drv.Event()
+    start.record(ops.stream)
+    for _ in range(n):
+        fn()
+    end.record(ops.stream)
+    end.synchronize()
+    return end.time_since(start) * 1000.0 / n
+
+
+def decode_latency(bundle: str, steps: int = 200, warmup: int = 20, prompt_len: int = 16) -> dict:
+    e = CudaEngine()
+    e.load(bundle)
+    ops, V = e.ops, e.cfg.vocab_size
+    prompt = np.random.default_rng(0).integers(0, V - 1, prompt_len)
+    e._ensure(prompt_len, prompt_len + 2 * (steps + warmup) + 2)       # no reallocation while timing
+    logits, _ = e.prefill(prompt, np.arange(prompt_len))
+    first = int(np.argmax(logits[-1]))
+
+    def restart():                                                      # the step after the prompt
+        e._set_inputs([first], [prompt_len], prompt_len, None)
+
+    def prepared():
+        e._launch_forward(1, masked=False, argmax_out=e.buf["ids"])
+        ops.decode_advance(e.meta, e.buf["positions"])
+
+    restart()
+    n0 = ops.launches
+    _timed(ops, prepared, warmup)
+    per_step = (ops.launches - n0) // warmup
+    restart()
+    t_prepared = _timed(ops, prepared, steps)
+    restart()
+    tokens_prepared = _generated(e, prepared, 8)
+    graph = e._decode_graph()
+    restart()
+    _timed(ops, lambda: graph.launch(ops.stream), warmup)
+    restart()
+    t_graph = _timed(ops, lambda: graph.launch(ops.stream), steps)
+    restart()
+    tokens_graph = _generated(e, lambda: graph.launch(ops.stream), 8)
+
+    floor_prep, floor_graph = _launch_floor(ops, per_step, steps)
+    return {**device_info(), "bundle": str(bundle), "steps": steps, "launches_per_step": per_step,
+            "graph_launches": graph.launches, "us_per_token_prepared": t_prepared, "us_per_token_graph": t_graph,
+            "floor_us_per_step_prepared": floor_prep, "floor_us_per_step_graph": floor_graph,
+            "graph_vs_floor": t_graph / floor_graph, "prepared_vs_graph": t_prepared / t_graph,
+            "same_tokens_graph_and_prepared": tokens_prepared == tokens_graph, "tokens": tokens_graph}
+
+
+def _generated(e: CudaEngine, step, n: int) -> list[int]:
+    """The n greedy tokens the step function generates from the current inputs (ids[0] after each step)."""
+    out = []
+    for _ in range(n):
+        step()
+        e.ops.stream.synchronize()
+        out.append(int(e.buf["ids"].get((1,))[0]))
+    return out
+
+
+def _launch_floor(ops, n_kernels: int, steps: int) -> tuple[float, float]:
+    """(prepared, graph) microseconds for n_kernels launches of the one-thread decode_advance_kernel."""
+    from cuda_engine.graph import capture
+
+    scratch = DevBuf.from_array(np.zeros(4, np.int32))
+
+    def seq():
+        for _ in range(n_kernels):
+            ops.decode_advance(scratch, scratch)
+
+    prepared = _timed(ops, seq, max(steps // 4, 10))
+    g = capture(ops, seq)
+    _timed(ops, lambda: g.launch(ops.stream), 10)
+    graph = _timed(ops, lambda: g.launch(ops.stream), steps)
+    g.destroy()
+    return prepared, graph

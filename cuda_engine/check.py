@@ -1,0 +1,102 @@
+"""`kdtr kernels check`: build every kernel with nvcc (no GPU needed) and hold it to sm_120's limits.
+
+For each architecture and each kernel: registers, spill stores/loads, stack frame and static shared
+memory, as ptxas reports them (-Xptxas -v). A kernel fails the check on any spill, or when it would
+not launch on sm_120 (the target, the smaller of our two GPUs): more than 99 KB shared memory per block
+(sm_120 has 100 KB per SM and keeps 1 KB per block), more than 255 registers per thread, or more than
+64 K registers for one block at its __launch_bounds__ thread count (1024 when it declares none).
+"""
+from __future__ import annotations
+
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from cuda_engine.build import ARCHS, KERNEL_DIR, NVCC_FLAGS, gencode, kernel_files, run_nvcc
+
+SM120_SMEM_PER_BLOCK = 99 * 1024
+SM120_REGS_PER_SM = 64 * 1024
+MAX_REGS_PER_THREAD = 255
+MAX_THREADS_PER_BLOCK = 1024
+
+
+@dataclass
+class KernelUsage:
+    arch: str
+    file: str
+    kernel: str
+    registers: int = 0
+    spill_stores: int = 0
+    spill_loads: int = 0
+    stack: int = 0
+    smem: int = 0
+    threads: int = MAX_THREADS_PER_BLOCK     # from __launch_bounds__
+
+    def problems(self) -> list[str]:
+        where = f"{self.kernel} ({self.file}, {self.arch})"
+        out = []
+        if self.spill_stores or self.spill_loads:
+            out.append(f"{where}: spills ({self.spill_stores} bytes stored, {self.spill_loads} bytes loaded)")
+        if self.smem > SM120_SMEM_PER_BLOCK:
+            out.append(f"{where}: {self.smem} bytes shared memory > sm_120's {SM120_SMEM_PER_BLOCK} per block")
+        if self.registers > MAX_REGS_PER_THREAD:
+            out.append(f"{where}: {self.registers} registers > {MAX_REGS_PER_THREAD} per thread")
+        if self.registers * self.threads > SM120_REGS_PER_SM:
+            out.append(f"{where}: {self.registers} registers x {self.threads} threads > {SM120_REGS_PER_SM} per SM")
+        return out
+
+
+def parse_ptxas(text: str, arch: str, file: str, threads: dict[str, int]) -> list[KernelUsage]:
+    """KernelUsage per entry function in ptxas -v output."""
+    rows, cur = {}, None
+    for line in text.splitlines():
+        if m := re.search(r"Compiling entry function '(\w+)'", line):
+            cur = rows.setdefault(m[1], KernelUsage(arch, file, m[1], threads=threads.get(m[1], MAX_THREADS_PER_BLOCK)))
+        elif m := re.search(r"Function properties for (\w+)", line):
+            cur = rows.get(m[1])                              # None for a device function (not launched)
+        elif cur is None:
+            continue
+        elif m := re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line):
+            cur.stack, cur.spill_stores, cur.spill_loads = int(m[1]), int(m[2]), int(m[3])
+        elif m := re.search(r"Used (\d+) registers", line):
+            cur.registers = int(m[1])
+            s = re.search(r"(\d+) bytes smem", line)
+            cur.smem = int(s[1]) if s else 0
+    return list(rows.values())
+
+
+def launch_bounds(source: str, constants: dict[str, int]) -> dict[str, int]:
+    """kernel name -> its __launch_bounds__ thread count (constants: #defines it may use)."""
+    out = {}
+    for m in re.finditer(r"__launch_bounds__\((\w+)\)\s*\n?\s*(\w+)\s*\(", source):
+        arg = m[1]
+        out[m[2]] = int(arg) if arg.isdigit() else constants[arg]
+    return out
+
+
+def header_constants() -> dict[str, int]:
+    """The integer #defines of kernels/common.cuh, with BLOCK_THREADS evaluated."""
+    text = (KERNEL_DIR / "common.cuh").read_text()
+    c = {k: int(v) for k, v in re.findall(r"#define (\w+) (\d+)\b", text)}
+    c["BLOCK_THREADS"] = c["WARP_SIZE"] * c["WARPS_PER_BLOCK"]
+    return c
+
+
+def kernel_usage(arch: str, files=None) -> list[KernelUsage]:
+    """Compile each .cu for `arch` to a cubin and read ptxas's report."""
+    constants = header_constants()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for f in files or kernel_files():
+            f = Path(f)
+            text = run_nvcc([*NVCC_FLAGS, *gencode([arch]), f"-I{KERNEL_DIR}", "-cubin", "-Xptxas", "-v",
+                             "-o", str(Path(tmp) / (f.stem + ".cubin")), str(f)])
+            rows += parse_ptxas(text, arch, f.name, launch_bounds(f.read_text(), constants))
+    return rows
+
+
+def check_kernels(archs=ARCHS, files=None) -> tuple[list[KernelUsage], list[str]]:
+    """(usage of every kernel on every arch, problems); BuildError when nvcc fails."""
+    rows = [r for arch in archs for r in kernel_usage(arch, files)]
+    return rows, [p for r in rows for p in r.problems()]

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The GPU run that proves the CUDA engine (docs/cuda-engine.md). On a machine with an NVIDIA GPU, from the
+# repository root:
+#
+#     KDTR_COMMIT=$(git rev-parse HEAD) bash cuda_engine/device_run.sh OUTDIR
+#
+# 1. the GPU tests (every kernel vs its NumPy oracle, the engine end to end, determinism, graph == no graph);
+# 2. `kdtr verify BUNDLE --engine cuda --save-dump OUTDIR/<bundle>.cuda.kdtr` for every committed bundle:
+#    these are the proofs to commit as bundles/proofs/ (metadata: device, driver, commit, source hash);
+# 3. determinism: a second run's dump is byte-identical to the first;
+# 4. compute-sanitizer memcheck over an end-to-end verify, racecheck over the shared-memory kernels;
+# 5. `kdtr bench engine` (decode latency, with and without the CUDA graph, vs the launch floor);
+# 6. `kdtr verify --engine auto` picks cuda.
+# Everything goes to OUTDIR/log; the exit status is 1 when any step failed.
+set -u
+OUT_DIR=${1:?usage: bash cuda_engine/device_run.sh OUTDIR}
+mkdir -p "$OUT_DIR"
+exec > >(tee "$OUT_DIR/log") 2>&1
+export PYTHONUNBUFFERED=1
+if [ -d .device-wheels ]; then       # PyCUDA wheels carried to a GPU machine without network
+    python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .device-wheels/*.whl 2>/dev/null
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+kdtr() { python3 -c 'from cli.main import main; main()' "$@"; }
+failed=0
+step() { echo "== $*"; local t=$SECONDS; "$@"; local rc=$?; echo "== rc=$rc in $((SECONDS - t)) s"; [ $rc -eq 0 ] || failed=1; }
+
+nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv
+echo "commit ${KDTR_COMMIT:-unknown}"
+step python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_kernels.py tests/test_cuda_engine.py
+for b in bundles/*.kdtr; do
+    step kdtr verify "$b" --engine cuda --save-dump "$OUT_DIR/$(basename "$b" .kdtr).cuda.kdtr"
+done
+step kdtr verify bundles/model_tiny.kdtr --engine cuda --save-dump /tmp/second_run.kdtr
+step cmp "$OUT_DIR/model_tiny.cuda.kdtr" /tmp/second_run.kdtr
+step timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 \
+    python3 -c 'from cli.main import main; main()' verify bundles/model_tiny.kdtr --engine cuda
+step timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 \
+    python3 -c 'from cli.main import main; main()' verify bundles/model_tiny.kdtr --engine cuda
+step kdtr bench engine bundles/model_tiny.kdtr --json "$OUT_DIR/bench.json"
+step kdtr verify bundles/model_tiny.kdtr --engine auto
+echo "device_run: $([ $failed -eq 0 ] && echo ALL STEPS PASSED || echo SOME STEP FAILED)"
+exit $failed

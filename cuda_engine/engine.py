@@ -1,0 +1,330 @@
+"""CudaEngine: the conformance protocol (docs/architecture.md) on hand-written CUDA kernels, float32.
+
+Weights are uploaded once at load(); the latent KV cache lives on the device ([L, S_cap, C] and
+[L, S_cap, R]); a forward runs entirely on the device and copies back only the logits and, for the
+runner, the taps. Every tap has its own per-layer device buffer ([L, T_cap, width]), so a whole forward
+is one uninterrupted launch sequence and the decode step (T = 1) can be captured once as a CUDA graph
+(cuda_engine/graph.py) and replayed: the step's inputs (token, position, cached rows) are read by the
+kernels from small device buffers the host rewrites before each replay.
+
+Legend: T tokens of this forward, S cached + new rows, L layers, D hidden_size, H heads, A qk_head_dim,
+N qk_nope_head_dim, R qk_rope_head_dim, C kv_lora_rank, Q q_lora_rank, U v_head_dim, E routed experts,
+K experts per token, V vocab, I MLP width.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from cuda_engine.build import engine_source_hash
+from cuda_engine.device import CudaEngineError, DevBuf, device_info, driver
+from cuda_engine.ops import ATTN_MAX_QK, MOE_MAX_SLOTS, ROUTER_MAX_E, ROUTER_MAX_GROUPS, Ops
+from cuda_engine.weights import layer_arrays, load_weights
+from refmodel.config import ModelConfig
+from refmodel.model import tap_names, yarn_inv_freq
+
+T_CAP0, S_CAP0 = 64, 512            # first capacities (tokens per forward, cache rows); both grow x2
+
+
+def check_config(cfg: ModelConfig) -> None:
+    """CudaEngineError naming the field and the limit when the kernels cannot run this config."""
+    limits = [
+        ("kv_lora_rank + qk_rope_head_dim", cfg.kv_lora_rank + cfg.qk_rope_head_dim, ATTN_MAX_QK),
+        ("n_routed_experts", cfg.n_routed_experts, ROUTER_MAX_E),
+        ("n_group", cfg.n_group, ROUTER_MAX_GROUPS),
+        ("num_experts_per_tok + n_shared_experts", cfg.num_experts_per_tok + cfg.n_shared_experts, MOE_MAX_SLOTS),
+        ("n_shared_experts", cfg.n_shared_experts, 1),
+    ]
+    for field, value, limit in limits:
+        if value > limit:
+            raise CudaEngineError(f"unsupported config: {field} = {value} exceeds the CUDA engine's limit {limit}"
+                                  + (" (the shared expert is stacked as one extra expert)"
+                                     if field == "n_shared_experts" else ""))
+
+
+class CudaEngine:
+    name = "cuda"
+    dtype = "float32"
+    supports_teacher_forcing = True
+
+    def __init__(self, use_graph: bool = True):
+        self.use_graph = use_graph and os.environ.get("KDTR_CUDA_GRAPH", "1") != "0"
+        self.ops: Ops | None = None
+        self.cfg: ModelConfig | None = None
+        self.graph = None
+        self.length = 0                       # cached rows (host mirror of meta[0] between forwards)
+
+    # ------------------------------------------------------------ load and buffers
+    def load(self, bundle) -> None:
+        cfg, W = load_weights(bundle)
+        check_config(cfg)
+        driver()
+        self.ops = self.ops or Ops()
+        self.cfg = cfg
+        self.layers = [{k: DevBuf.from_array(v) for k, v in layer_arrays(cfg, W, l).items()}
+                       for l in range(cfg.num_hidden_layers)]
+        self.embed = DevBuf.from_array(W["model.embed_tokens.weight"])
+        self.norm = DevBuf.from_array(W["model.norm.weight"])
+        self.lm_head = self.embed if cfg.tie_word_embeddings else DevBuf.from_array(W["lm_head.weight"])
+        self.inv_freq = DevBuf.from_array(yarn_inv_freq(cfg), np.float64)
+        self.meta = DevBuf.from_array(np.zeros(4, np.int32))
+        self.T_cap = self.S_cap = 0
+        self._alloc_activations(T_CAP0, S_CAP0)
+        self._alloc_cache(S_CAP0)
+        self.reset()
+
+    def _alloc_activations(self, T_cap: int, S_cap: int) -> None:
+        c, L = self.cfg, self.cfg.num_hidden_layers
+        D, H, A, C, R, U = (c.hidden_size, c.num_attention_heads, c.qk_head_dim, c.kv_lora_rank,
+                            c.qk_rope_head_dim, c.v_head_dim)
+        E, S = c.n_routed_experts, c.num_experts_per_tok + c.n_shared_experts
+        I = max(c.intermediate_size, c.moe_intermediate_size)
+        f, i = np.float32, np.int32
+        per_layer = {"attn_in": D, "q": H * A, "kv": C + R, "kv_latent": C, "attn_out": D, "resid_attn": D,
+                     "mlp_in": D, "router_scores": E, "slot_w": S, "mlp_out": D, "resid_out": D}
+        self.buf = {k: DevBuf((L, T_cap, w), f) for k, w in per_layer.items()}
+        self.buf["slot_ids"] = DevBuf((L, T_cap, S), i)
+        self.layer_keys = list(per_layer) + ["slot_ids"]             # the [L, T_cap, width] tap buffers
+        for k, shape, dt in (("x0", (T_cap, D), f), ("cq", (T_cap, c.q_lora_rank), f), ("q_lat", (T_cap, H, C), f),
+                             ("o_lat", (T_cap, H, C), f), ("o", (T_cap, H * U), f), ("router_logits", (T_cap, E), f),
+                             ("act", (T_cap * S, I), f), ("y_slots", (T_cap * S, D), f), ("final", (T_cap, D), f),
+                             ("logits", (T_cap, c.vocab_size), f), ("ids", (T_cap,), i), ("positions", (T_cap,), i),
+                             ("argmax", (T_cap,), i), ("keep", (T_cap,), i), ("mask", (T_cap, S_cap), f),
+                             ("scores", (T_cap * H, S_cap), f)):
+            self.buf[k] = DevBuf(shape, dt)
+        self.buf["dense_slots"] = DevBuf.from_array(np.zeros(T_cap, i))
+        self.T_cap = T_cap
+        self._drop_graph()
+
+    def _alloc_cache(self, S_cap: int) -> None:
+        """(Re)allocate the cache with S_cap rows per layer, keeping the rows already cached."""
+        c, L = self.cfg, self.cfg.num_hidden_layers
+        new = {"ckv": DevBuf((L, S_cap, c.kv_lora_rank), np.float32),
+               "kpe": DevBuf((L, S_cap, c.qk_rope_head_dim), np.float32)}
+        if self.S_cap and self.length:
+            for k, old in (("ckv", self.cache["ckv"]), ("kpe", self.cache["kpe"])):
+                for l in range(L):
+                    new[k].view(l).copy_from(old.view(l), self.length * old.shape[2] * 4)
+        self.cache, self.S_cap = new, S_cap
+        self._drop_graph()
+
+    def _ensure(self, T: int, S: int) -> None:
+        """Capacity for a forward of T tokens with S rows in the cache afterwards."""
+        if S > self.S_cap:
+            self._alloc_cache(max(S, 2 * self.S_cap))
+        if T > self.T_cap or self.buf["scores"].shape[1] < self.S_cap:
+            T_cap = self.T_cap
+            while T_cap < T:
+                T_cap *= 2
+            self._alloc_activations(T_cap, self.S_cap)
+
+    def _drop_graph(self) -> None:
+        if self.graph is not None:
+            self.graph.destroy()
+            self.graph = None
+
+    # ------------------------------------------------------------ the protocol
+    def reset(self) -> None:
+        self.length = 0
+
+    def prefill(self, ids, positions):
+        return self._forward(ids, positions, None)
+
+    def decode(self, token, position):
+        return self._forward([token], [position], None)
+
+    def verify_tree(self, ids, positions, mask):
+        return self._forward(ids, positions, mask)
+
+    def compact(self, start, keep) -> None:
+        keep = np.asarray(keep, np.int64).reshape(-1)
+        if not 0 <= start <= self.length:
+            raise ValueError(f"compact: start={start} must be in [0, length={self.length}]")
+        if keep.size and (keep.min() < 0 or keep.max() >= self.length - start):
+            raise ValueError(f"compact: keep indices {keep.tolist()} must be in [0, {self.length - start})")
+        if keep.size > 1 and np.any(np.diff(keep) <= 0):
+            raise ValueError(f"compact: keep {keep.tolist()} must be strictly increasing (an accepted path)")
+        if keep.size:
+            self.buf["keep"].set(keep.astype(np.int32))
+            self.ops.kv_compact(self.cache["ckv"], self.cache["kpe"], self.buf["keep"], keep.size, start)
+        self.length = start + keep.size
+
+    def run_layer(self, layer: int, inputs: dict) -> dict:
+        """Layer `layer` alone on golden inputs, with its own temporary cache holding the golden rows."""
+        c = self.cfg
+        h = np.asarray(inputs["hidden"], np.float32)
+        ckv, kpe = np.asarray(inputs["c_kv"], np.float32), np.asarray(inputs["k_pe"], np.float32)
+        T, S = h.shape[0], ckv.shape[0]
+        self._ensure(T, S + T)
+        tmp_ckv = DevBuf((S + T, c.kv_lora_rank), np.float32)
+        tmp_kpe = DevBuf((S + T, c.qk_rope_head_dim), np.float32)
+        tmp_ckv.set(ckv)
+        tmp_kpe.set(kpe)
+        self._set_inputs(None, inputs["positions"], S, None)
+        self.buf["x0"].set(h)
+        self.ops.rms_norm(self.buf["x0"], c.hidden_size, self.layers[layer]["input_ln"],
+                          self.buf["attn_in"].view(layer), c.hidden_size, c.hidden_size, T, c.rms_norm_eps)
+        self._layer(layer, T, self.buf["x0"], tmp_ckv, tmp_kpe, masked=False)
+        self.ops.stream.synchronize()
+        return self._layer_taps(layer, T)
+
+    # ------------------------------------------------------------ one forward
+    def _set_inputs(self, ids, positions, S0: int, mask) -> None:
+        positions = np.asarray(positions, np.int64).reshape(-1)
+        if positions.size and (positions.min() < 0 or positions.max() >= 2**31):
+            raise ValueError(f"positions must be in [0, 2^31), got {positions.min()}..{positions.max()}")
+        if ids is not None:
+            self.buf["ids"].set(np.asarray(ids, np.int32))
+        self.buf["positions"].set(positions.astype(np.int32))
+        self.meta.set(np.array([S0, 0, 0, 0], np.int32))
+        if mask is not None:
+            T, S = mask.shape
+            full = np.full((T, self.S_cap), -np.inf, np.float32)   # columns >= S are never read
+            full[:, :S] = mask
+            self.buf["mask"].set(full)
+
+    def _forward(self, ids, positions, mask):
+        c = self.cfg
+        if c is None:
+            raise RuntimeError("CudaEngine: load() a bundle first")
+        ids = np.asarray(ids, np.int64).reshape(-1)
+        positions = np.asarray(positions, np.int64).reshape(-1)
+        T = ids.shape[0]
+        if T == 0 or positions.shape[0] != T:
+            raise ValueError(f"forward: need T >= 1 ids and as many positions, got {T} ids, {positions.shape[0]}")
+        if ids.min() < 0 or ids.max() >= c.vocab_size:
+            raise ValueError(f"forward: token ids must be in [0, {c.vocab_size}), got {ids.min()}..{ids.max()}")
+        if mask is not None:
+            mask = np.asarray(mask, np.float32)
+            if mask.shape != (T, self.length + T):
+                raise ValueError(f"verify_tree: mask shape {mask.shape} must be [T, S_cache + T] = "
+                                 f"{(T, self.length + T)}")
+        self._ensure(T, self.length + T)
+        self._set_inputs(ids, positions, self.length, mask)
+        if T == 1 and mask is None and self.use_graph:
+            self._decode_graph().launch(self.ops.stream)
+        else:
+            self._launch_forward(T, masked=mask is not None, argmax_out=self.buf["argmax"])
+        self.ops.stream.synchronize()
+        self.length += T
+        logits = self.buf["logits"].get()[:T].copy()                                 # [T, V]
+        taps = self._taps(T)
+        taps["logits"] = logits.copy()
+        return logits, taps
+
+    def _decode_graph(self):
+        """The decode step (T = 1) captured once; the argmax feeds ids[0] and the advance kernel moves the
+        step inputs on, so back-to-back replays generate greedily without the host (bench/)."""
+        if self.graph is None:
+            from cuda_engine.graph import capture
+
+            def step():
+                self._launch_forward(1, masked=False, argmax_out=self.buf["ids"])
+                self.ops.decode_advance(self.meta, self.buf["positions"])
+
+            self.graph = capture(self.ops, step)
+        return self.graph
+
+    def _launch_forward(self, T: int, masked: bool, argmax_out) -> None:
+        c, o, b = self.cfg, self.ops, self.buf
+        D, L = c.hidden_size, c.num_hidden_layers
+        o.embedding(b["ids"], self.embed, b["x0"], T)
+        o.rms_norm(b["x0"], D, self.layers[0]["input_ln"], b["attn_in"].view(0), D, D, T, c.rms_norm_eps)
+        for l in range(L):
+            h_in = b["x0"] if l == 0 else b["resid_out"].view(l - 1)
+            self._layer(l, T, h_in, self.cache["ckv"].view(l), self.cache["kpe"].view(l), masked)
+        o.linear(b["final"], self.lm_head, b["logits"], T, D, c.vocab_size)
+        o.argmax(b["logits"], c.vocab_size, argmax_out, T)
+
+    def _layer(self, l: int, T: int, h_in, ckv, kpe, masked: bool) -> None:
+        """Layer l on attn_in[l] (already normed from h_in); ends with the next norm (or the final one)."""
+        c, o, b, w = self.cfg, self.ops, self.buf, self.layers[l]
+        D, H, A, N, R, C, Q, U = (c.hidden_size, c.num_attention_heads, c.qk_head_dim, c.qk_nope_head_dim,
+                                  c.qk_rope_head_dim, c.kv_lora_rank, c.q_lora_rank, c.v_head_dim)
+        x, q, kv, lat = b["attn_in"].view(l), b["q"].view(l), b["kv"].view(l), b["kv_latent"].view(l)
+        # attention: queries, latent KV, rope, cache append
+        o.linear(x, w["q_a"], b["cq"], T, D, Q)                                       # [T, D] -> [T, Q]
+        o.rms_norm(b["cq"], Q, w["q_a_ln"], b["cq"], Q, Q, T, c.latent_norm_eps)
+        o.linear(b["cq"], w["q_b"], q, T, Q, H * A)                                   # [T, Q] -> [T, H, A]
+        o.rope(q, T, H * A, A, N, H, R, b["positions"], self.inv_freq, c.rope_attention_factor)
+        o.linear(x, w["kv_a"], kv, T, D, C + R)                                       # [T, D] -> [T, C + R]
+        o.rms_norm(kv, C + R, w["kv_a_ln"], lat, C, C, T, c.latent_norm_eps)          # c_kv, k_pe never normed
+        o.rope(kv, T, C + R, 0, C, 1, R, b["positions"], self.inv_freq, c.rope_attention_factor)
+        o.kv_append(lat, kv, ckv, kpe, self.meta, T, C, R)
+        # absorbed MLA: q_lat = q_nope W_uk, attention over the latent cache, o = o_lat W_uv^T
+        o.linear(q, w["w_ukT"], b["q_lat"], T, N, C, x_stride=H * A, y_stride=H * C,  # [T, H, N] -> [T, H, C]
+                 B=H, x_bstride=A, w_bstride=C * N, y_bstride=C)
+        o.mla_attention(b["q_lat"], q, ckv, kpe, self.meta, b["mask"] if masked else None, self.S_cap,
+                        b["scores"], self.S_cap, b["o_lat"], T, H, C, R, A, N, c.softmax_scale)
+        o.linear(b["o_lat"], w["w_uv"], b["o"], T, C, U, x_stride=H * C, y_stride=H * U,  # [T, H, C] -> [T, H, U]
+                 B=H, x_bstride=C, w_bstride=U * C, y_bstride=U)
+        o.linear(b["o"], w["o_proj"], b["attn_out"].view(l), T, H * U, D)             # [T, H U] -> [T, D]
+        o.add_rms_norm(h_in, b["attn_out"].view(l), b["resid_attn"].view(l), w["post_ln"], b["mlp_in"].view(l),
+                       T, c.rms_norm_eps)
+        # MLP: routed experts + shared expert, or the dense MLP as one slot of expert 0
+        xm = b["mlp_in"].view(l)
+        if l >= c.first_k_dense_replace:
+            K, S = c.num_experts_per_tok, c.num_experts_per_tok + c.n_shared_experts
+            o.linear(xm, w["gate"], b["router_logits"], T, D, c.n_routed_experts)     # [T, D] -> [T, E]
+            o.router(b["router_logits"], w["bias"], b["router_scores"].view(l), b["slot_ids"].view(l),
+                     b["slot_w"].view(l), T, K, S, c.n_group, c.topk_group, c.norm_topk_prob,
+                     c.routed_scaling_factor)
+            slots = b["slot_ids"].view(l)
+        else:
+            K, S, slots = 0, 1, b["dense_slots"]
+        o.swiglu_gate_up(xm, w["gate_proj"], w["up_proj"], slots, b["act"], T, S)     # [T S, I]
+        o.expert_down(b["act"], w["down_proj"], slots, b["y_slots"], T, S)            # [T S, D]
+        o.moe_combine(b["y_slots"], slots, b["slot_w"].view(l), b["mlp_out"].view(l), T, K, S, D)
+        last = l == c.num_hidden_layers - 1
+        o.add_rms_norm(b["resid_attn"].view(l), b["mlp_out"].view(l), b["resid_out"].view(l),
+                       self.norm if last else self.layers[l + 1]["input_ln"],
+                       b["final"] if last else b["attn_in"].view(l + 1), T, c.rms_norm_eps)
+
+    # ------------------------------------------------------------ taps back to the host
+    def _host(self, key: str, T: int) -> np.ndarray:
+        buf = self.buf[key]
+        return buf.get()[:, :T]                                                       # [L, T, width]
+
+    def _layer_taps(self, l: int, T: int, host=None) -> dict:
+        c = self.cfg
+        H, A, C = c.num_attention_heads, c.qk_head_dim, c.kv_lora_rank
+        K = c.num_experts_per_tok
+        host = host or {k: self._host(k, T) for k in self.layer_keys}
+        values = {"attn_in": host["attn_in"][l], "q": host["q"][l].reshape(T, H, A),
+                  "kv_latent": host["kv_latent"][l], "k_pe": host["kv"][l][:, C:], "attn_out": host["attn_out"][l],
+                  "resid_attn": host["resid_attn"][l], "mlp_in": host["mlp_in"][l],
+                  "router_scores": host["router_scores"][l], "topk_ids": host["slot_ids"][l][:, :K].astype(np.int64),
+                  "topk_weights": host["slot_w"][l][:, :K], "mlp_out": host["mlp_out"][l],
+                  "resid_out": host["resid_out"][l]}
+        return {f"L{l}/{t}": np.ascontiguousarray(values[t]) for t in tap_names(c, l)}
+
+    def _taps(self, T: int) -> dict:
+        c = self.cfg
+        host = {k: self._host(k, T) for k in self.layer_keys}
+        taps = {}
+        for l in range(c.num_hidden_layers):
+            taps.update(self._layer_taps(l, T, host))
+        taps["final_hidden"] = self.buf["final"].get()[:T].copy()
+        return taps
+
+    # ------------------------------------------------------------ provenance for GPU proofs
+    def dump_metadata(self) -> dict:
+        """What a GPU proof records (docs/cuda-engine.md): device, driver, commit, source hash."""
+        info = device_info()
+        info.update(source_hash=engine_source_hash(), commit=_commit(), fatbin=os.path.basename(str(self.ops.fatbin)),
+                    cuda_graph=self.use_graph)
+        return info
+
+
+def _commit() -> str:
+    """KDTR_COMMIT (set by cuda_engine/device_run.sh, where .git may be absent), else git, else unknown."""
+    if os.environ.get("KDTR_COMMIT"):
+        return os.environ["KDTR_COMMIT"]
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"

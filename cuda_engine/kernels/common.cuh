@@ -1,0 +1,51 @@
+// Shared helpers for every kdtr kernel (included by each .cu file).
+//
+// WARPS_PER_BLOCK: the warp-per-output kernels (linear, experts) run 8 warps = 256 threads per block:
+// enough warps to hide global-load latency, few enough that a block never needs more than 256 * 255
+// registers, well inside sm_120's 64 K registers and 1536 threads per SM.
+// Reductions use a fixed butterfly (__shfl_xor_sync) and fixed shared-memory trees: the summation
+// order depends only on the launch shape, never on timing, so every run gives the same bits.
+#pragma once
+
+#define WARP_SIZE 32
+#define WARPS_PER_BLOCK 8
+#define BLOCK_THREADS (WARP_SIZE * WARPS_PER_BLOCK)
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int off = WARP_SIZE / 2; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    return v;   // every lane holds the same total
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int off = WARP_SIZE / 2; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+    return v;
+}
+
+// Block-wide sum of BLOCK_THREADS values through shared memory `buf` [BLOCK_THREADS]; fixed tree.
+__device__ __forceinline__ float block_sum(float v, float* buf) {
+    buf[threadIdx.x] = v;
+    __syncthreads();
+    for (int half = BLOCK_THREADS / 2; half > 0; half >>= 1) {
+        if (threadIdx.x < half) buf[threadIdx.x] += buf[threadIdx.x + half];
+        __syncthreads();
+    }
+    float total = buf[0];
+    __syncthreads();            // buf may be reused right after
+    return total;
+}
+
+__device__ __forceinline__ float block_max(float v, float* buf) {
+    buf[threadIdx.x] = v;
+    __syncthreads();
+    for (int half = BLOCK_THREADS / 2; half > 0; half >>= 1) {
+        if (threadIdx.x < half) buf[threadIdx.x] = fmaxf(buf[threadIdx.x], buf[threadIdx.x + half]);
+        __syncthreads();
+    }
+    float m = buf[0];
+    __syncthreads();
+    return m;
+}
+
+// x / (1 + exp(-x)) and 1 / (1 + exp(-x)) as refmodel writes them (float32 expf: <= 2 ulp).
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
+__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }

@@ -1,0 +1,43 @@
+"""Shared helpers of the GPU kernel tests: the device fixture and the one comparison every op test uses.
+
+A GPU result is judged against the float64 oracle (refmodel's own functions where they exist) with a
+tolerance derived from the same-precision baseline: the same oracle function run in float32 NumPy.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+FACTOR = 4.0      # a GPU fp32 result may be at most this many times further from float64 than NumPy fp32
+
+
+def gpu_ops():
+    """The kernel module on the GPU, or a clean skip (no pycuda, no device)."""
+    pytest.importorskip("pycuda.driver", reason="pycuda is not installed")
+    from cuda_engine.device import CudaEngineError, driver
+
+    try:
+        driver()
+    except CudaEngineError as e:
+        pytest.skip(str(e))
+    from cuda_engine.ops import Ops
+
+    return Ops()
+
+
+def check(case: str, got, oracle, baseline, factor: float = FACTOR) -> None:
+    """max |got - oracle| <= factor x max |baseline - oracle| (floor: one float32 ulp of the oracle's scale)."""
+    got, oracle, baseline = (np.asarray(a, np.float64) for a in (got, oracle, baseline))
+    assert got.shape == oracle.shape, f"{case}: shape {got.shape} != oracle {oracle.shape}"
+    err = np.abs(got - oracle)
+    base = float(np.max(np.abs(baseline - oracle))) if oracle.size else 0.0
+    scale = float(np.max(np.abs(oracle))) if oracle.size else 0.0
+    tol = factor * max(base, np.finfo(np.float32).eps * max(scale, 1e-30))
+    nmse = float(np.sum(err ** 2) / max(np.sum(oracle ** 2), 1e-300))
+    assert err.size == 0 or err.max() <= tol, (
+        f"{case}: max abs err {err.max():.3g}, mean {err.mean():.3g}, NMSE {nmse:.3g} > tol {tol:.3g} "
+        f"({factor} x fp32 NumPy baseline {base:.3g})")
+
+
+def rand(rng, *shape, scale=1.0) -> np.ndarray:
+    return (rng.standard_normal(shape) * scale).astype(np.float32)

@@ -1,0 +1,86 @@
+"""CudaEngine end to end: the committed bundles pass, runs are bit-identical, the graph changes no bit,
+teacher forcing works; and (CPU) unsupported configs fail with the field and the limit."""
+import dataclasses
+import glob
+
+import numpy as np
+import pytest
+
+from cuda_oracle import gpu_ops
+from refmodel.config import PRESETS
+
+BUNDLES = sorted(glob.glob("bundles/*.kdtr"))
+
+
+@pytest.fixture(scope="module")
+def engine_cls():
+    gpu_ops()                                                    # skips without pycuda / a device
+    from cuda_engine.engine import CudaEngine
+
+    return CudaEngine
+
+
+def collect_with(engine, bundle):
+    from conformance.runner import collect
+    from kdtr_format import open_kdtr
+
+    with open_kdtr(bundle) as f:
+        engine.load(f)
+        return collect(engine, f)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("bundle", BUNDLES)
+def test_bundle_passes(engine_cls, bundle):
+    from conformance.runner import verify
+
+    v = verify(bundle, engine=engine_cls())
+    bad = [f"{c.name}: {c.message or c.metrics}" for c in v.checks if c.status != "pass" and c.status != "skip"]
+    assert v.verdict == "pass", f"{bundle}: exit {int(v.exit_code)}; first problems: {bad[:5]}"
+
+
+@pytest.mark.cuda
+def test_two_runs_identical_and_graph_changes_no_bit(engine_cls):
+    bundle = "bundles/model_tiny.kdtr"
+    a = collect_with(engine_cls(), bundle)
+    b = collect_with(engine_cls(), bundle)
+    c = collect_with(engine_cls(use_graph=False), bundle)
+    assert a.keys() == b.keys() == c.keys()
+    for k in a:
+        assert np.array_equal(a[k], b[k]), f"{k} differs between two identical runs"
+        assert np.array_equal(a[k], c[k]), f"{k} differs with and without the CUDA graph"
+
+
+@pytest.mark.cuda
+def test_run_layer_reproduces_the_forward(engine_cls):
+    """run_layer on the engine's own layer input and cache rows gives the forward's taps bit for bit."""
+    from kdtr_format import open_kdtr
+
+    e = engine_cls()
+    with open_kdtr("bundles/model_tiny.kdtr") as f:
+        e.load(f)
+        prompt = max((np.asarray(f[n]) for n in f.names if n.endswith("/prompt_ids")), key=len)
+    P, L = len(prompt), e.cfg.num_hidden_layers
+    assert P >= 3, "the bundle needs a prompt of 3+ tokens for this test"
+    e.prefill(prompt[:-2], np.arange(P - 2))
+    ckv = [e.cache["ckv"].view(l).get()[:P - 2] for l in range(L)]
+    kpe = [e.cache["kpe"].view(l).get()[:P - 2] for l in range(L)]
+    _, taps = e.prefill(prompt[-2:], np.arange(P - 2, P))                # 2 new rows over a cache of P - 2
+    for l in range(1, L):                                                # layer 0's input is the embedding
+        local = e.run_layer(l, {"hidden": taps[f"L{l - 1}/resid_out"], "positions": np.arange(P - 2, P),
+                                "c_kv": ckv[l], "k_pe": kpe[l]})
+        assert local.keys() == {k for k in taps if k.startswith(f"L{l}/")}
+        for k, v in local.items():
+            assert np.array_equal(v, taps[k]), f"run_layer {k} differs from the forward"
+
+
+def test_unsupported_config_names_the_field_and_limit():
+    from cuda_engine.device import CudaEngineError
+    from cuda_engine.engine import check_config
+
+    check_config(PRESETS["k26"])
+    with pytest.raises(CudaEngineError, match=r"unsupported config: n_routed_experts = 2048 exceeds the CUDA "
+                                              r"engine's limit 1024"):
+        check_config(dataclasses.replace(PRESETS["k26"], n_routed_experts=2048, n_group=1))
+    with pytest.raises(CudaEngineError, match=r"kv_lora_rank \+ qk_rope_head_dim = 1088 exceeds"):
+        check_config(dataclasses.replace(PRESETS["k26"], kv_lora_rank=1024))

@@ -1,0 +1,262 @@
+"""Every kernel against its NumPy oracle, over awkward shapes (1, primes, tile +-1) and K2.6 shapes.
+
+Tolerances: tests/cuda_oracle.py (a small multiple of the fp32-NumPy-vs-float64 error); gathers, copies,
+expert ids and argmax are exact. GPU only: skipped cleanly without pycuda or a device.
+"""
+import numpy as np
+import pytest
+
+from refmodel.config import PRESETS
+from refmodel.model import apply_rope, rms_norm, route, rope_cos_sin, sigmoid, silu, softmax, yarn_inv_freq
+from cuda_oracle import check, gpu_ops, rand
+
+pytestmark = pytest.mark.cuda
+K26 = PRESETS["k26"]
+TINY = PRESETS["tiny"]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    return gpu_ops()
+
+
+def dev(a, dtype=None):
+    from cuda_engine.device import DevBuf
+
+    return DevBuf.from_array(a, dtype)
+
+
+def run(ops, fn, *args, **kw):
+    fn(*args, **kw)
+    ops.stream.synchronize()
+
+
+# ---------------------------------------------------------------- embedding, norms, linear
+
+@pytest.mark.parametrize("V,D,T", [(1, 1, 1), (37, 193, 5), (2048, 7168, 3)])   # last: K2.6 hidden
+def test_embedding_exact(ops, V, D, T):
+    rng = np.random.default_rng(V)
+    table, ids = rand(rng, V, D), rng.integers(0, V, T).astype(np.int32)
+    out = dev(np.zeros((T, D), np.float32))
+    run(ops, ops.embedding, dev(ids), dev(table), out, T)
+    np.testing.assert_array_equal(out.get(), table[ids])
+
+
+# n: 1, primes, block size 256 +- 1, K2.6 hidden / q_lora / kv_lora
+@pytest.mark.parametrize("n,T", [(1, 1), (7, 3), (255, 2), (256, 1), (257, 4), (7168, 2), (1536, 1), (512, 3)])
+def test_rms_norm(ops, n, T):
+    rng = np.random.default_rng(n)
+    x, w = rand(rng, T, n), rand(rng, n) + 1
+    y = dev(np.zeros((T, n), np.float32))
+    run(ops, ops.rms_norm, dev(x), n, dev(w), y, n, n, T, 1e-5)
+    check(f"rms_norm n={n} T={T}", y.get(), rms_norm(x.astype(np.float64), w.astype(np.float64), 1e-5),
+          rms_norm(x, w, np.float32(1e-5)))
+
+
+@pytest.mark.parametrize("n,T", [(1, 1), (257, 3), (7168, 2)])
+def test_add_rms_norm(ops, n, T):
+    rng = np.random.default_rng(n + 1)
+    h, a, w = rand(rng, T, n), rand(rng, T, n), rand(rng, n) + 1
+    h_out, y = dev(np.zeros((T, n), np.float32)), dev(np.zeros((T, n), np.float32))
+    run(ops, ops.add_rms_norm, dev(h), dev(a), h_out, dev(w), y, T, 1e-5)
+    np.testing.assert_array_equal(h_out.get(), h + a)
+    s64 = h.astype(np.float64) + a
+    check(f"add_rms_norm n={n}", y.get(), rms_norm(s64, w.astype(np.float64), 1e-5), rms_norm(h + a, w, np.float32(1e-5)))
+
+
+LINEAR = [(1, 1, 1), (3, 31, 17), (2, 257, 9), (5, 33, 8), (4, 64, 7),                # awkward: warps 8 +- 1
+          (1, 7168, 1536), (1, 1536, 64 * 192), (1, 7168, 576), (1, 64 * 128, 7168),  # K2.6 attention
+          (1, 7168, 384), (3, 7168, 2048), (1, 2048, 7168)]                            # router, expert shapes
+
+
+@pytest.mark.parametrize("T,I,O", LINEAR)
+def test_linear(ops, T, I, O):
+    rng = np.random.default_rng(T * I + O)
+    x, W = rand(rng, T, I), rand(rng, O, I, scale=I ** -0.5)
+    y = dev(np.zeros((T, O), np.float32))
+    run(ops, ops.linear, dev(x), dev(W), y, T, I, O)
+    check(f"linear T={T} I={I} O={O}", y.get(), x.astype(np.float64) @ W.astype(np.float64).T, x @ W.T)
+
+
+@pytest.mark.parametrize("T,B,I,O", [(1, 1, 1, 1), (3, 5, 17, 9), (1, 64, 128, 512), (2, 64, 512, 128)])
+def test_linear_batched_heads(ops, T, B, I, O):
+    """The absorbed-MLA use: x [T, B, I] strided per head, W [B, O, I], y [T, B, O]."""
+    rng = np.random.default_rng(B * I)
+    x, W = rand(rng, T, B, I + 3), rand(rng, B, O, I)            # +3: a head stride wider than I
+    y = dev(np.zeros((T, B, O), np.float32))
+    run(ops, ops.linear, dev(x), dev(W), y, T, I, O, x_stride=B * (I + 3), y_stride=B * O, B=B,
+        x_bstride=I + 3, w_bstride=O * I, y_bstride=O)
+    x64 = x[..., :I].astype(np.float64)
+    check(f"batched linear T={T} B={B}", y.get(), np.einsum("tbi,boi->tbo", x64, W.astype(np.float64)),
+          np.einsum("tbi,boi->tbo", x[..., :I], W))
+
+
+# ---------------------------------------------------------------- rope
+
+@pytest.mark.parametrize("cfg_name,heads,positions", [
+    ("tiny", 1, [0]), ("tiny", 3, [1, 2, 7]), ("k26", 64, [5, 4096]),
+    ("k26", 1, [2**17, 2**17 + 1, 262143]),        # past 2^17: float32 angles would be off by ~1e-2 rad
+])
+def test_rope(ops, cfg_name, heads, positions):
+    cfg = PRESETS[cfg_name]
+    R, T = cfg.qk_rope_head_dim, len(positions)
+    rng = np.random.default_rng(heads)
+    x = rand(rng, T, heads, R + 5)                               # rope part at offset 5 (as q_pe after q_nope)
+    buf = dev(x)
+    pos = np.asarray(positions, np.int64)
+    run(ops, ops.rope, buf, T, heads * (R + 5), R + 5, 5, heads, R, dev(pos, np.int32), dev(yarn_inv_freq(cfg)),
+        cfg.rope_attention_factor)
+    got = buf.get()
+    np.testing.assert_array_equal(got[..., :5], x[..., :5])
+    cos, sin = rope_cos_sin(cfg, pos)
+    c32, s32 = rope_cos_sin(cfg, pos, np.float32)
+    check(f"rope {cfg_name} heads={heads} pos={positions}", got[..., 5:],
+          apply_rope(x[..., 5:].astype(np.float64), cos, sin), apply_rope(x[..., 5:], c32, s32))
+
+
+# ---------------------------------------------------------------- attention
+
+def attention_oracle(q_lat, q_pe, ckv, kpe, mask, scale):
+    """Absorbed MLA core as refmodel.mla writes it: [T, H, C] -> o_lat [T, H, C]."""
+    scores = np.einsum("thc,sc->hts", q_lat, ckv) + np.einsum("thr,sr->hts", q_pe, kpe)
+    probs = softmax(scores * scale + mask)
+    return np.einsum("hts,sc->thc", probs, ckv)
+
+
+@pytest.mark.parametrize("T,H,C,R,S0,tree", [
+    (1, 1, 1, 2, 0, False), (3, 5, 17, 6, 11, False), (7, 2, 33, 4, 0, True), (5, 3, 64, 16, 9, True),
+    (1, 64, 512, 64, 300, False),                                 # K2.6 decode
+    (4, 64, 512, 64, 257, True),                                  # K2.6 tree verify
+])
+def test_mla_attention(ops, T, H, C, R, S0, tree):
+    rng = np.random.default_rng(T * H + C)
+    S, N = S0 + T, 3
+    A = N + R
+    q_lat, q = rand(rng, T, H, C, scale=0.3), rand(rng, T, H, A)
+    ckv, kpe = rand(rng, S, C), rand(rng, S, R)
+    scale = float(A ** -0.5)
+    if tree:                                                      # random ancestor-like visibility, diagonal on
+        vis = rng.random((T, T)) < 0.5
+        vis |= np.eye(T, dtype=bool)
+        mask = np.concatenate([np.zeros((T, S0)), np.where(vis, 0.0, -np.inf)], axis=1)
+    else:
+        mask = np.where(np.arange(S)[None, :] <= S0 + np.arange(T)[:, None], 0.0, -np.inf)
+    S_cap = S + 3
+    ckv_d, kpe_d = dev(np.pad(ckv, ((0, 3), (0, 0)))), dev(np.pad(kpe, ((0, 3), (0, 0))))
+    mask_d = dev(np.pad(mask, ((0, 0), (0, 3)), constant_values=-np.inf).astype(np.float32)) if tree else None
+    scores = dev(np.zeros((T * H, S_cap), np.float32))
+    o_lat = dev(np.zeros((T, H, C), np.float32))
+    run(ops, ops.mla_attention, dev(q_lat), dev(q), ckv_d, kpe_d, dev(np.array([S0, 0, 0, 0], np.int32)), mask_d,
+        S_cap, scores, S_cap, o_lat, T, H, C, R, A, N, scale)
+    f64 = lambda a: a.astype(np.float64)  # noqa: E731
+    oracle = attention_oracle(f64(q_lat), f64(q[..., N:]), f64(ckv), f64(kpe), mask, scale)
+    base = attention_oracle(q_lat, q[..., N:], ckv, kpe, mask.astype(np.float32), np.float32(scale))
+    check(f"mla_attention T={T} H={H} C={C} R={R} S0={S0} tree={tree}", o_lat.get(), oracle, base)
+
+
+# ---------------------------------------------------------------- KV cache
+
+@pytest.mark.parametrize("L,S_cap,C,R,start,keep", [
+    (1, 4, 1, 2, 0, [0]), (2, 20, 17, 6, 5, [0, 2, 3, 7]), (3, 40, 64, 16, 11, [0, 1, 2, 3]),
+    (2, 600, 512, 64, 300, [0, 4, 5, 9, 31])])
+def test_kv_append_and_compact(ops, L, S_cap, C, R, start, keep):
+    rng = np.random.default_rng(C)
+    ckv, kpe = rand(rng, L, S_cap, C), rand(rng, L, S_cap, R)
+    ckv_d, kpe_d = dev(ckv), dev(kpe)
+    T = 3                                                         # append T rows to layer 1 % L at row `start`
+    new, kv = rand(rng, T, C), rand(rng, T, C + R)
+    l = 1 % L
+    run(ops, ops.kv_append, dev(new), dev(kv), ckv_d.view(l), kpe_d.view(l), dev(np.array([start, 0, 0, 0], np.int32)),
+        T, C, R)
+    ckv[l, start:start + T], kpe[l, start:start + T] = new, kv[:, C:]
+    np.testing.assert_array_equal(ckv_d.get(), ckv)
+    np.testing.assert_array_equal(kpe_d.get(), kpe)
+    keep = np.asarray(keep)
+    run(ops, ops.kv_compact, ckv_d, kpe_d, dev(keep, np.int32), len(keep), start)
+    rows = np.concatenate([np.arange(start), start + keep])
+    np.testing.assert_array_equal(ckv_d.get()[:, :len(rows)], ckv[:, rows])
+    np.testing.assert_array_equal(kpe_d.get()[:, :len(rows)], kpe[:, rows])
+
+
+# ---------------------------------------------------------------- MoE
+
+ROUTER = [("tiny", {}, 1), ("tiny", {}, 5),
+          ("tiny", {"n_routed_experts": 12, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 3}, 7),
+          ("tiny", {"norm_topk_prob": False, "num_experts_per_tok": 1}, 2),
+          ("k26", {}, 3)]                                         # 384 experts, top-8
+
+
+@pytest.mark.parametrize("cfg_name,changes,T", ROUTER)
+def test_router(ops, cfg_name, changes, T):
+    import dataclasses
+
+    cfg = dataclasses.replace(PRESETS[cfg_name], **changes)
+    D, E, K = min(cfg.hidden_size, 512), cfg.n_routed_experts, cfg.num_experts_per_tok
+    rng = np.random.default_rng(E + K)
+    x, gate, bias = rand(rng, T, D), rand(rng, E, D, scale=D ** -0.5), rand(rng, E, scale=0.1)
+    p = "model.layers.1.mlp.gate."
+    scores64, ids64, w64 = route(cfg, {p + "weight": gate.astype(np.float64), p + "e_score_correction_bias":
+                                       bias.astype(np.float64)}, 1, x.astype(np.float64))
+    scores32, _, w32 = route(cfg, {p + "weight": gate, p + "e_score_correction_bias": bias}, 1, x)
+    S = K + 1
+    logits = dev(np.zeros((T, E), np.float32))
+    run(ops, ops.linear, dev(x), dev(gate), logits, T, D, E)
+    sc, ids, w = dev(np.zeros((T, E), np.float32)), dev(np.zeros((T, S), np.int32)), dev(np.zeros((T, S), np.float32))
+    run(ops, ops.router, logits, dev(bias), sc, ids, w, T, K, S, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob,
+        cfg.routed_scaling_factor)
+    case = f"router {cfg_name} {changes} T={T}"
+    check(case + " scores", sc.get(), scores64, scores32)
+    got_ids = ids.get()
+    np.testing.assert_array_equal(got_ids[:, :K], ids64, err_msg=case)
+    np.testing.assert_array_equal(got_ids[:, K], E)               # the shared-expert slot
+    check(case + " weights", w.get()[:, :K], w64, w32)
+    np.testing.assert_array_equal(w.get()[:, K], 1.0)
+
+
+def moe_oracle(x, Wg, Wu, Wd, ids, w, K):
+    """refmodel.moe's sum: routed slots in ascending expert id (weighted), then the unweighted slots."""
+    T, S = ids.shape
+    out = np.zeros((T, Wd.shape[1]), x.dtype)
+    for t in range(T):
+        order = sorted(range(K), key=lambda k: ids[t, k]) + list(range(K, S))
+        for k in order:
+            e = ids[t, k]
+            y = (silu(Wg[e] @ x[t]) * (Wu[e] @ x[t])) @ Wd[e].T
+            out[t] = out[t] + (w[t, k] * y if k < K else y)
+    return out
+
+
+@pytest.mark.parametrize("E,I,D,K,T", [
+    (1, 1, 1, 0, 1),                   # a dense MLP of width 1: one slot of expert 0
+    (5, 7, 13, 2, 3), (9, 33, 257, 4, 2),
+    (1, 18432, 7168, 0, 1),            # K2.6 dense MLP
+    (10, 2048, 7168, 8, 1),            # K2.6 expert shape, top-8 + shared (10 experts held, not 384: memory)
+])
+def test_experts(ops, E, I, D, K, T):
+    rng = np.random.default_rng(E * I + D)
+    Wg, Wu = rand(rng, E, I, D, scale=D ** -0.5), rand(rng, E, I, D, scale=D ** -0.5)
+    Wd = rand(rng, E, D, I, scale=I ** -0.5)
+    x = rand(rng, T, D)
+    S = K + 1 if K else 1
+    ids = np.stack([np.concatenate([rng.permutation(E - 1)[:K], [E - 1]]) if K else [0] for _ in range(T)]).astype(np.int32)
+    w = np.concatenate([rng.random((T, K)).astype(np.float32), np.ones((T, S - K), np.float32)], axis=1)
+    ids_d, w_d = dev(ids), dev(w)
+    act, y, out = (dev(np.zeros(s, np.float32)) for s in ((T * S, I), (T * S, D), (T, D)))
+    run(ops, ops.swiglu_gate_up, dev(x), dev(Wg), dev(Wu), ids_d, act, T, S)
+    run(ops, ops.expert_down, act, dev(Wd), ids_d, y, T, S)
+    run(ops, ops.moe_combine, y, ids_d, w_d, out, T, K, S, D)
+    f64 = lambda a: a.astype(np.float64)  # noqa: E731
+    check(f"experts E={E} I={I} D={D} K={K} T={T}", out.get(),
+          moe_oracle(f64(x), f64(Wg), f64(Wu), f64(Wd), ids, f64(w), K), moe_oracle(x, Wg, Wu, Wd, ids, w, K))
+
+
+# ---------------------------------------------------------------- sampling
+
+@pytest.mark.parametrize("V,T", [(1, 1), (400, 3), (257, 2), (163840, 2)])   # K2.6 vocab
+def test_argmax_lowest_index_on_ties(ops, V, T):
+    rng = np.random.default_rng(V)
+    logits = rand(rng, T, V)
+    logits[:, V // 3] = logits[:, (2 * V) // 3] = logits.max() + 1      # an exact tie: the lower id wins
+    out = dev(np.zeros(T, np.int32))
+    run(ops, ops.argmax, dev(logits), V, out, T)
+    np.testing.assert_array_equal(out.get(), np.argmax(logits, axis=-1))

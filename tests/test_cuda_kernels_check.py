@@ -1,0 +1,53 @@
+"""`kdtr kernels check` on the CPU: every kernel builds for sm_120 and sm_90 without spills or sm_120
+limits exceeded; and the check does fail on a spill and on too much shared memory. Needs nvcc only."""
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from cli.main import main
+from cuda_engine.build import BuildError
+from cuda_engine.check import KernelUsage, check_kernels, parse_ptxas
+from cuda_engine.ops import SIGNATURES
+
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+
+
+@needs_nvcc
+def test_kernels_check_passes_for_sm120_and_sm90():
+    r = CliRunner().invoke(main, ["kernels", "check", "--arch", "sm_120", "--arch", "sm_90"])
+    assert r.exit_code == 0, r.output
+    for name in SIGNATURES:                                   # every kernel the engine launches, both archs
+        assert name in r.output, f"{name} missing from:\n{r.output}"
+    assert r.output.count("sm_90 ") == r.output.count("sm_120 ") == len(SIGNATURES)
+    assert f"{2 * len(SIGNATURES)} kernel builds, 0 problem(s)" in r.output
+
+
+@needs_nvcc
+def test_check_fails_when_a_kernel_does_not_build(tmp_path):
+    """Static shared memory is capped at 48 KB by ptxas itself: such a kernel is a build error, not a row."""
+    big = tmp_path / "big.cu"
+    big.write_text('extern "C" __global__ void __launch_bounds__(128) big_kernel(float* y) {\n'
+                   "    __shared__ float s[26000];                // 104000 bytes\n"
+                   "    s[threadIdx.x] = threadIdx.x; __syncthreads(); y[threadIdx.x] = s[127 - threadIdx.x];\n}\n")
+    with pytest.raises(BuildError, match="uses too much shared data"):
+        check_kernels(["sm_120"], files=[big])
+
+
+def test_limits_flag_shared_memory_over_99kb():
+    row = KernelUsage("sm_120", "f.cu", "k", registers=32, smem=99 * 1024 + 4, threads=256)
+    assert row.problems() == ["k (f.cu, sm_120): 101380 bytes shared memory > sm_120's 101376 per block"]
+
+
+def test_ptxas_report_parsing_flags_spills_and_register_pressure():
+    text = """ptxas info    : Compiling entry function 'k' for 'sm_120'
+ptxas info    : Function properties for k
+    16 bytes stack frame, 20 bytes spill stores, 24 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 256 bytes smem
+ptxas info    : Function properties for __internal_helper
+    40 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads"""
+    (row,) = parse_ptxas(text, "sm_120", "k.cu", {"k": 512})
+    assert (row.registers, row.spill_stores, row.spill_loads, row.stack, row.smem) == (255, 20, 24, 16, 256)
+    assert row.problems() == ["k (k.cu, sm_120): spills (20 bytes stored, 24 bytes loaded)",
+                              "k (k.cu, sm_120): 255 registers x 512 threads > 65536 per SM"]
+    assert KernelUsage("sm_90", "f.cu", "ok", registers=40, threads=256).problems() == []

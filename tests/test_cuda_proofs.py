@@ -1,0 +1,47 @@
+"""GPU proofs on the CPU: every committed bundle has a CUDA-engine run dump made on a GPU
+(bundles/proofs/), kdtr re-judges it and it passes, and it was made from today's cuda_engine/ sources
+(a kernel change that was not re-proved fails here, with how to re-prove). No GPU, no pycuda."""
+import glob
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from cli.main import main
+from cuda_engine.build import PACKAGE_DIR
+from cuda_engine.proofs import ProofError, check_provenance, engine_info, proof_path
+
+BUNDLES = sorted(glob.glob("bundles/*.kdtr"))
+
+
+@pytest.mark.parametrize("bundle", BUNDLES)
+def test_proof_passes_the_bundle(bundle):
+    proof = proof_path(bundle)
+    engine_info(proof)                                            # exists, written by the CUDA engine
+    r = CliRunner().invoke(main, ["verify", bundle, "--dump", str(proof)])
+    assert r.exit_code == 0, f"the GPU proof {proof} no longer passes {bundle}:\n{r.output}"
+
+
+@pytest.mark.parametrize("bundle", BUNDLES)
+def test_proof_was_made_from_todays_sources(bundle):
+    info = check_provenance(proof_path(bundle))
+    assert info["compute_capability"] in ("9.0", "12.0") and info["driver"] and info["commit"]
+
+
+def test_one_changed_byte_in_a_kernel_fails_the_proof(tmp_path):
+    proof = proof_path(BUNDLES[0])
+    copy = tmp_path / "cuda_engine"
+    shutil.copytree(PACKAGE_DIR, copy, ignore=shutil.ignore_patterns(".build", "__pycache__"))
+    check_provenance(proof, copy)                                 # an exact copy still matches
+    src = copy / "kernels" / "linear.cu"
+    data = bytearray(src.read_bytes())
+    data[-2] ^= 0x01                                              # one byte of one kernel
+    src.write_bytes(bytes(data))
+    with pytest.raises(ProofError, match=r"a change under cuda_engine/ was not re-proved on a GPU; re-prove on a "
+                                         r"GPU machine with `bash cuda_engine/device_run.sh OUTDIR`"):
+        check_provenance(proof, copy)
+
+
+def test_missing_proof_says_how_to_prove(tmp_path):
+    with pytest.raises(ProofError, match=r"does not exist: no GPU proof for this bundle; re-prove"):
+        engine_info(tmp_path / "none.cuda.kdtr")
