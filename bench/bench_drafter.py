@@ -20,7 +20,8 @@ import time
 import numpy as np
 import torch
 
-from conformance.gen import GenSettings, _bf16_round, random_prompt
+from conformance.bundle_model import _bf16_round
+from conformance.goldens import random_prompt
 from refmodel.config import PRESETS
 from refmodel.ddtree import ddtree_generate
 from refmodel.distill import DistillSettings, _train, make_corpus

@@ -12,6 +12,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from conformance.bundle_model import LONG_POSITION_OFFSET
 from conformance.exit_codes import ExitCode
 from conformance.gen import GenError, GenSettings, apply_quant, generate_bundle, model_from_checkpoint, \
     model_from_kdtr, model_from_preset
@@ -93,10 +94,13 @@ class _Bars:
 @click.option("--budget", type=click.IntRange(1, 1024), default=32, show_default=True, help="DDTree node budget.")
 @click.option("--distill-steps", type=click.IntRange(0), default=650, show_default=True,
               help="Drafter distillation steps (0: untrained drafter).")
+@click.option("--long-position", type=click.IntRange(0), default=LONG_POSITION_OFFSET, show_default=True,
+              help="First position of the long-position prompt (a random prompt whose cache holds only its own "
+                   "rows); 0: none. docs/golden-bundles.md says why this offset.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Weights, drafter and prompt seed.")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="The bundle to write (atomically).")
 def gen_cmd(preset, quant, int4_scope, checkpoint, model_path, prompts_file, prompt_ids, num_prompts,
-            max_new_tokens, budget, distill_steps, seed, out):
+            max_new_tokens, budget, distill_steps, long_position, seed, out):
     """Generate a golden bundle: model, prompts, per-layer goldens, AR stream and DDTree rounds.
 
     The goldens are the float64 reference on the stored weights; tolerances are derived from a float32 run
@@ -114,7 +118,7 @@ def gen_cmd(preset, quant, int4_scope, checkpoint, model_path, prompts_file, pro
     command = _canonical_command(click.get_current_context())
     s = GenSettings(preset=preset, quant=quant, int4_scope=int4_scope, seed=seed, prompts=prompts,
                     num_prompts=num_prompts, max_new_tokens=max_new_tokens, budget=budget,
-                    distill_steps=distill_steps, command=command)
+                    distill_steps=distill_steps, long_position=long_position, command=command)
     console = Console(stderr=True)
     cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             TextColumn("{task.fields[info]}"))

@@ -15,13 +15,17 @@ local-vs-inherited test sees it.
     nibble_order          INT4 words read MSB-first (INT4 bundles)    -> L{first_k_dense_replace}/mlp_out
     rope_f32_angles       RoPE angles position * inv_freq formed in float32 (as many engines do), cos/sin
                           of them                                     -> the long-position prompt's L0/q
-                          (at positions < 2^11 the float32 angle is exact to a few ULPs: the other
-                          prompts pass)
+                          (angle error ~3e-6 rad at position 82, under a third of the k_pe tolerance, so
+                          the ordinary prompts pass; ~4e-3 rad at 196608, hundreds of tolerances)
+    decode_attn_scale     layer L's attention output scaled by (1 + eps) in decode steps only (a decode-only
+                          kernel bug, e.g. a split-KV merge normalising by a wrong sum; o_proj is linear, so
+                          scaling it during decode is the same) -> L{L}/attn_out of the first decode step
 
 Legend: H heads, N qk_nope_head_dim, R qk_rope_head_dim, C kv_lora_rank, A = N + R, T tokens, S cache.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -31,8 +35,9 @@ from conformance.records import prompts_of
 from kdtr_format import open_kdtr
 from refmodel.model import yarn_inv_freq
 
-FAULTS = ("scale_tap", "swap_expert", "rope_pairs", "tree_mask_off_by_one", "nibble_order", "rope_f32_angles")
-_NEEDS_LAYER = ("scale_tap", "swap_expert")
+FAULTS = ("scale_tap", "swap_expert", "rope_pairs", "tree_mask_off_by_one", "nibble_order", "rope_f32_angles",
+          "decode_attn_scale")
+_NEEDS_LAYER = ("scale_tap", "swap_expert", "decode_attn_scale")
 _EXPERT_MATS = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -134,6 +139,24 @@ class FaultyEngine(ReferenceEngine):
         logits, taps = super()._forward(ids, positions, mask)
         return logits, self._raw_layout(taps)
 
+    def decode(self, token, position):
+        with self._decode_path():
+            return super().decode(token, position)
+
+    @contextlib.contextmanager
+    def _decode_path(self):
+        """decode_attn_scale: layer L's o_proj scaled while a decode step runs, restored after."""
+        if self.fault != "decode_attn_scale":
+            yield
+            return
+        key = f"model.layers.{self.layer}.self_attn.o_proj.weight"
+        saved = self.W[key]
+        self.W[key] = saved * np.float32(1 + self.params.get("eps", 1e-4))
+        try:
+            yield
+        finally:
+            self.W[key] = saved
+
     def verify_tree(self, ids, positions, mask):
         if self.fault == "tree_mask_off_by_one":
             mask = np.array(mask, copy=True)                                  # [T, S + T]
@@ -147,6 +170,9 @@ class FaultyEngine(ReferenceEngine):
         if self.fault == "rope_pairs":                                        # golden k_pe rows -> our layout
             _, Q = neox_perms(self.cfg.qk_rope_head_dim)
             inputs = {**inputs, "k_pe": np.asarray(inputs["k_pe"])[:, Q]}
+        if len(inputs["hidden"]) == 1 and len(inputs["c_kv"]):               # a decode step: one token, a cache
+            with self._decode_path():
+                return self._raw_layout(super().run_layer(layer, inputs))
         return self._raw_layout(super().run_layer(layer, inputs))
 
     def _raw_layout(self, taps: dict) -> dict:

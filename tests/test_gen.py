@@ -8,6 +8,7 @@ import torch
 from click.testing import CliRunner
 
 import conformance.gen as gen
+import conformance.goldens as goldens
 from cli.main import main
 from conformance.gen import GenSettings, apply_quant, generate_bundle, model_from_preset
 from conformance.records import numeric_keys
@@ -59,7 +60,7 @@ def test_bundle_records_are_consistent(bundle, request):
             g = f"golden/p{i}/"
             assert np.array_equal(f[g + "ddtree/tokens"], f[g + "ar/tokens"])
             assert np.array_equal(f[g + "ar/tokens"], np.argmax(f[g + "ar/logits"], axis=-1))
-            assert f[g + "ar/margins"].min() >= gen.MARGIN_SAFETY * max(atol("prefill/logits"), atol("ar/logits"))
+            assert f[g + "ar/margins"].min() >= goldens.MARGIN_SAFETY * max(atol("prefill/logits"), atol("ar/logits"))
             for key in numeric_keys(cfg, set(meta["taps"]["ar"])):
                 assert g + key in f, key
                 assert key in man, key
@@ -70,7 +71,7 @@ def test_bundle_records_are_consistent(bundle, request):
 
 
 def test_undecisive_prompt_is_rejected(monkeypatch, tmp_path):
-    monkeypatch.setattr(gen, "MARGIN_SAFETY", 1e9)                  # no margin can be that decisive
+    monkeypatch.setattr(goldens, "MARGIN_SAFETY", 1e9)                  # no margin can be that decisive
     r = CliRunner().invoke(main, ["gen", "--prompt-ids", "5,6,7", "--max-new-tokens", "3",
                                   "--distill-steps", "0", "--out", str(tmp_path / "x.kdtr")])
     assert r.exit_code == 2
