@@ -30,3 +30,7 @@ from cli.kernels_cmd import kernels_cmd; main.add_command(kernels_cmd)  # noqa: 
 from cli.gen_cmd import gen_cmd; main.add_command(gen_cmd)  # noqa: E402,E702
 from cli.verify_cmd import verify_cmd; main.add_command(verify_cmd)  # noqa: E402,E702
 from cli.distill_cmd import distill_cmd; main.add_command(distill_cmd)  # noqa: E402,E702
+
+
+if __name__ == "__main__":          # python -m cli.main ... (a checkout without the kdtr script installed)
+    main()

@@ -104,7 +104,7 @@ def figures(pgs: list[PromptGoldens], L: int) -> dict:
         "drafter_forwards": sum(pg.ddtree.counters.drafter_forwards for pg in main),
         "forward_ratio": round(ar / dd, 4),
         "mean_tokens_per_round": round(float(np.mean(depths + 1)), 4),
-        "accepted_depth_histogram": np.bincount(depths).tolist(),
+        "accepted_depth_histogram": np.bincount(depths, minlength=L + 1).tolist(),
         "full_depth_rounds": int(np.sum(depths == L)),
         "off_spine_rounds": off_spine,
         "min_margin": float(min(pg.margins.min() for pg in pgs)),
@@ -113,12 +113,14 @@ def figures(pgs: list[PromptGoldens], L: int) -> dict:
     }
     for i, pg in enumerate(pgs):
         if pg.pos0:
-            d = [r.accepted_depth for r in pg.ddtree.rounds]
+            R = pg.ddtree.rounds
+            last = max([len(pg.prompt) + len(pg.tokens) - 2] + [r.start + int(max(r.depths, default=0)) for r in R])
             fig["long_position"] = {"prompt": i, "position_offset": pg.pos0, "prompt_length": len(pg.prompt),
-                                    "tokens": len(pg.tokens), "rounds": len(d),
+                                    "tokens": len(pg.tokens), "rounds": len(R),
                                     "ddtree_target_forwards": pg.ddtree.counters.target_forwards,
-                                    "accepted_depth_histogram": np.bincount(d).tolist(),
-                                    "last_position": int(pg.pos0 + len(pg.prompt) + len(pg.tokens) - 1)}
+                                    "accepted_depth_histogram": np.bincount([r.accepted_depth for r in R],
+                                                                            minlength=L + 1).tolist(),
+                                    "last_position": int(pg.pos0 + last)}           # the largest position run
     return fig
 
 
