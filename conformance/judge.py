@@ -98,13 +98,13 @@ def long_position_checks(f, checks: list[CheckResult]) -> list[CheckResult]:
         name, metrics = f"p{i}/long_position", {"position_offset": pos0, "failed_checks": len(here)}
         if not here:
             out.append(CheckResult(name, "pass", "numeric", metrics, {"exact": True}))
-            continue
+            continue                                     # failing: the kind of its first failure (exit code)
         why = (f"the long-position prompt p{i} (positions {pos0}..) fails {len(here)} check(s), first {here[0].name}, ")
         why += ("and other prompts fail too: look at their first divergence first" if elsewhere else
                 "while every prompt at positions from 0 passes: the engine does not rotate at the positions it is "
                 "given (e.g. it derives them from its cache length, which holds only this prompt's rows) or "
                 "forms RoPE angles in float32 (off by up to ~4e-3 rad at this position)")
-        out.append(CheckResult(name, "fail", "numeric", metrics, {"exact": True}, why))
+        out.append(CheckResult(name, "fail", here[0].kind, metrics, {"exact": True}, why))
     return out
 
 
