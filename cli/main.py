@@ -18,7 +18,8 @@ def main() -> None:
     """kdtr: golden-bundle conformance for Kimi K2.6-class inference engines.
 
     Exit codes: 0 pass, 1 numeric tolerance failure, 2 usage error, 3 token-stream
-    mismatch, 4 DDTree mismatch, 5 invalid or corrupt file, 6 engine error.
+    mismatch, 4 DDTree mismatch, 5 invalid or corrupt file, 6 engine error, 7 coverage
+    below `kdtr verify --require-coverage`.
     """
 
 
@@ -31,6 +32,5 @@ from cli.gen_cmd import gen_cmd; main.add_command(gen_cmd)  # noqa: E402,E702
 from cli.verify_cmd import verify_cmd; main.add_command(verify_cmd)  # noqa: E402,E702
 from cli.distill_cmd import distill_cmd; main.add_command(distill_cmd)  # noqa: E402,E702
 
-
-if __name__ == "__main__":          # python -m cli.main ... (a checkout without the kdtr script installed)
+if __name__ == "__main__":          # python -m cli.main, as the installed `kdtr`
     main()

@@ -11,7 +11,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from conformance.engine_choice import ENGINES, EngineUnavailable, pick_engine
 from conformance.exit_codes import ExitCode
-from conformance.report import PRECEDENCE, print_console, write_html, write_json, write_junit
+from conformance.console import print_console
+from conformance.report import PRECEDENCE, write_html, write_json, write_junit
 from conformance.runner import verify
 from conformance.tolerance import load_rules_file
 
@@ -39,13 +40,20 @@ def _suffixed(path: str | None, bundle: str, many: bool) -> str | None:
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), help="Write a static HTML report here.")
 @click.option("--save-dump", type=click.Path(dir_okay=False),
               help="Also write the engine's outputs as a run dump (the format external engines write).")
+@click.option("--require-coverage", "require_coverage", metavar="full|FRACTION",
+              help="Fail (exit 7) unless every group of checks (prefill, decode, tokens, ddtree) ran at "
+                   "least this fraction of the checks the bundle defines; `full` = 1. Default: skipped "
+                   "taps are allowed, and reported.")
 @click.option("-v", "--verbose", is_flag=True, help="List every check, not only failures.")
-def verify_cmd(bundles, engine_name, dump, rules, json_path, junit_path, html_path, save_dump, verbose):
+def verify_cmd(bundles, engine_name, dump, rules, json_path, junit_path, html_path, save_dump,
+               require_coverage, verbose):
     """Verify an engine against golden BUNDLES: every tap of every layer, the AR token stream and
     the DDTree rounds. Exit 0 pass, 1 numeric, 2 usage, 3 tokens, 4 DDTree, 5 invalid/corrupt bundle or
-    dump, 6 engine error (the most severe wins when several occur).
+    dump, 6 engine error, 7 coverage below --require-coverage (the most severe wins when several occur:
+    5 > 6 > 3 > 4 > 1 > 7).
     """
     console = Console(stderr=True)
+    coverage = _coverage_fraction(require_coverage)
     try:
         overrides = load_rules_file(rules) if rules else ()
     except (OSError, ValueError) as e:
@@ -64,8 +72,9 @@ def verify_cmd(bundles, engine_name, dump, rules, json_path, junit_path, html_pa
             except EngineUnavailable as e:
                 console.print(f"[red]kdtr verify: {escape(str(e))}[/red]", soft_wrap=True)
                 sys.exit(ExitCode.ENGINE_ERROR)
-            console.print(f"engine: [bold]{engine.name}[/bold] ({escape(why)})")
-        cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+            console.print(f"engine: [bold]{escape(engine.name)}[/bold] ({escape(why)})")
+        cols = (TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
+                TimeElapsedColumn())
         with Progress(*cols, console=console, transient=True) as bar:
             task = {}
 
@@ -75,7 +84,7 @@ def verify_cmd(bundles, engine_name, dump, rules, json_path, junit_path, html_pa
                 bar.update(task[stage], completed=done)
 
             v = verify(bundle, engine=engine, dump=dump, overrides=overrides, progress=progress,
-                       save_dump=_suffixed(save_dump, bundle, len(bundles) > 1))
+                       save_dump=_suffixed(save_dump, bundle, len(bundles) > 1), require_coverage=coverage)
         print_console(v, Console(), verbose=verbose)
         many = len(bundles) > 1
         for path, write in ((json_path, write_json), (junit_path, write_junit), (html_path, write_html)):
@@ -92,6 +101,22 @@ def _check_writable(path: str | None, hint: str) -> None:
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
         raise click.BadParameter(f"cannot write {path}: {parent} is not a writable directory", param_hint=hint)
+
+
+def _coverage_fraction(text: str | None) -> float | None:
+    """--require-coverage: `full` = 1.0, or a fraction in [0, 1]."""
+    if text is None:
+        return None
+    if text.strip().lower() == "full":
+        return 1.0
+    try:
+        x = float(text)
+    except ValueError:
+        x = -1.0
+    if not 0.0 <= x <= 1.0:
+        raise click.BadParameter(f"{text!r} is neither `full` nor a fraction between 0 and 1 (e.g. 0.9)",
+                                 param_hint="--require-coverage")
+    return x
 
 
 def _severity(code: ExitCode) -> int:

@@ -11,3 +11,4 @@ class ExitCode(IntEnum):
     DDTREE = 4           # DDTree stream / rounds / forward counts differ
     INVALID_FILE = 5     # not a kdtr file, corrupt, truncated, checksum mismatch
     ENGINE_ERROR = 6     # the engine under test raised or is unavailable
+    COVERAGE = 7         # every check that ran passed, but fewer ran than --require-coverage asks

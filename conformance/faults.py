@@ -20,6 +20,9 @@ local-vs-inherited test sees it.
     decode_attn_scale     layer L's attention output scaled by (1 + eps) in decode steps only (a decode-only
                           kernel bug, e.g. a split-KV merge normalising by a wrong sum; o_proj is linear, so
                           scaling it during decode is the same) -> L{L}/attn_out of the first decode step
+    position_off_by_one   decode step `step` (default 2) runs at position + 1: RoPE of that token and
+                          its cache row rotate by the wrong angle      -> L0/k_pe at that step, cause
+                          "input" (every layer is right on the inputs its taps show)
 
 Legend: H heads, N qk_nope_head_dim, R qk_rope_head_dim, C kv_lora_rank, A = N + R, T tokens, S cache.
 """
@@ -35,8 +38,8 @@ from conformance.records import prompts_of
 from kdtr_format import open_kdtr
 from refmodel.model import yarn_inv_freq
 
-FAULTS = ("scale_tap", "swap_expert", "rope_pairs", "tree_mask_off_by_one", "nibble_order", "rope_f32_angles",
-          "decode_attn_scale")
+FAULTS = ("scale_tap", "swap_expert", "rope_pairs", "tree_mask_off_by_one", "nibble_order",
+          "position_off_by_one", "rope_f32_angles", "decode_attn_scale")
 _NEEDS_LAYER = ("scale_tap", "swap_expert", "decode_attn_scale")
 _EXPERT_MATS = ("gate_proj", "up_proj", "down_proj")
 
@@ -76,7 +79,8 @@ class _MsbFirstReader:
 class FaultyEngine(ReferenceEngine):
     """ReferenceEngine with `fault` (one of FAULTS) planted; `layer` for scale_tap and swap_expert.
     params: eps (scale_tap, default 1e-4), experts=(a, b) (swap_expert; default: picked from the
-    bundle's golden routing so the swap really changes what the golden prompts compute)."""
+    bundle's golden routing so the swap really changes what the golden prompts compute), step
+    (position_off_by_one, default 2: the decode step, counted from the last reset, that is off)."""
 
     supports_teacher_forcing = True
 
@@ -135,13 +139,20 @@ class FaultyEngine(ReferenceEngine):
         a = np.float32(self.cfg.rope_attention_factor)
         return np.cos(angle) * a, np.sin(angle) * a
 
+    def reset(self) -> None:
+        super().reset()
+        self.decode_steps = 0
+
+    def decode(self, token, position):
+        if self.fault == "position_off_by_one" and self.decode_steps == self.params.get("step", 2):
+            position += 1
+        self.decode_steps += 1
+        with self._decode_path():
+            return super().decode(token, position)
+
     def _forward(self, ids, positions, mask=None):
         logits, taps = super()._forward(ids, positions, mask)
         return logits, self._raw_layout(taps)
-
-    def decode(self, token, position):
-        with self._decode_path():
-            return super().decode(token, position)
 
     @contextlib.contextmanager
     def _decode_path(self):

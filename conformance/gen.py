@@ -25,6 +25,7 @@ from conformance.bundle_model import (GenError, GenSettings, Model, apply_quant,
 from conformance.goldens import (AR_TAPS, LONG_NEW_TOKENS, MAX_REDRAWS, PromptGoldens,  # noqa: F401
                                  baseline_errors, check_decisive, check_prompt, decisive_atols,
                                  golden_for_prompt, long_prompt, manifest, random_prompt, run_reference)
+from conformance.profiles import bf16_profile
 from conformance.records import BUNDLE_SCHEMA, offsets, ragged
 from kdtr_format import Tensor, write_kdtr
 from refmodel.config import PRESETS  # noqa: F401 - tests pick the preset config through this module
@@ -163,10 +164,10 @@ def plan_prompts(m: Model, s: GenSettings) -> list[Slot]:
     return slots
 
 
-def decisive_goldens(m: Model, s: GenSettings, slots: list[Slot], progress=None):
+def decisive_goldens(m: Model, W64: dict, s: GenSettings, slots: list[Slot], progress=None):
     """Goldens for every slot; a random prompt that fails check_decisive is redrawn (the tolerances depend
-    on the whole prompt set: judge, redraw, repeat), an explicit one is an error. Returns (goldens, manifest)."""
-    W64 = dequantize_model(m.W)
+    on the whole prompt set: judge, redraw, repeat), an explicit one is an error. W64: the model's weights
+    dequantized to float64. Returns (goldens, manifest)."""
     run = lambda sl, p: golden_for_prompt(m, W64, p, sl.n, s.budget, sl.pos0)  # noqa: E731
     pgs = []
     for i, sl in enumerate(slots):
@@ -194,7 +195,11 @@ def decisive_goldens(m: Model, s: GenSettings, slots: list[Slot], progress=None)
 def generate_bundle(m: Model, s: GenSettings, out: str, progress=None) -> dict:
     """Goldens for every prompt, rejection of undecisive prompts, tolerance manifest, atomic write.
     Returns the summary figures (also stored in the metadata)."""
-    pgs, man = decisive_goldens(m, s, plan_prompts(m, s), progress)
+    W64 = dequantize_model(m.W)
+    pgs, man = decisive_goldens(m, W64, s, plan_prompts(m, s), progress)
+    # Precision profiles beyond fp32 (conformance/profiles.py): same prompts, same rule, other dtypes.
+    man["profiles"] = {"bf16": bf16_profile(m.cfg, W64, [(pg.prompt, pg.tokens, pg.g64, pg.pos0) for pg in pgs],
+                                            quant_of(m))}
     meta = {
         "schema": BUNDLE_SCHEMA,
         "model_config": m.cfg.to_dict(),

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from conformance.coverage import coverage, coverage_text, skipped
 from conformance.metrics import logits_metrics
+from conformance.outputs import InvalidOutputs, tree_offsets, validate_outputs, widened
 from conformance.records import numeric_keys, position_offset, prompts_of
 from conformance.report import CheckResult, Divergence
 from conformance.tolerance import DerivedTolerance, Rule, check_tap, resolve_rule
@@ -39,22 +41,25 @@ def _routing_views(f, g: str, key: str, out: dict, name: str):
     """(golden, actual) for a tap, with topk_ids/topk_weights in canonical per-row order."""
     golden, actual = f[g + key], out.get(name)
     tap = key.rsplit("/", 1)[-1]
-    if tap not in ("topk_ids", "topk_weights") or actual is None or np.shape(actual) != golden.shape:
-        return golden, actual                                            # a wrong shape fails as such
+    if tap not in ("topk_ids", "topk_weights") or actual is None:
+        return golden, actual
     ids_key, ids_name = key[: -len(tap)] + "topk_ids", name[: -len(tap)] + "topk_ids"
-    if ids_name not in out or np.asarray(out[ids_name]).shape != f[g + ids_key].shape:
+    if ids_name not in out:                  # weights without ids: compared in the order reported
         return golden, actual
     gi, gv = canonical_routing(np.asarray(f[g + ids_key]), np.asarray(golden) if tap == "topk_weights" else None)
     ai, av = canonical_routing(np.asarray(out[ids_name]), np.asarray(actual) if tap == "topk_weights" else None)
     return (gi, ai) if tap == "topk_ids" else (gv, av)
 
 
-REQUIRED = ("prefill/logits", "ar/logits")    # an engine may skip taps, never these
-
-
 def judge(f, out: dict, overrides=(), dtype: str = "float32") -> tuple[list[CheckResult], Divergence | None]:
     """All checks for outputs `out` (run-dump names) against the open bundle `f`, and the first
-    divergence in execution order (earliest prompt, then prefill, then the earliest decode step)."""
+    divergence in execution order (earliest prompt, then prefill, then the earliest decode step).
+    Raises InvalidOutputs (every problem, each naming its record) when `out` breaks docs/run-dump.md:
+    every check below may then rely on the required records (conformance/outputs.py, REQUIRED)."""
+    problems = validate_outputs(f, out, dtype)
+    if problems:
+        raise InvalidOutputs(problems)
+    out = widened(out, dtype)
     meta = f.metadata
     cfg = ModelConfig.from_dict(meta["model_config"])
     man = meta["tolerances"]["taps"]
@@ -69,8 +74,6 @@ def judge(f, out: dict, overrides=(), dtype: str = "float32") -> tuple[list[Chec
                 continue
             golden, actual = _routing_views(f, g, key, out, name)
             c, failed = _numeric_check(name, golden, actual, man.get(key), overrides, dtype)
-            if actual is None and key in REQUIRED:
-                c = CheckResult(name, "fail", "numeric", message="the engine did not report it (required)")
             checks.append(c)
             if failed:
                 failed_here.append((_time_key(key, c, order, cfg), c))
@@ -120,14 +123,11 @@ def _time_key(key: str, c: CheckResult, order: int, cfg: ModelConfig) -> tuple:
 
 
 def _numeric_check(name, golden, actual, entry, overrides, dtype) -> tuple[CheckResult, bool]:
-    if actual is None:
+    if actual is None:                       # an optional tap (validation requires the rest)
         return CheckResult(name, "skip", "numeric", message="the engine did not report this tap"), False
     derived = manifest_rule(entry)
     rule = resolve_rule(name, derived, overrides)
-    golden, actual = np.asarray(golden), np.asarray(actual)
-    if golden.shape != actual.shape:
-        return CheckResult(name, "fail", "numeric", tolerance=rule.to_dict(),
-                           message=f"shape {actual.shape} but the golden is {golden.shape}"), True
+    golden, actual = np.asarray(golden), np.asarray(actual)  # shapes equal: validated
     r = check_tap(golden, actual, rule, dtype, derived=derived if isinstance(derived, DerivedTolerance) else None)
     if not r.passed:
         r.metrics["first_bad_row"] = first_bad_row(golden, actual, rule)
@@ -178,38 +178,26 @@ def _divergence(c: CheckResult, P: int) -> Divergence:
 
 def _token_check(f, g: str, i: int, out: dict) -> CheckResult:
     name = f"p{i}/ar/tokens"
-    gold, got = np.asarray(f[g + "ar/tokens"]), out.get(name)
-    if got is None:
-        return CheckResult(name, "fail", "tokens", message="the engine reported no AR tokens (required)")
-    got = np.asarray(got)
-    n = min(len(gold), len(got))
-    bad = np.nonzero(gold[:n] != got[:n])[0]
-    metrics = {"tokens": int(len(gold)), "matching_prefix": int(bad[0]) if bad.size else n}
-    if not bad.size and len(got) == len(gold):
-        return CheckResult(name, "pass", "tokens", metrics, {"exact": True})
+    gold, got = np.asarray(f[g + "ar/tokens"]), np.asarray(out[name])      # both [n]: validated
+    bad = np.nonzero(gold != got)[0]
+    metrics = {"tokens": int(len(gold)), "matching_prefix": int(bad[0]) if bad.size else len(gold)}
     if not bad.size:
-        return CheckResult(name, "fail", "tokens", metrics, {"exact": True},
-                           f"{len(got)} tokens, the golden stream has {len(gold)}")
+        return CheckResult(name, "pass", "tokens", metrics, {"exact": True})
     s = int(bad[0])
     margin = float(f[g + "ar/margins"][s])
-    msg = f"step {s}: golden token {int(gold[s])}, engine {int(got[s])}; golden top-1/top-2 margin {margin:.4g}"
-    logits = out.get(f"p{i}/ar/logits")
-    if logits is not None and len(logits) > s:
-        err = float(np.max(np.abs(np.asarray(logits[s], np.float64) - np.asarray(f[g + "ar/logits"][s]))))
-        metrics.update(step=s, golden_token=int(gold[s]), engine_token=int(got[s]), margin=margin,
-                       logit_error=err)
-        why = ("its logit error exceeds half the margin: a numeric fault big enough to flip a decisive token"
-               if 2 * err >= margin else
-               "its logit error is under half the margin, so noise cannot explain the flip: "
-               "look at argmax / tie-breaking / the token fed back")
-        msg += f", engine logit error there {err:.4g}: {why}"
+    err = float(np.max(np.abs(np.asarray(out[f"p{i}/ar/logits"][s], np.float64) - np.asarray(f[g + "ar/logits"][s]))))
+    metrics.update(step=s, golden_token=int(gold[s]), engine_token=int(got[s]), margin=margin, logit_error=err)
+    why = ("its logit error exceeds half the margin: a numeric fault big enough to flip a decisive token"
+           if 2 * err >= margin else
+           "its logit error is under half the margin, so noise cannot explain the flip: "
+           "look at argmax / tie-breaking / the token fed back")
+    msg = (f"step {s}: golden token {int(gold[s])}, engine {int(got[s])}; golden top-1/top-2 margin "
+           f"{margin:.4g}, engine logit error there {err:.4g}: {why}")
     return CheckResult(name, "fail", "tokens", metrics, {"exact": True}, msg)
 
 
 def _ddtree_checks(f, g: str, i: int, out: dict, overrides=(), dtype="float32", ar_ok=True) -> list[CheckResult]:
     p = f"p{i}/ddtree/"
-    if p + "tokens" not in out:
-        return [CheckResult(p + "tokens", "fail", "ddtree", message="the engine reported no DDTree run (required)")]
     checks = []
     mine, gold = np.asarray(out[p + "tokens"]), np.asarray(f[g + "ddtree/tokens"])
     n = min(len(gold), len(mine))
@@ -220,41 +208,34 @@ def _ddtree_checks(f, g: str, i: int, out: dict, overrides=(), dtype="float32", 
                          f"{len(mine)} tokens, the golden DDTree stream has {len(gold)}")
     checks.append(CheckResult(p + "tokens", "pass" if ok else "fail", "ddtree", {"tokens": int(len(mine))},
                               {"exact": True}, msg))
-    ar = out.get(f"p{i}/ar/tokens")
-    if ar is not None:
-        # The AR tokens are teacher-forced (context = the golden prefix), so DDTree token j is comparable
-        # while the DDTree stream's own prefix [:j] is golden: up to and including its first deviation.
-        ar = np.asarray(ar)
-        k = min(len(ar), len(mine), int(bad[0]) + 1 if bad.size else n)
-        diff = np.nonzero(ar[:k] != mine[:k])[0]
-        msg = "" if not diff.size else (f"token {int(diff[0])}: DDTree emitted {int(mine[diff[0]])} where the "
-                                        f"engine's own AR argmax is {int(ar[diff[0]])}")
-        checks.append(CheckResult(p + "tokens_vs_own_ar", "fail" if diff.size else "pass", "ddtree",
-                                  {"compared": int(k)}, {"exact": True}, msg))
-    checks.append(_rounds_check(f, g, p, out))
+    # The AR tokens are teacher-forced (context = the golden prefix), so DDTree token j is comparable
+    # while the DDTree stream's own prefix [:j] is golden: up to and including its first deviation.
+    ar = np.asarray(out[f"p{i}/ar/tokens"])
+    k = min(len(ar), len(mine), int(bad[0]) + 1 if bad.size else n)
+    diff = np.nonzero(ar[:k] != mine[:k])[0]
+    msg = "" if not diff.size else (f"token {int(diff[0])}: DDTree emitted {int(mine[diff[0]])} where the "
+                                    f"engine's own AR argmax is {int(ar[diff[0]])}")
+    checks.append(CheckResult(p + "tokens_vs_own_ar", "fail" if diff.size else "pass", "ddtree",
+                              {"compared": int(k)}, {"exact": True}, msg))
+    checks.append(_rounds_check(f, g, i, out))
     checks.append(_path_logits_check(f, g, p, out, overrides, dtype, "ddtree" if ar_ok else "numeric"))
-    fw, gfw = out.get(p + "counters"), np.asarray(f[g + "ddtree/counters"])
-    if fw is None:
-        checks.append(CheckResult(p + "target_forwards", "fail", "ddtree", message="no ddtree/counters (required)"))
-    else:
-        ok = int(fw[0]) == int(gfw[0])
-        checks.append(CheckResult(p + "target_forwards", "pass" if ok else "fail", "ddtree",
-                                  {"engine": int(fw[0]), "golden": int(gfw[0])}, {"exact": True},
-                                  "" if ok else f"{int(fw[0])} target forwards, golden {int(gfw[0])}"))
+    fw, gfw = np.asarray(out[p + "counters"]), np.asarray(f[g + "ddtree/counters"])
+    ok = int(fw[0]) == int(gfw[0])
+    checks.append(CheckResult(p + "target_forwards", "pass" if ok else "fail", "ddtree",
+                              {"engine": int(fw[0]), "golden": int(gfw[0])}, {"exact": True},
+                              "" if ok else f"{int(fw[0])} target forwards, golden {int(gfw[0])}"))
     return checks
 
 
 def _path_logits_check(f, g: str, p: str, out: dict, overrides, dtype, kind: str) -> CheckResult:
     """The tree forward's logits on the committed rows, against the golden AR logits with the AR logits
     tolerance. Committed row j sits at position P + j and predicts token j + 1: in exact arithmetic it is
-    AR row j + 1 (spec ddtree.md §4.1). Argmax checks alone would let a tree-only numeric bug smaller
+    AR row j + 1 (docs/run-dump.md §4). Argmax checks alone would let a tree-only numeric bug smaller
     than the token margins pass; this catches it. Compared while the engine's stream is golden. `kind`:
     "ddtree" when the AR logits passed (the tree path alone is off: a DDTree failure), else "numeric"
     (the same drift as the AR path, not a DDTree-specific fault)."""
     name = p + "path_logits"
-    got = out.get(name)
-    if got is None:
-        return CheckResult(name, "fail", kind, message="no ddtree/path_logits (required)")
+    got = out[name]
     gold_ar, mine, gold = f[g + "ar/logits"], np.asarray(out[p + "tokens"]), np.asarray(f[g + "ar/tokens"])
     n = min(len(mine), len(gold))
     bad = np.nonzero(mine[:n] != gold[:n])[0]
@@ -268,23 +249,22 @@ def _path_logits_check(f, g: str, p: str, out: dict, overrides, dtype, kind: str
                        "; ".join(r.failures), r.min_passing)
 
 
-def _rounds_check(f, g: str, p: str, out: dict) -> CheckResult:
-    """Round by round: the accepted node path, the target's argmax on it and the bonus equal the golden
-    ones. Off-path rows are reported, not judged: their argmax changes no output and, unlike every
-    decision on the path (an AR decision, margin-checked by `kdtr gen`), has no margin guarantee."""
+def _rounds_check(f, g: str, i: int, out: dict) -> CheckResult:
+    """Round by round: the verified tree (an engine with its own drafter), the accepted node path, the
+    target's argmax on it and the bonus equal the golden ones, and the engine ran as many rounds. Off-path
+    rows are counted, not judged: their argmax changes no output and, unlike every decision on the path
+    (an AR decision, margin-checked by `kdtr gen`), has no margin guarantee."""
+    p = f"p{i}/ddtree/"
     go, ga = np.asarray(f[g + "ddtree/tree_offsets"]), np.asarray(f[g + "ddtree/accepted_offsets"])
-    eo = out.get(p + "accepted_offsets")
-    if eo is None:
-        return CheckResult(p + "rounds", "fail", "ddtree", message="the engine reported no per-round records")
-    eo, R, off_path = np.asarray(eo), len(go) - 1, 0
+    eo = np.asarray(out[p + "accepted_offsets"])
+    R, Re, off_path = len(go) - 1, len(eo) - 1, 0
+    et = tree_offsets(f, g, out, f"p{i}/", Re)                          # the trees the engine verified
     fail = lambda r, msg: CheckResult(p + "rounds", "fail", "ddtree", {"rounds": R, "matching": r},  # noqa: E731
                                       {"exact": True}, f"round {r}: {msg}")
-    for r in range(R):
-        if r + 1 >= len(eo):
-            return fail(r, f"the engine ran {len(eo) - 1} rounds, the golden run {R}")
+    for r in range(min(R, Re)):
         for key in ("tree_tokens", "tree_parents"):                      # an engine with its own drafter
-            if p + key in out and len(out[p + key]) >= go[r + 1]:
-                tg, te = np.asarray(f[g + "ddtree/" + key][go[r]:go[r + 1]]), np.asarray(out[p + key])[go[r]:go[r + 1]]
+            if p + key in out:
+                tg, te = np.asarray(f[g + "ddtree/" + key][go[r]:go[r + 1]]), np.asarray(out[p + key])[et[r]:et[r + 1]]
                 if not np.array_equal(tg, te):
                     return fail(r, f"{key} {te.tolist()} but golden {tg.tolist()} (the drafter proposed another tree)")
         acc_g = np.asarray(f[g + "ddtree/accepted"][ga[r]:ga[r + 1]])
@@ -292,13 +272,31 @@ def _rounds_check(f, g: str, p: str, out: dict) -> CheckResult:
         if not np.array_equal(acc_g, acc_e):
             return fail(r, f"accepted rows {acc_e.tolist()} but golden {acc_g.tolist()}")
         post_g = np.asarray(f[g + "ddtree/verify_argmax"][go[r]:go[r + 1]])
-        post_e = np.asarray(out.get(p + "verify_argmax", np.zeros(0)))[go[r]:go[r + 1]]
-        if len(post_e) == len(post_g):
-            if not np.array_equal(post_g[acc_g], post_e[acc_g]):
-                return fail(r, f"target argmax on the accepted path {post_e[acc_g].tolist()} but golden "
-                               f"{post_g[acc_g].tolist()}")
-            off_path += int(np.count_nonzero(post_g != post_e))
+        post_e = np.asarray(out[p + "verify_argmax"])[et[r]:et[r + 1]]   # same tree, so same rows
+        if not np.array_equal(post_g[acc_g], post_e[acc_g]):
+            return fail(r, f"target argmax on the accepted path {post_e[acc_g].tolist()} but golden "
+                           f"{post_g[acc_g].tolist()}")
+        off_path += int(np.count_nonzero(post_g != post_e))
         if int(out[p + "round_bonus"][r]) != int(f[g + "ddtree/round_bonus"][r]):
             return fail(r, f"bonus {int(out[p + 'round_bonus'][r])}, golden {int(f[g + 'ddtree/round_bonus'][r])}")
+    if Re != R:
+        return fail(min(R, Re), f"the engine ran {Re} rounds, the golden run {R}")
     return CheckResult(p + "rounds", "pass", "ddtree", {"rounds": R, "off_path_argmax_differences": off_path},
                        {"exact": True})
+
+
+def coverage_check(checks: list[CheckResult], required: float) -> CheckResult:
+    """Passes when every group ran at least `required` (0..1) of the checks it defines."""
+    cov = coverage(checks)
+    short = [g for g, d in cov.items() if g != "total" and d["run"] / d["defined"] < required - 1e-12]
+    metrics = {g: f"{d['run']}/{d['defined']}" for g, d in cov.items()}
+    tol = {"required": required}
+    if not cov:
+        return CheckResult("coverage", "fail", "coverage", metrics, tol, "no checks ran")
+    if not short:
+        return CheckResult("coverage", "pass", "coverage", metrics, tol)
+    names = skipped(checks)
+    want = "full" if required >= 1 else f"{required:g}"
+    msg = (f"coverage {coverage_text(cov)} is below the required {want} in {', '.join(short)}; "
+           f"{len(names)} skipped, first: {', '.join(names[:3])} (the engine did not report these taps)")
+    return CheckResult("coverage", "fail", "coverage", metrics, tol, msg)

@@ -4,9 +4,11 @@ Taps are returned as a dict keyed by the names of docs/architecture.md, per call
 "L{l}/{tap}" for every layer l and tap (attn_in, q, kv_latent, k_pe, attn_out, resid_attn, mlp_in,
 router_scores, topk_ids, topk_weights, mlp_out, resid_out; the three routing taps on MoE layers
 only), plus "final_hidden" and "logits". Each value is [T, ...] for the T tokens of that call, as
-NumPy arrays (float32, or bfloat16 as uint16 bit patterns; topk_ids as integers). An engine may
-return a subset (the runner skips, and reports as skipped, the taps it lacks) but never a tap
-under another name. An engine that raises makes the run an engine error (ExitCode.ENGINE_ERROR).
+NumPy arrays in the compute dtype (float32; bfloat16 as uint16 bit patterns; float16), topk_ids
+int64: outputs of another dtype or shape are an engine error (conformance/outputs.py). An engine may
+return a subset (the runner reports the taps it lacks as skipped, and counts them in the coverage)
+but never a tap under another name. An engine that raises makes the run an engine error
+(ExitCode.ENGINE_ERROR).
 
 Legend: T tokens, V vocab, S cache length.
 """

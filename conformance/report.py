@@ -1,9 +1,10 @@
-"""Verdicts and their reports: data classes, the exit code, and four writers (console, JSON, JUnit
-XML, one self-contained HTML file with inline SVG plots). Every file write is atomic.
+"""Verdicts and their reports: data classes, the exit code, and three file writers (JSON, JUnit XML, one
+self-contained HTML file with inline SVG plots; the console view is conformance/console.py). Every file
+write is atomic.
 
 Exit-code precedence when checks of several kinds fail (docs/conformance.md says why):
 
-    integrity (5) > engine error (6) > tokens (3) > ddtree (4) > numeric (1)
+    integrity (5) > engine error (6) > tokens (3) > ddtree (4) > numeric (1) > coverage (7)
 
 A check with status "error" counts as an engine error, except for kind "integrity" (the bundle).
 """
@@ -20,19 +21,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
-from rich.console import Console
-from rich.panel import Panel
-from rich.table import Table
 
+from conformance.coverage import coverage, coverage_text
 from conformance.exit_codes import ExitCode
 
 STATUSES = ("pass", "fail", "error", "skip")
-KINDS = ("integrity", "numeric", "tokens", "ddtree")
+KINDS = ("integrity", "numeric", "tokens", "ddtree", "coverage")
 # Most severe first; the exit code is the first class present among the failures.
 PRECEDENCE = (ExitCode.INVALID_FILE, ExitCode.ENGINE_ERROR, ExitCode.TOKENS, ExitCode.DDTREE,
-              ExitCode.NUMERIC)
+              ExitCode.NUMERIC, ExitCode.COVERAGE)
 _FAIL_CODE = {"integrity": ExitCode.INVALID_FILE, "numeric": ExitCode.NUMERIC,
-              "tokens": ExitCode.TOKENS, "ddtree": ExitCode.DDTREE}
+              "tokens": ExitCode.TOKENS, "ddtree": ExitCode.DDTREE, "coverage": ExitCode.COVERAGE}
 SCHEMA = "kdtr-verify/1"
 
 
@@ -60,9 +59,12 @@ class Divergence:
     """The first tap over tolerance in execution order. `local_error` is the tap's error when the
     layer ran on golden inputs (teacher forcing), `inherited_error` its error in the full run, on the
     engine's own inputs (what earlier layers passed on plus the local part); both None when the engine
-    cannot run a layer alone. `cause`: "local" (over tolerance on golden inputs too), "inherited"
-    (within tolerance there: sub-tolerance errors of earlier layers added up) or None. The local check
-    uses the same end-to-end tolerance, so a local fault smaller than it is labelled inherited."""
+    cannot run a layer alone. `cause` (conformance/localize.py): "local" (over tolerance on golden
+    inputs too), "inherited" (within tolerance there, over it on the engine's own reported inputs:
+    sub-tolerance errors of earlier layers added up), "input" (within tolerance on both: what differs is
+    an input no tap shows, such as positions, the cache rows read or the embedding), or None; `evidence`
+    says what the cause rests on. The local check uses the same end-to-end tolerance, so a local fault
+    smaller than it is not labelled local."""
     name: str                                # the check name, e.g. golden/p0/prefill/L3/q
     layer: int | None
     tap: str
@@ -75,6 +77,7 @@ class Divergence:
     local_error: dict | None = None
     inherited_error: dict | None = None
     cause: str | None = None
+    evidence: dict | None = None
 
 
 @dataclass
@@ -86,6 +89,7 @@ class Verdict:
     exit_code: ExitCode
     verdict: str                             # "pass", "fail" (a check failed) or "error"
     info: dict = field(default_factory=dict)  # free-form: engine dtype, timings, bundle sha256
+    coverage: dict = field(default_factory=dict)  # conformance/coverage.py: per group {run, defined}
 
 
 def exit_code_for(checks: list[CheckResult]) -> ExitCode:
@@ -104,7 +108,8 @@ def make_verdict(engine: str, bundle: str, checks: list[CheckResult],
     code = exit_code_for(checks)
     word = ("pass" if code == ExitCode.OK else
             "error" if code in (ExitCode.INVALID_FILE, ExitCode.ENGINE_ERROR) else "fail")
-    return Verdict(engine, bundle, list(checks), first_divergence, code, word, dict(info or {}))
+    return Verdict(engine, bundle, list(checks), first_divergence, code, word, dict(info or {}),
+                   coverage(checks))
 
 
 def counts(checks: list[CheckResult]) -> dict[str, int]:
@@ -135,7 +140,7 @@ def verdict_dict(v: Verdict) -> dict:
     return _jsonable({
         "schema": SCHEMA, "verdict": v.verdict, "exit_code": int(v.exit_code),
         "exit_name": v.exit_code.name, "engine": v.engine, "bundle": v.bundle,
-        "counts": counts(v.checks), "info": v.info,
+        "counts": counts(v.checks), "coverage": v.coverage, "info": v.info,
         "first_divergence": asdict(v.first_divergence) if v.first_divergence else None,
         "checks": [asdict(c) for c in v.checks],
     })
@@ -165,7 +170,7 @@ def write_json(v: Verdict, path: str | Path) -> None:
 # JUnit XML
 # ---------------------------------------------------------------------------------------------
 
-def _fmt(x) -> str:
+def fmt_value(x) -> str:
     if isinstance(x, float):
         return f"{x:.4g}"
     return str(x)
@@ -176,7 +181,7 @@ def _detail(c: CheckResult) -> str:
     for label, d in (("metrics", c.metrics), ("tolerance", c.tolerance), ("min passing", c.min_passing)):
         if d:
             flat = {k: v for k, v in d.items() if not isinstance(v, (dict, list))}
-            lines.append(f"{label}: " + ", ".join(f"{k}={_fmt(v)}" for k, v in flat.items()))
+            lines.append(f"{label}: " + ", ".join(f"{k}={fmt_value(v)}" for k, v in flat.items()))
     return "\n".join(lines)
 
 
@@ -191,7 +196,7 @@ def write_junit(v: Verdict, path: str | Path) -> None:
                           skipped=str(n["skip"]))
     props = ET.SubElement(suite, "properties")
     for k, val in (("verdict", v.verdict), ("exit_code", int(v.exit_code)), ("engine", v.engine),
-                   ("bundle", v.bundle)):
+                   ("bundle", v.bundle), ("coverage", coverage_text(v.coverage))):
         ET.SubElement(props, "property", name=k, value=str(val))
     for c in v.checks:
         case = ET.SubElement(suite, "testcase", classname=f"kdtr.{c.kind}", name=c.name)
@@ -310,13 +315,13 @@ _SUMMARY_KEYS = {
 }
 
 
-def _metric_summary(d: dict | None, role: str = "metrics") -> str:
+def metric_summary(d: dict | None, role: str = "metrics") -> str:
     """The few numbers worth a table cell; dicts without the usual keys show their first scalars."""
     if not d:
         return ""
     keys = [k for k in _SUMMARY_KEYS[role] if d.get(k) is not None]
     keys = keys or [k for k, v in d.items() if not isinstance(v, (dict, list))][:6]
-    return ", ".join(f"{k}={_fmt(d[k])}" for k in keys)
+    return ", ".join(f"{k}={fmt_value(d[k])}" for k in keys)
 
 
 def write_html(v: Verdict, path: str | Path) -> None:
@@ -329,10 +334,11 @@ def write_html(v: Verdict, path: str | Path) -> None:
            f"<h1>kdtr verify: <span class='{e(v.verdict)}'>{e(v.verdict.upper())}</span></h1>",
            f"<p>engine <code>{e(v.engine)}</code>, bundle <code>{e(v.bundle)}</code>, exit code "
            f"{int(v.exit_code)} ({e(v.exit_code.name)}); {n['pass']} passed, {n['fail']} failed, "
-           f"{n['error']} errors, {n['skip']} skipped.</p>"]
+           f"{n['error']} errors, {n['skip']} skipped.</p>",
+           f"<p>coverage (checks run / checks the bundle defines): {e(coverage_text(v.coverage))}</p>"]
     d = v.first_divergence
     if d:
-        rows = "".join(f"<tr><th>{e(k)}</th><td>{e(_fmt(val))}</td></tr>"
+        rows = "".join(f"<tr><th>{e(k)}</th><td>{e(fmt_value(val))}</td></tr>"
                        for k, val in asdict(d).items() if val is not None)
         out.append(f"<div class='panel'><h2>First divergence: {e(d.name)}</h2><table>{rows}</table></div>")
     series = layer_series(v.checks)
@@ -347,54 +353,9 @@ def write_html(v: Verdict, path: str | Path) -> None:
                "<th>metrics</th><th>tolerance</th><th>min passing</th><th>message</th></tr>")
     for c in sorted(v.checks, key=lambda c: order[c.status]):
         out.append(f"<tr><td><code>{e(c.name)}</code></td><td>{e(c.kind)}</td>"
-                   f"<td class='{c.status}'>{c.status}</td><td>{e(_metric_summary(c.metrics))}</td>"
-                   f"<td>{e(_metric_summary(c.tolerance, 'tolerance'))}</td>"
-                   f"<td>{e(_metric_summary(c.min_passing, 'min_passing'))}"
+                   f"<td class='{c.status}'>{c.status}</td><td>{e(metric_summary(c.metrics))}</td>"
+                   f"<td>{e(metric_summary(c.tolerance, 'tolerance'))}</td>"
+                   f"<td>{e(metric_summary(c.min_passing, 'min_passing'))}"
                    f"</td><td>{e(c.message)}</td></tr>")
     out.append("</table></body></html>\n")
     _atomic_write(path, "\n".join(out))
-
-
-# ---------------------------------------------------------------------------------------------
-# Console
-# ---------------------------------------------------------------------------------------------
-
-_STYLE = {"pass": "green", "fail": "bold red", "error": "bold red", "skip": "dim"}
-
-
-def print_console(v: Verdict, console: Console | None = None, verbose: bool = False) -> None:
-    """A table per check kind (failures and errors always; passing rows only with `verbose`, else
-    counted in the caption), the first-divergence panel, then the verdict line."""
-    console = console or Console()
-    for kind in KINDS:
-        checks = [c for c in v.checks if c.kind == kind]
-        if not checks:
-            continue
-        shown = [c for c in checks if verbose or c.status in ("fail", "error")]
-        n = counts(checks)
-        tally = f"{n['pass']} passed, {n['fail']} failed, {n['error']} errors, {n['skip']} skipped"
-        if not shown:
-            console.print(f"[bold]{kind} checks[/]: {tally}")
-            continue
-        t = Table(title=f"{kind} checks", caption=tally, title_justify="left")
-        for col in ("check", "status", "metrics", "tolerance", "min passing / message"):
-            t.add_column(col, overflow="fold")
-        for c in shown:
-            last = (f"would pass at {_metric_summary(c.min_passing, 'min_passing')}"
-                    if c.min_passing else c.message)
-            t.add_row(c.name, f"[{_STYLE[c.status]}]{c.status}[/]", _metric_summary(c.metrics),
-                      _metric_summary(c.tolerance, "tolerance"), last)
-        console.print(t)
-    d = v.first_divergence
-    if d:
-        lines = [f"[bold]{d.name}[/]  layer {d.layer}, tap {d.tap}, {d.phase}"
-                 + (f" step {d.step}" if d.step is not None else "")
-                 + (f", token position {d.token_position}" if d.token_position is not None else ""),
-                 f"worst element {d.worst_index}: golden {_fmt(d.golden)}, actual {_fmt(d.actual)}"]
-        if d.local_error is not None or d.inherited_error is not None:
-            lines.append(f"local error: {_metric_summary(d.local_error)}; inherited error: "
-                         f"{_metric_summary(d.inherited_error)}; cause: {d.cause}")
-        console.print(Panel("\n".join(lines), title="first divergence", border_style="red"))
-    style = "bold green" if v.exit_code == ExitCode.OK else "bold red"
-    console.print(f"[{style}]{v.verdict.upper()}[/] {v.engine} on {v.bundle}: exit code "
-                  f"{int(v.exit_code)} ({v.exit_code.name})")

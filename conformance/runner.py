@@ -14,18 +14,22 @@ import os
 import time
 
 from conformance.collect import collect
-from conformance.judge import judge
+from conformance.judge import coverage_check, judge
 from conformance.localize import localize
-from conformance.records import check_schema, prompts_of, read_dump, validate_outputs, write_dump
+from conformance.outputs import InvalidOutputs
+from conformance.protocol import check_engine
+from conformance.records import check_schema, prompts_of, read_dump, write_dump
 from conformance.report import CheckResult, make_verdict
 from kdtr_format import KdtrError, open_kdtr
 
 
 def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), progress=None,
-           save_dump: str | None = None):
-    """Judge `engine` (live) or `dump` (a run dump) against `bundle`; returns a report.Verdict."""
+           save_dump: str | None = None, require_coverage: float | None = None):
+    """Judge `engine` (live) or `dump` (a run dump) against `bundle`; returns a report.Verdict.
+    `require_coverage` (0..1): add a coverage check that fails (exit 7) when a group of checks ran
+    less than that fraction of the checks the bundle defines (conformance/coverage.py)."""
     t0 = time.perf_counter()
-    name = "dump" if dump else getattr(engine, "name", "engine")
+    name = "dump" if dump else str(getattr(engine, "name", "engine"))
     try:
         f = open_kdtr(bundle, verify=True)
         check_schema(f, bundle)
@@ -34,6 +38,11 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
     with f:
         checks = [CheckResult("bundle/integrity", "pass", "integrity",
                               {"tensors": len(f.names), "checksums": "verified"})]
+        lacks = check_engine(engine) if dump is None else []
+        if lacks:                                                        # before step 37, not during it
+            checks.append(CheckResult("engine/run", "error", "numeric",
+                                      message=f"not an engine (conformance/protocol.py): {'; '.join(lacks)}"))
+            return make_verdict(name, bundle, checks)
         dtype = "float32"
         try:
             out, dtype = _outputs(f, engine, dump, progress)
@@ -44,23 +53,23 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
             checks.append(CheckResult("engine/run", "error", "numeric",
                                       message=f"{type(e).__name__}: {e}"))
             return make_verdict(name, bundle, checks)
-        problems = validate_outputs(f, out)
-        if problems:                                                     # a bad dump is a bad file (5);
+        t1 = time.perf_counter()
+        try:
+            judged, first = judge(f, out, overrides, dtype)
+        except InvalidOutputs as e:                                      # a bad dump is a bad file (5);
             kind, label = ("integrity", "dump/structure") if dump else ("numeric", "engine/outputs")  # a bad engine, 6
-            checks.append(CheckResult(label, "error", kind, {"problems": problems},
-                                      message=f"{len(problems)} problem(s), first: {problems[0]} (docs/run-dump.md)"))
+            checks.append(CheckResult(label, "error", kind, {"problems": e.problems}, message=str(e)))
             return make_verdict(name, bundle, checks)
         if save_dump and dump is None:
-            info = engine.dump_metadata() if callable(getattr(engine, "dump_metadata", None)) else None
-            write_dump(out, save_dump, name, dtype, f.metadata.get("provenance", {}).get("command", ""), info)
-        t1 = time.perf_counter()
-        judged, first = judge(f, out, overrides, dtype)
+            own = engine.dump_metadata() if callable(getattr(engine, "dump_metadata", None)) else None
+            write_dump(out, save_dump, name, dtype, f.metadata.get("provenance", {}).get("command", ""), own)
         if first is not None and engine is not None and dump is None:
             try:
-                full = next(c.metrics for c in judged if c.name == first.name)
-                first = localize(engine, f, first, overrides, dtype, full)
+                first = localize(engine, f, first, judged, out, overrides, dtype)
             except Exception as e:  # noqa: BLE001 - localisation is best effort; the verdict stands
                 first.cause = f"not localised: run_layer raised {type(e).__name__}: {e}"
+        if require_coverage is not None:
+            judged.append(coverage_check(judged, require_coverage))
         info = {"dtype": dtype, "engine_seconds": round(t1 - t0, 3),
                 "judge_seconds": round(time.perf_counter() - t1, 3), "prompts": len(prompts_of(f)),
                 "bundle_figures": f.metadata.get("figures", {})}

@@ -69,7 +69,7 @@ def parse_ptxas(text: str, arch: str, file: str, threads: dict[str, int]) -> lis
 def launch_bounds(source: str, constants: dict[str, int]) -> dict[str, int]:
     """kernel name -> its __launch_bounds__ thread count (constants: #defines it may use)."""
     out = {}
-    for m in re.finditer(r"__launch_bounds__\((\w+)\)\s*\n?\s*(\w+)\s*\(", source):
+    for m in re.finditer(r"__launch_bounds__\((\w+)(?:,\s*\w+)?\)\s*\n?\s*(\w+)\s*\(", source):
         arg = m[1]
         out[m[2]] = int(arg) if arg.isdigit() else constants[arg]
     return out

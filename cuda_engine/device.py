@@ -47,6 +47,12 @@ def driver():
     return drv
 
 
+def driver_device():
+    """The pycuda Device in use."""
+    driver()
+    return _STATE["dev"]
+
+
 def device_info() -> dict:
     """Name, compute capability, driver version and memory of the device in use."""
     drv = driver()

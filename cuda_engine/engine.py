@@ -19,18 +19,22 @@ import numpy as np
 
 from cuda_engine.build import engine_source_hash
 from cuda_engine.device import CudaEngineError, DevBuf, device_info, driver
-from cuda_engine.ops import ATTN_MAX_QK, MOE_MAX_SLOTS, ROUTER_MAX_E, ROUTER_MAX_GROUPS, Ops
+from cuda_engine.ops import ATTN_MAX_C, ATTN_MAX_N, ATTN_MAX_Q, ATTN_MAX_R, ATTN_MAX_SPLIT, MOE_MAX_SLOTS, ROUTER_MAX_E, ROUTER_MAX_GROUPS, Ops
 from cuda_engine.weights import layer_arrays, load_weights
 from refmodel.config import ModelConfig
 from refmodel.model import tap_names, yarn_inv_freq
 
 T_CAP0, S_CAP0 = 64, 512            # first capacities (tokens per forward, cache rows); both grow x2
+W4A16_MODES = ("plain", "dense")
 
 
 def check_config(cfg: ModelConfig) -> None:
     """CudaEngineError naming the field and the limit when the kernels cannot run this config."""
     limits = [
-        ("kv_lora_rank + qk_rope_head_dim", cfg.kv_lora_rank + cfg.qk_rope_head_dim, ATTN_MAX_QK),
+        ("kv_lora_rank", cfg.kv_lora_rank, ATTN_MAX_C),
+        ("qk_rope_head_dim", cfg.qk_rope_head_dim, ATTN_MAX_R),
+        ("qk_nope_head_dim", cfg.qk_nope_head_dim, ATTN_MAX_N),
+        ("q_lora_rank", cfg.q_lora_rank, ATTN_MAX_Q),
         ("n_routed_experts", cfg.n_routed_experts, ROUTER_MAX_E),
         ("n_group", cfg.n_group, ROUTER_MAX_GROUPS),
         ("num_experts_per_tok + n_shared_experts", cfg.num_experts_per_tok + cfg.n_shared_experts, MOE_MAX_SLOTS),
@@ -48,8 +52,12 @@ class CudaEngine:
     dtype = "float32"
     supports_teacher_forcing = True
 
-    def __init__(self, use_graph: bool = True):
+    def __init__(self, use_graph: bool = True, w4a16: str | None = None):
         self.use_graph = use_graph and os.environ.get("KDTR_CUDA_GRAPH", "1") != "0"
+        # INT4 experts: "plain" = the packed weights on the device (w4a16_plain.cu), "dense" = dequantized at load
+        self.w4a16 = w4a16 or os.environ.get("KDTR_W4A16", "plain")
+        if self.w4a16 not in W4A16_MODES:
+            raise CudaEngineError(f"w4a16 mode {self.w4a16!r}: choose one of {', '.join(W4A16_MODES)} (KDTR_W4A16)")
         self.ops: Ops | None = None
         self.cfg: ModelConfig | None = None
         self.graph = None
@@ -57,13 +65,20 @@ class CudaEngine:
 
     # ------------------------------------------------------------ load and buffers
     def load(self, bundle) -> None:
-        cfg, W = load_weights(bundle)
+        cfg, W = load_weights(bundle, keep_int4=self.w4a16 == "plain")
         check_config(cfg)
         driver()
         self.ops = self.ops or Ops()
         self.cfg = cfg
-        self.layers = [{k: DevBuf.from_array(v) for k, v in layer_arrays(cfg, W, l).items()}
-                       for l in range(cfg.num_hidden_layers)]
+        self.layers, self.n_int4 = [], []
+        for l in range(cfg.num_hidden_layers):
+            arrays, n_int4 = layer_arrays(cfg, W, l)
+            moe = l >= cfg.first_k_dense_replace
+            if n_int4 not in ((0, cfg.n_routed_experts, cfg.n_routed_experts + cfg.n_shared_experts) if moe else (0, 1)):
+                raise CudaEngineError(f"layer {l}: {n_int4} INT4 expert modules; the engine runs INT4 for all routed "
+                                      f"experts (and optionally the shared expert) or none")
+            self.layers.append({k: DevBuf.from_array(v) for k, v in arrays.items()})
+            self.n_int4.append(n_int4)
         self.embed = DevBuf.from_array(W["model.embed_tokens.weight"])
         self.norm = DevBuf.from_array(W["model.norm.weight"])
         self.lm_head = self.embed if cfg.tie_word_embeddings else DevBuf.from_array(W["lm_head.weight"])
@@ -81,18 +96,19 @@ class CudaEngine:
         E, S = c.n_routed_experts, c.num_experts_per_tok + c.n_shared_experts
         I = max(c.intermediate_size, c.moe_intermediate_size)
         f, i = np.float32, np.int32
-        per_layer = {"attn_in": D, "q": H * A, "kv": C + R, "kv_latent": C, "attn_out": D, "resid_attn": D,
+        per_layer = {"attn_in": D, "q": H * A, "qkv_a": c.q_lora_rank + C + R, "kv_latent": C, "attn_out": D, "resid_attn": D,
                      "mlp_in": D, "router_scores": E, "slot_w": S, "mlp_out": D, "resid_out": D}
         self.buf = {k: DevBuf((L, T_cap, w), f) for k, w in per_layer.items()}
         self.buf["slot_ids"] = DevBuf((L, T_cap, S), i)
         self.layer_keys = list(per_layer) + ["slot_ids"]             # the [L, T_cap, width] tap buffers
-        for k, shape, dt in (("x0", (T_cap, D), f), ("cq", (T_cap, c.q_lora_rank), f), ("q_lat", (T_cap, H, C), f),
-                             ("o_lat", (T_cap, H, C), f), ("o", (T_cap, H * U), f), ("router_logits", (T_cap, E), f),
+        for k, shape, dt in (("x0", (T_cap, D), f), ("cq", (T_cap, c.q_lora_rank), f),
+                             ("o", (T_cap, H * U), f),
                              ("act", (T_cap * S, I), f), ("y_slots", (T_cap * S, D), f), ("final", (T_cap, D), f),
                              ("logits", (T_cap, c.vocab_size), f), ("ids", (T_cap,), i), ("positions", (T_cap,), i),
                              ("argmax", (T_cap,), i), ("keep", (T_cap,), i), ("mask", (T_cap, S_cap), f),
-                             ("scores", (T_cap * H, S_cap), f)):
+                             ("scores", (T_cap * H, S_cap), f), ("partials", (T_cap * H * ATTN_MAX_SPLIT, C + 2), f)):
             self.buf[k] = DevBuf(shape, dt)
+        self.buf["tickets"] = DevBuf.from_array(np.zeros(T_cap * H, i))   # attention's split merge: zero between launches
         self.buf["dense_slots"] = DevBuf.from_array(np.zeros(T_cap, i))
         self.T_cap = T_cap
         self._drop_graph()
@@ -229,8 +245,7 @@ class CudaEngine:
     def _launch_forward(self, T: int, masked: bool, argmax_out) -> None:
         c, o, b = self.cfg, self.ops, self.buf
         D, L = c.hidden_size, c.num_hidden_layers
-        o.embedding(b["ids"], self.embed, b["x0"], T)
-        o.rms_norm(b["x0"], D, self.layers[0]["input_ln"], b["attn_in"].view(0), D, D, T, c.rms_norm_eps)
+        o.embedding(b["ids"], self.embed, b["x0"], T, self.layers[0]["input_ln"], b["attn_in"].view(0), c.rms_norm_eps)
         for l in range(L):
             h_in = b["x0"] if l == 0 else b["resid_out"].view(l - 1)
             self._layer(l, T, h_in, self.cache["ckv"].view(l), self.cache["kpe"].view(l), masked)
@@ -242,23 +257,15 @@ class CudaEngine:
         c, o, b, w = self.cfg, self.ops, self.buf, self.layers[l]
         D, H, A, N, R, C, Q, U = (c.hidden_size, c.num_attention_heads, c.qk_head_dim, c.qk_nope_head_dim,
                                   c.qk_rope_head_dim, c.kv_lora_rank, c.q_lora_rank, c.v_head_dim)
-        x, q, kv, lat = b["attn_in"].view(l), b["q"].view(l), b["kv"].view(l), b["kv_latent"].view(l)
-        # attention: queries, latent KV, rope, cache append
-        o.linear(x, w["q_a"], b["cq"], T, D, Q)                                       # [T, D] -> [T, Q]
-        o.rms_norm(b["cq"], Q, w["q_a_ln"], b["cq"], Q, Q, T, c.latent_norm_eps)
-        o.linear(b["cq"], w["q_b"], q, T, Q, H * A)                                   # [T, Q] -> [T, H, A]
-        o.rope(q, T, H * A, A, N, H, R, b["positions"], self.inv_freq, c.rope_attention_factor)
-        o.linear(x, w["kv_a"], kv, T, D, C + R)                                       # [T, D] -> [T, C + R]
-        o.rms_norm(kv, C + R, w["kv_a_ln"], lat, C, C, T, c.latent_norm_eps)          # c_kv, k_pe never normed
-        o.rope(kv, T, C + R, 0, C, 1, R, b["positions"], self.inv_freq, c.rope_attention_factor)
-        o.kv_append(lat, kv, ckv, kpe, self.meta, T, C, R)
-        # absorbed MLA: q_lat = q_nope W_uk, attention over the latent cache, o = o_lat W_uv^T
-        o.linear(q, w["w_ukT"], b["q_lat"], T, N, C, x_stride=H * A, y_stride=H * C,  # [T, H, N] -> [T, H, C]
-                 B=H, x_bstride=A, w_bstride=C * N, y_bstride=C)
-        o.mla_attention(b["q_lat"], q, ckv, kpe, self.meta, b["mask"] if masked else None, self.S_cap,
-                        b["scores"], self.S_cap, b["o_lat"], T, H, C, R, A, N, c.softmax_scale)
-        o.linear(b["o_lat"], w["w_uv"], b["o"], T, C, U, x_stride=H * C, y_stride=H * U,  # [T, H, C] -> [T, H, U]
-                 B=H, x_bstride=C, w_bstride=U * C, y_bstride=U)
+        x, q, qkv, lat = b["attn_in"].view(l), b["q"].view(l), b["qkv_a"].view(l), b["kv_latent"].view(l)
+        # attention: the fused q_a/kv_a GEMV, both latent norms + k rope + cache append, queries
+        o.linear(x, w["qkv_a"], qkv, T, D, Q + C + R)                                 # [T, D] -> [T, Q + C + R]
+        o.mla_latent(qkv, T, Q, C, R, w["q_a_ln"], w["kv_a_ln"], c.latent_norm_eps, b["cq"], lat, ckv, kpe,
+                     self.meta, b["positions"], self.inv_freq, c.rope_attention_factor)
+        # absorbed MLA over the latent cache (q_b_proj, q rope, W_uk and W_uv inside), then o_proj
+        o.mla_attention(b["cq"], w["q_b"], q, b["positions"], self.inv_freq, c.rope_attention_factor, w["w_uk"],
+                        w["w_uv"], ckv, kpe, self.meta, b["mask"] if masked else None, self.S_cap, b["scores"],
+                        self.S_cap, b["partials"], b["tickets"], b["o"], T, R, c.softmax_scale)                    # [T, Q] -> [T, H, U]
         o.linear(b["o"], w["o_proj"], b["attn_out"].view(l), T, H * U, D)             # [T, H U] -> [T, D]
         o.add_rms_norm(h_in, b["attn_out"].view(l), b["resid_attn"].view(l), w["post_ln"], b["mlp_in"].view(l),
                        T, c.rms_norm_eps)
@@ -266,20 +273,26 @@ class CudaEngine:
         xm = b["mlp_in"].view(l)
         if l >= c.first_k_dense_replace:
             K, S = c.num_experts_per_tok, c.num_experts_per_tok + c.n_shared_experts
-            o.linear(xm, w["gate"], b["router_logits"], T, D, c.n_routed_experts)     # [T, D] -> [T, E]
-            o.router(b["router_logits"], w["bias"], b["router_scores"].view(l), b["slot_ids"].view(l),
+            o.router(xm, w["gate"], w["bias"], b["router_scores"].view(l), b["slot_ids"].view(l),       # [T, D] -> [T, E]
                      b["slot_w"].view(l), T, K, S, c.n_group, c.topk_group, c.norm_topk_prob,
                      c.routed_scaling_factor)
             slots = b["slot_ids"].view(l)
         else:
             K, S, slots = 0, 1, b["dense_slots"]
-        o.swiglu_gate_up(xm, w["gate_proj"], w["up_proj"], slots, b["act"], T, S)     # [T S, I]
-        o.expert_down(b["act"], w["down_proj"], slots, b["y_slots"], T, S)            # [T S, D]
-        o.moe_combine(b["y_slots"], slots, b["slot_w"].view(l), b["mlp_out"].view(l), T, K, S, D)
-        last = l == c.num_hidden_layers - 1
-        o.add_rms_norm(b["resid_attn"].view(l), b["mlp_out"].view(l), b["resid_out"].view(l),
-                       self.norm if last else self.layers[l + 1]["input_ln"],
-                       b["final"] if last else b["attn_in"].view(l + 1), T, c.rms_norm_eps)
+        n_int4 = self.n_int4[l]                 # INT4 experts stacked first: slots [0, k4) run on packed weights
+        k4 = 0 if n_int4 == 0 else S if n_int4 == (c.n_routed_experts + c.n_shared_experts if K else 1) else K
+        if k4:
+            o.w4a16_gate_up(xm, w["gate_proj.qw"], w["gate_proj.sc"], w["up_proj.qw"], w["up_proj.sc"], slots,
+                            b["act"], T, S, 0, k4)                                    # [T S, I]
+            o.w4a16_down(b["act"], w["down_proj.qw"], w["down_proj.sc"], slots, b["y_slots"], T, S, 0, k4)
+        if k4 < S:                                                                    # dense (shared) slots
+            o.swiglu_gate_up(xm, w["gate_proj"], w["up_proj"], slots, b["act"], T, S, k4, S - k4, n_int4)
+            o.expert_down(b["act"], w["down_proj"], slots, b["y_slots"], T, S, k4, S - k4, n_int4)
+        last = l == c.num_hidden_layers - 1                                           # + residual, next norm:
+        o.moe_combine(b["y_slots"], slots, b["slot_w"].view(l), b["mlp_out"].view(l), T, K, S,
+                      b["resid_attn"].view(l), b["resid_out"].view(l),
+                      self.norm if last else self.layers[l + 1]["input_ln"],
+                      b["final"] if last else b["attn_in"].view(l + 1), c.rms_norm_eps)
 
     # ------------------------------------------------------------ taps back to the host
     def _host(self, key: str, T: int) -> np.ndarray:
@@ -291,8 +304,9 @@ class CudaEngine:
         H, A, C = c.num_attention_heads, c.qk_head_dim, c.kv_lora_rank
         K = c.num_experts_per_tok
         host = host or {k: self._host(k, T) for k in self.layer_keys}
+        QC = c.q_lora_rank + C
         values = {"attn_in": host["attn_in"][l], "q": host["q"][l].reshape(T, H, A),
-                  "kv_latent": host["kv_latent"][l], "k_pe": host["kv"][l][:, C:], "attn_out": host["attn_out"][l],
+                  "kv_latent": host["kv_latent"][l], "k_pe": host["qkv_a"][l][:, QC:], "attn_out": host["attn_out"][l],
                   "resid_attn": host["resid_attn"][l], "mlp_in": host["mlp_in"][l],
                   "router_scores": host["router_scores"][l], "topk_ids": host["slot_ids"][l][:, :K].astype(np.int64),
                   "topk_weights": host["slot_w"][l][:, :K], "mlp_out": host["mlp_out"][l],
@@ -313,7 +327,7 @@ class CudaEngine:
         """What a GPU proof records (docs/cuda-engine.md): device, driver, commit, source hash."""
         info = device_info()
         info.update(source_hash=engine_source_hash(), commit=_commit(), fatbin=os.path.basename(str(self.ops.fatbin)),
-                    cuda_graph=self.use_graph)
+                    cuda_graph=self.use_graph, w4a16=self.w4a16 if any(self.n_int4) else None)
         return info
 
 

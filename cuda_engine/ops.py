@@ -10,28 +10,31 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+
 from cuda_engine.build import build_fatbin
-from cuda_engine.device import CudaEngineError, DevBuf, driver
+from cuda_engine.device import CudaEngineError, DevBuf, driver, driver_device
 
 WARPS_PER_BLOCK = 8                 # kernels/common.cuh
 BLOCK = (32 * WARPS_PER_BLOCK, 1, 1)
-ATTN_MAX_QK = 1024                  # kernels/attention.cu
+ATTN_MAX_C, ATTN_MAX_R, ATTN_MAX_N, ATTN_MAX_Q, ATTN_MAX_SPLIT = 512, 128, 256, 2048, 8   # kernels/attention.cu
 ROUTER_MAX_E, ROUTER_MAX_GROUPS, MOE_MAX_SLOTS = 1024, 64, 64   # kernels/moe.cu
 
 # kernel name -> argument types (struct codes: P pointer, i int32, q int64, f float32, d float64)
 SIGNATURES = {
-    "embedding_kernel": "PPPi",
+    "embedding_kernel": "PPPiPPf",
     "rms_norm_kernel": "PiPPiif",
     "add_rms_norm_kernel": "PPPPPif",
     "linear_kernel": "PPPiiiiqqq",
-    "rope_kernel": "PiiiiiPPd",
-    "mla_attention_kernel": "PPPPPPiPiPiiiiif",
-    "kv_append_kernel": "PPPPPii",
+    "mla_latent_kernel": "PiiiPPfPPPPPPPd",
+    "mla_attention_kernel": "PiPPPPdPPPPPPiPiPPPiiiiif",
     "kv_compact_kernel": "PPPiiiii",
-    "router_kernel": "PPPPPiiiiiif",
-    "swiglu_gate_up_kernel": "PPPPPiii",
-    "expert_down_kernel": "PPPPii",
-    "moe_combine_kernel": "PPPPiii",
+    "router_kernel": "PPiPPPPiiiiiif",
+    "swiglu_gate_up_kernel": "PPPPPiiiiii",
+    "expert_down_kernel": "PPPPiiiiii",
+    "w4a16_gate_up_kernel": "PPPPPPPiiiiiii",
+    "w4a16_down_kernel": "PPPPPiiiiiii",
+    "moe_combine_kernel": "PPPPiiiPPPPf",
     "argmax_kernel": "PiP",
     "decode_advance_kernel": "PP",
 }
@@ -44,6 +47,18 @@ def _ptr(x) -> int:
 def _need(ok: bool, op: str, what: str) -> None:
     if not ok:
         raise ValueError(f"{op}: {what}")
+
+
+def _group(qw: DevBuf, sc: DevBuf, op: str) -> int:
+    """The INT4 group size of packed weights [E', out, in/8] and bf16 scale bits [E', out, in/g]."""
+    E, out, in8 = qw.shape
+    _need(qw.dtype == np.int32 and sc.dtype == np.uint16, op, f"qw must be int32 and sc uint16 (bf16 bits), "
+          f"got {qw.dtype}, {sc.dtype}")
+    _need(sc.shape[:2] == (E, out) and sc.shape[2] > 0 and (8 * in8) % sc.shape[2] == 0, op,
+          f"scales {sc.shape} do not fit packed weights {qw.shape}")
+    g = 8 * in8 // sc.shape[2]
+    _need(g % 8 == 0, op, f"group size {g} must be a multiple of 8 (a packed word in one group)")
+    return g
 
 
 class Ops:
@@ -64,6 +79,7 @@ class Ops:
             f.prepare(sig)
             self.fn[name] = f
         self.stream = drv.Stream()
+        self.sm_count = driver_device().get_attribute(drv.device_attribute.MULTIPROCESSOR_COUNT)
         self.launches = 0
         self.capturing = False
         self.debug_sync = os.environ.get("KDTR_CUDA_SYNC") == "1"
@@ -81,10 +97,12 @@ class Ops:
                 raise CudaEngineError(f"{name} failed (grid {grid}): {e}") from None
 
     # ------------------------------------------------------------ elementwise, norms, GEMV
-    def embedding(self, ids: DevBuf, table: DevBuf, out, T: int) -> None:
+    def embedding(self, ids: DevBuf, table: DevBuf, out, T: int, w_norm: DevBuf, y, eps: float) -> None:
+        """out = table[ids]; y = rms_norm(out, w_norm) (the first layer's input norm)."""
         V, D = table.shape
-        _need(T <= ids.shape[0], "embedding", f"T={T} > ids capacity {ids.shape[0]}")
-        self._launch("embedding_kernel", (T,), ids.ptr, table.ptr, _ptr(out), D)
+        _need(T <= ids.shape[0] and w_norm.shape == (D,), "embedding",
+              f"T={T} > ids capacity {ids.shape[0]} or norm weight {w_norm.shape} != ({D},)")
+        self._launch("embedding_kernel", (T,), ids.ptr, table.ptr, _ptr(out), D, w_norm.ptr, _ptr(y), eps)
 
     def rms_norm(self, x, x_stride: int, w: DevBuf, y, y_stride: int, n: int, T: int, eps: float) -> None:
         _need(w.shape == (n,), "rms_norm", f"weight shape {w.shape} != ({n},)")
@@ -107,24 +125,38 @@ class Ops:
         self._launch("linear_kernel", grid, _ptr(x), _ptr(W), _ptr(y), I, O, x_stride, y_stride,
                      x_bstride, w_bstride, y_bstride)
 
-    def rope(self, x, T: int, row_stride: int, head_stride: int, offset: int, n_heads: int, R: int,
-             positions: DevBuf, inv_freq: DevBuf, attn_factor: float) -> None:
-        _need(R % 2 == 0 and inv_freq.shape == (R // 2,), "rope", f"R={R} must be even, inv_freq {inv_freq.shape}")
-        self._launch("rope_kernel", (T,), _ptr(x), row_stride, head_stride, offset, n_heads, R,
-                     positions.ptr, inv_freq.ptr, attn_factor)
-
     # ------------------------------------------------------------ attention and cache
-    def mla_attention(self, q_lat, q, c_kv, k_pe, meta: DevBuf, mask, mask_stride: int, scores: DevBuf,
-                      S_cap: int, o_lat, T: int, H: int, C: int, R: int, A: int, N: int, scale: float) -> None:
-        _need(C + R <= ATTN_MAX_QK, "mla_attention", f"kv_lora_rank + qk_rope_head_dim = {C + R} > {ATTN_MAX_QK}")
-        _need(scores.nbytes >= T * H * S_cap * 4, "mla_attention", f"scores scratch {scores.shape} < [{T * H}, {S_cap}]")
-        self._launch("mla_attention_kernel", (T * H,), _ptr(q_lat), _ptr(q), _ptr(c_kv), _ptr(k_pe), meta.ptr,
-                     0 if mask is None else _ptr(mask), mask_stride, scores.ptr, S_cap, _ptr(o_lat),
-                     H, C, R, A, N, scale)
+    def mla_latent(self, qkv, T: int, Q: int, C: int, R: int, w_q: DevBuf, w_kv: DevBuf, eps: float, cq, lat,
+                   ckv_layer, kpe_layer, meta: DevBuf, positions: DevBuf, inv_freq: DevBuf, attn_factor: float) -> None:
+        """qkv [T, Q + C + R] -> c_q [T, Q], c_kv [T, C] (+ cache), k_pe roped in place (+ cache)."""
+        _need(w_q.shape == (Q,) and w_kv.shape == (C,), "mla_latent", f"norm weights {w_q.shape}, {w_kv.shape} "
+              f"!= ({Q},), ({C},)")
+        _need(R % 2 == 0 and inv_freq.shape == (R // 2,), "mla_latent", f"R={R} must be even, inv_freq {inv_freq.shape}")
+        self._launch("mla_latent_kernel", (T,), _ptr(qkv), Q, C, R, w_q.ptr, w_kv.ptr, eps, _ptr(cq), _ptr(lat),
+                     _ptr(ckv_layer), _ptr(kpe_layer), meta.ptr, positions.ptr, inv_freq.ptr, attn_factor)
 
-    def kv_append(self, c_kv_new, kv, ckv_layer, kpe_layer, meta: DevBuf, T: int, C: int, R: int) -> None:
-        self._launch("kv_append_kernel", (T,), _ptr(c_kv_new), _ptr(kv), _ptr(ckv_layer), _ptr(kpe_layer),
-                     meta.ptr, C, R)
+    def mla_attention(self, cq, w_qb: DevBuf, q, positions: DevBuf, inv_freq: DevBuf, attn_factor: float,
+                      w_uk: DevBuf, w_uv: DevBuf, c_kv, k_pe, meta: DevBuf, mask, mask_stride: int, scores: DevBuf,
+                      S_cap: int, partials: DevBuf, tickets: DevBuf, o, T: int, R: int, scale: float) -> None:
+        """o [T, H, U] over the cache rows, from c_q [T, Q]: q = c_q W_qb^T [T, H, N + R] (q_pe roped; written to
+        `q`); w_qb [H (N + R), Q], w_uk [H, N, C], w_uv [H, U, C]. The rows are split over enough blocks to
+        fill the GPU (at most ATTN_MAX_SPLIT per token and head; a fixed number per (T, H): deterministic)."""
+        H, N, C = w_uk.shape
+        U, Q = w_uv.shape[1], w_qb.shape[1]
+        _need(w_uv.shape == (H, U, C) and w_qb.shape == (H * (N + R), Q), "mla_attention",
+              f"w_uv {w_uv.shape} != [H={H}, U, C={C}] or w_qb {w_qb.shape} != [{H * (N + R)}, Q]")
+        _need(C <= ATTN_MAX_C and R <= ATTN_MAX_R and N <= ATTN_MAX_N and Q <= ATTN_MAX_Q, "mla_attention",
+              f"kv_lora_rank={C} (max {ATTN_MAX_C}), qk_rope_head_dim={R} (max {ATTN_MAX_R}), "
+              f"qk_nope_head_dim={N} (max {ATTN_MAX_N}), q_lora_rank={Q} (max {ATTN_MAX_Q})")
+        _need(inv_freq.shape == (R // 2,), "mla_attention", f"inv_freq {inv_freq.shape} != ({R // 2},)")
+        _need(scores.nbytes >= T * H * S_cap * 4, "mla_attention", f"scores scratch {scores.shape} < [{T * H}, {S_cap}]")
+        n_split = min(ATTN_MAX_SPLIT, max(1, self.sm_count // (T * H)))
+        _need(partials.nbytes >= T * H * n_split * (C + 2) * 4 and tickets.nbytes >= T * H * 4, "mla_attention",
+              f"partials {partials.shape} < [{T * H * n_split}, {C + 2}] or tickets {tickets.shape} < [{T * H}]")
+        self._launch("mla_attention_kernel", (T * H, n_split), _ptr(cq), Q, w_qb.ptr, _ptr(q), positions.ptr,
+                     inv_freq.ptr, attn_factor, w_uk.ptr,
+                     w_uv.ptr, _ptr(c_kv), _ptr(k_pe), meta.ptr, 0 if mask is None else _ptr(mask), mask_stride,
+                     scores.ptr, S_cap, partials.ptr, tickets.ptr, _ptr(o), H, C, R, N, U, scale)
 
     def kv_compact(self, cache_ckv: DevBuf, cache_kpe: DevBuf, keep: DevBuf, n: int, start: int) -> None:
         L, S_cap, C = cache_ckv.shape
@@ -133,28 +165,61 @@ class Ops:
         self._launch("kv_compact_kernel", (L,), cache_ckv.ptr, cache_kpe.ptr, keep.ptr, n, start, S_cap, C, R)
 
     # ------------------------------------------------------------ MoE
-    def router(self, logits, bias: DevBuf, scores, slot_ids, slot_w, T: int, K: int, S: int, n_group: int,
+    def router(self, x, gate: DevBuf, bias: DevBuf, scores, slot_ids, slot_w, T: int, K: int, S: int, n_group: int,
                topk_group: int, norm_topk_prob: bool, scale: float) -> None:
-        E = bias.shape[0]
+        """Router GEMV (gate [E, D]) and selection for x [T, D]: scores [T, E], slots [T, S] (ids, weights)."""
+        E, D = gate.shape
+        _need(bias.shape == (E,), "router", f"bias {bias.shape} != ({E},)")
         _need(E <= ROUTER_MAX_E and n_group <= ROUTER_MAX_GROUPS, "router",
               f"n_routed_experts={E} (max {ROUTER_MAX_E}), n_group={n_group} (max {ROUTER_MAX_GROUPS})")
-        self._launch("router_kernel", (T,), _ptr(logits), bias.ptr, _ptr(scores), _ptr(slot_ids), _ptr(slot_w),
-                     E, K, S, n_group, topk_group, int(norm_topk_prob), scale)
+        self._launch("router_kernel", (T,), _ptr(x), gate.ptr, D, bias.ptr, _ptr(scores), _ptr(slot_ids),
+                     _ptr(slot_w), E, K, S, n_group, topk_group, int(norm_topk_prob), scale)
 
-    def swiglu_gate_up(self, x, Wg: DevBuf, Wu: DevBuf, slot_ids, act, T: int, S: int) -> None:
+    # Expert GEMVs run over the slots k0 .. k0+nk-1 of each token's S slots (all by default); the expert of
+    # slot (t, k) is slot_ids[t, k] - e_base in the given stack.
+    def swiglu_gate_up(self, x, Wg: DevBuf, Wu: DevBuf, slot_ids, act, T: int, S: int, k0: int = 0,
+                       nk: int | None = None, e_base: int = 0) -> None:
         _, I, D = Wg.shape
+        nk = S - k0 if nk is None else nk
         _need(Wu.shape == Wg.shape, "swiglu_gate_up", f"gate {Wg.shape} and up {Wu.shape} differ")
-        self._launch("swiglu_gate_up_kernel", (-(-I // WARPS_PER_BLOCK), T * S), _ptr(x), Wg.ptr, Wu.ptr,
-                     _ptr(slot_ids), _ptr(act), D, I, S)
+        _need(0 <= k0 and k0 + nk <= S, "swiglu_gate_up", f"slots {k0}..{k0 + nk - 1} outside 0..{S - 1}")
+        self._launch("swiglu_gate_up_kernel", (-(-I // WARPS_PER_BLOCK), T * nk), _ptr(x), Wg.ptr, Wu.ptr,
+                     _ptr(slot_ids), _ptr(act), D, I, S, k0, nk, e_base)
 
-    def expert_down(self, act, Wd: DevBuf, slot_ids, y, T: int, S: int) -> None:
+    def expert_down(self, act, Wd: DevBuf, slot_ids, y, T: int, S: int, k0: int = 0, nk: int | None = None,
+                    e_base: int = 0) -> None:
         _, D, I = Wd.shape
-        self._launch("expert_down_kernel", (-(-D // WARPS_PER_BLOCK), T * S), _ptr(act), Wd.ptr, _ptr(slot_ids),
-                     _ptr(y), I, D)
+        nk = S - k0 if nk is None else nk
+        _need(0 <= k0 and k0 + nk <= S, "expert_down", f"slots {k0}..{k0 + nk - 1} outside 0..{S - 1}")
+        self._launch("expert_down_kernel", (-(-D // WARPS_PER_BLOCK), T * nk), _ptr(act), Wd.ptr, _ptr(slot_ids),
+                     _ptr(y), I, D, S, k0, nk, e_base)
 
-    def moe_combine(self, y, slot_ids, slot_w, out, T: int, K: int, S: int, D: int) -> None:
+    def w4a16_gate_up(self, x, qg: DevBuf, sg: DevBuf, qu: DevBuf, su: DevBuf, slot_ids, act, T: int, S: int,
+                      k0: int = 0, nk: int | None = None, e_base: int = 0) -> None:
+        """The swiglu_gate_up of packed INT4 experts: qg/qu int32 [E', I, D/8], sg/su bf16 bits [E', I, D/g]."""
+        _, I, D8 = qg.shape
+        D, g = 8 * D8, _group(qg, sg, "w4a16_gate_up")
+        nk = S - k0 if nk is None else nk
+        _need(qu.shape == qg.shape and su.shape == sg.shape, "w4a16_gate_up", f"gate {qg.shape}/{sg.shape} and "
+              f"up {qu.shape}/{su.shape} differ")
+        self._launch("w4a16_gate_up_kernel", (-(-I // WARPS_PER_BLOCK), T * nk), _ptr(x), qg.ptr, sg.ptr, qu.ptr,
+                     su.ptr, _ptr(slot_ids), _ptr(act), D, I, S, k0, nk, e_base, g)
+
+    def w4a16_down(self, act, qd: DevBuf, sd: DevBuf, slot_ids, y, T: int, S: int, k0: int = 0,
+                   nk: int | None = None, e_base: int = 0) -> None:
+        _, D, I8 = qd.shape
+        I, g = 8 * I8, _group(qd, sd, "w4a16_down")
+        nk = S - k0 if nk is None else nk
+        self._launch("w4a16_down_kernel", (-(-D // WARPS_PER_BLOCK), T * nk), _ptr(act), qd.ptr, sd.ptr,
+                     _ptr(slot_ids), _ptr(y), I, D, S, k0, nk, e_base, g)
+
+    def moe_combine(self, y, slot_ids, slot_w, out, T: int, K: int, S: int, h, h_out, w_norm: DevBuf, y_norm,
+                    eps: float) -> None:
+        """out = weighted sum of the slots; then h_out = h + out and y_norm = rms_norm(h_out, w_norm)."""
+        D = w_norm.shape[0]
         _need(0 <= K <= S <= MOE_MAX_SLOTS, "moe_combine", f"K={K}, S={S} (max {MOE_MAX_SLOTS})")
-        self._launch("moe_combine_kernel", (T,), _ptr(y), _ptr(slot_ids), _ptr(slot_w), _ptr(out), K, S, D)
+        self._launch("moe_combine_kernel", (T,), _ptr(y), _ptr(slot_ids), _ptr(slot_w), _ptr(out), K, S, D,
+                     _ptr(h), _ptr(h_out), w_norm.ptr, _ptr(y_norm), eps)
 
     # ------------------------------------------------------------ sampling
     def argmax(self, logits, V: int, out, T: int) -> None:

@@ -21,6 +21,7 @@ import torch
 
 from refmodel.drafter import DrafterConfig, drafter_shapes, init_drafter, target_features
 from refmodel.model import KVCache, forward
+from refmodel.pinned import is_pinned, run_pinned
 
 
 @dataclass
@@ -203,7 +204,10 @@ def distill_drafter(cfg, W, dcfg: DrafterConfig, seed: int, steps: int, progress
                     settings: DistillSettings | None = None) -> dict:
     """Train the drafter from init_drafter(dcfg, seed); returns float64 numpy weights `drafter.*`.
     Deterministic given (cfg, W, dcfg, seed, steps): seeded data, seeded torch, one thread,
-    deterministic algorithms. progress(stage, done, total, loss) is called as work advances."""
+    deterministic algorithms, math libraries pinned to AVX2 (refmodel/pinned.py: the same bits on every
+    x86-64 CPU with AVX2). progress(stage, done, total, loss) is called as work advances."""
+    if not is_pinned():
+        return run_pinned(distill_drafter, cfg, W, dcfg, seed, steps, progress=progress, settings=settings)
     s = dataclasses.replace(settings or DistillSettings(), steps=steps)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

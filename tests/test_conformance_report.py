@@ -13,8 +13,9 @@ from rich.console import Console
 
 from conformance.protocol import check_engine
 from conformance.exit_codes import ExitCode
+from conformance.console import print_console
 from conformance.report import (CheckResult, Divergence, exit_code_for, layer_series, make_verdict,
-                                print_console, write_html, write_json, write_junit)
+                                write_html, write_json, write_junit)
 from conformance.tolerance import Rule, check_tap
 
 FAILING_TAP = "golden/p0/prefill/L2/attn_out"
@@ -161,12 +162,13 @@ def test_console_shows_failures_divergence_and_min_passing(verdict):
     print_console(verdict, Console(file=buf, width=200, color_system=None))
     out = buf.getvalue()
     assert FAILING_TAP in out and "golden/p0/ar/tokens" in out and "first divergence" in out
-    assert "atol=" in out and "cause: local" in out
+    assert "(limit 0.001)" in out and "cause: local" in out          # error against its tolerance
     assert "golden/p0/prefill/L0/q" not in out                    # passing rows hidden by default
     assert "exit code 3 (TOKENS)" in out
     buf = io.StringIO()
     print_console(verdict, Console(file=buf, width=200, color_system=None), verbose=True)
     assert "golden/p0/prefill/L0/q" in buf.getvalue()
+    assert "would pass at atol=" in buf.getvalue()                # the minimum passing tolerance
 
 
 # ------------------------------------------------------------------------------- engine protocol

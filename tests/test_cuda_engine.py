@@ -21,7 +21,7 @@ def engine_cls():
 
 
 def collect_with(engine, bundle):
-    from conformance.runner import collect
+    from conformance.collect import collect
     from kdtr_format import open_kdtr
 
     with open_kdtr(bundle) as f:
@@ -37,6 +37,16 @@ def test_bundle_passes(engine_cls, bundle):
     v = verify(bundle, engine=engine_cls())
     bad = [f"{c.name}: {c.message or c.metrics}" for c in v.checks if c.status != "pass" and c.status != "skip"]
     assert v.verdict == "pass", f"{bundle}: exit {int(v.exit_code)}; first problems: {bad[:5]}"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("bundle", [b for b in BUNDLES if "int4" in b])
+def test_int4_bundle_passes_on_dequantized_weights_too(engine_cls, bundle):
+    """KDTR_W4A16=dense: the INT4 experts dequantized at load and run by the dense kernels."""
+    from conformance.runner import verify
+
+    v = verify(bundle, engine=engine_cls(w4a16="dense"))
+    assert v.verdict == "pass", f"{bundle} (w4a16 dense): exit {int(v.exit_code)}"
 
 
 @pytest.mark.cuda
@@ -82,5 +92,6 @@ def test_unsupported_config_names_the_field_and_limit():
     with pytest.raises(CudaEngineError, match=r"unsupported config: n_routed_experts = 2048 exceeds the CUDA "
                                               r"engine's limit 1024"):
         check_config(dataclasses.replace(PRESETS["k26"], n_routed_experts=2048, n_group=1))
-    with pytest.raises(CudaEngineError, match=r"kv_lora_rank \+ qk_rope_head_dim = 1088 exceeds"):
+    with pytest.raises(CudaEngineError, match=r"unsupported config: kv_lora_rank = 1024 exceeds the CUDA engine's "
+                                              r"limit 512"):
         check_config(dataclasses.replace(PRESETS["k26"], kv_lora_rank=1024))

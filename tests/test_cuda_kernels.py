@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from refmodel.config import PRESETS
-from refmodel.model import apply_rope, rms_norm, route, rope_cos_sin, sigmoid, silu, softmax, yarn_inv_freq
+from refmodel.model import apply_rope, rms_norm, route, rope_cos_sin, silu, softmax, yarn_inv_freq
 from cuda_oracle import check, gpu_ops, rand
 
 pytestmark = pytest.mark.cuda
@@ -34,12 +34,14 @@ def run(ops, fn, *args, **kw):
 # ---------------------------------------------------------------- embedding, norms, linear
 
 @pytest.mark.parametrize("V,D,T", [(1, 1, 1), (37, 193, 5), (2048, 7168, 3)])   # last: K2.6 hidden
-def test_embedding_exact(ops, V, D, T):
+def test_embedding_exact_then_norm(ops, V, D, T):
     rng = np.random.default_rng(V)
-    table, ids = rand(rng, V, D), rng.integers(0, V, T).astype(np.int32)
-    out = dev(np.zeros((T, D), np.float32))
-    run(ops, ops.embedding, dev(ids), dev(table), out, T)
+    table, ids, w = rand(rng, V, D), rng.integers(0, V, T).astype(np.int32), rand(rng, D) + 1
+    out, y = dev(np.zeros((T, D), np.float32)), dev(np.zeros((T, D), np.float32))
+    run(ops, ops.embedding, dev(ids), dev(table), out, T, dev(w), y, 1e-5)
     np.testing.assert_array_equal(out.get(), table[ids])
+    check(f"embedding norm V={V} D={D}", y.get(), rms_norm(table[ids].astype(np.float64), w.astype(np.float64), 1e-5),
+          rms_norm(table[ids], w, np.float32(1e-5)))
 
 
 # n: 1, primes, block size 256 +- 1, K2.6 hidden / q_lora / kv_lora
@@ -91,50 +93,69 @@ def test_linear_batched_heads(ops, T, B, I, O):
           np.einsum("tbi,boi->tbo", x[..., :I], W))
 
 
-# ---------------------------------------------------------------- rope
+# ---------------------------------------------------------------- latents: norms, k rope, cache append
 
-@pytest.mark.parametrize("cfg_name,heads,positions", [
-    ("tiny", 1, [0]), ("tiny", 3, [1, 2, 7]), ("k26", 64, [5, 4096]),
-    ("k26", 1, [2**17, 2**17 + 1, 262143]),        # past 2^17: float32 angles would be off by ~1e-2 rad
+@pytest.mark.parametrize("cfg_name,positions,S0", [
+    ("tiny", [0], 0), ("tiny", [1, 2, 7], 5), ("k26", [5, 4096], 300),
+    ("k26", [2**17, 2**17 + 1, 262143], 2),        # past 2^17: float32 angles would be off by ~1e-2 rad
 ])
-def test_rope(ops, cfg_name, heads, positions):
+def test_mla_latent(ops, cfg_name, positions, S0):
     cfg = PRESETS[cfg_name]
-    R, T = cfg.qk_rope_head_dim, len(positions)
-    rng = np.random.default_rng(heads)
-    x = rand(rng, T, heads, R + 5)                               # rope part at offset 5 (as q_pe after q_nope)
-    buf = dev(x)
+    Q, C, R, T = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim, len(positions)
+    rng = np.random.default_rng(T + C)
+    qkv, w_q, w_kv = rand(rng, T, Q + C + R), rand(rng, Q) + 1, rand(rng, C) + 1
+    S_cap = S0 + T + 2
+    ckv, kpe = rand(rng, S_cap, C), rand(rng, S_cap, R)
+    qkv_d, cq, lat, ckv_d, kpe_d = dev(qkv), dev(np.zeros((T, Q), np.float32)), dev(np.zeros((T, C), np.float32)), \
+        dev(ckv), dev(kpe)
     pos = np.asarray(positions, np.int64)
-    run(ops, ops.rope, buf, T, heads * (R + 5), R + 5, 5, heads, R, dev(pos, np.int32), dev(yarn_inv_freq(cfg)),
-        cfg.rope_attention_factor)
-    got = buf.get()
-    np.testing.assert_array_equal(got[..., :5], x[..., :5])
+    run(ops, ops.mla_latent, qkv_d, T, Q, C, R, dev(w_q), dev(w_kv), 1e-6, cq, lat, ckv_d, kpe_d,
+        dev(np.array([S0, 0, 0, 0], np.int32)), dev(pos, np.int32), dev(yarn_inv_freq(cfg)), cfg.rope_attention_factor)
+    f64 = lambda a: a.astype(np.float64)  # noqa: E731
+    case = f"mla_latent {cfg_name} pos={positions}"
+    check(case + " c_q", cq.get(), rms_norm(f64(qkv[:, :Q]), f64(w_q), 1e-6), rms_norm(qkv[:, :Q], w_q, np.float32(1e-6)))
+    check(case + " c_kv", lat.get(), rms_norm(f64(qkv[:, Q:Q + C]), f64(w_kv), 1e-6),
+          rms_norm(qkv[:, Q:Q + C], w_kv, np.float32(1e-6)))
     cos, sin = rope_cos_sin(cfg, pos)
     c32, s32 = rope_cos_sin(cfg, pos, np.float32)
-    check(f"rope {cfg_name} heads={heads} pos={positions}", got[..., 5:],
-          apply_rope(x[..., 5:].astype(np.float64), cos, sin), apply_rope(x[..., 5:], c32, s32))
+    got = qkv_d.get()
+    np.testing.assert_array_equal(got[:, :Q + C], qkv[:, :Q + C])      # only the rope part changes in place
+    check(case + " k_pe", got[:, Q + C:], apply_rope(f64(qkv[:, Q + C:]), cos, sin), apply_rope(qkv[:, Q + C:], c32, s32))
+    ckv[S0:S0 + T], kpe[S0:S0 + T] = lat.get(), got[:, Q + C:]         # appended at rows meta[0] + t, bit for bit
+    np.testing.assert_array_equal(ckv_d.get(), ckv)
+    np.testing.assert_array_equal(kpe_d.get(), kpe)
 
 
 # ---------------------------------------------------------------- attention
 
-def attention_oracle(q_lat, q_pe, ckv, kpe, mask, scale):
-    """Absorbed MLA core as refmodel.mla writes it: [T, H, C] -> o_lat [T, H, C]."""
-    scores = np.einsum("thc,sc->hts", q_lat, ckv) + np.einsum("thr,sr->hts", q_pe, kpe)
+def attention_oracle(q, w_uk, w_uv, ckv, kpe, mask, scale, N):
+    """Absorbed MLA as refmodel.mla writes it: q [T, H, N + R] -> o [T, H, U]."""
+    q_lat = np.einsum("thn,hnc->thc", q[..., :N], w_uk)
+    scores = np.einsum("thc,sc->hts", q_lat, ckv) + np.einsum("thr,sr->hts", q[..., N:], kpe)
     probs = softmax(scores * scale + mask)
-    return np.einsum("hts,sc->thc", probs, ckv)
+    o_lat = np.einsum("hts,sc->thc", probs, ckv)
+    return np.einsum("thc,huc->thu", o_lat, w_uv)
 
 
-@pytest.mark.parametrize("T,H,C,R,S0,tree", [
-    (1, 1, 1, 2, 0, False), (3, 5, 17, 6, 11, False), (7, 2, 33, 4, 0, True), (5, 3, 64, 16, 9, True),
-    (1, 64, 512, 64, 300, False),                                 # K2.6 decode
-    (4, 64, 512, 64, 257, True),                                  # K2.6 tree verify
+@pytest.mark.parametrize("T,H,C,R,N,U,Q,S0,tree", [
+    (1, 1, 1, 2, 1, 1, 1, 0, False), (3, 5, 17, 6, 3, 7, 13, 11, False), (7, 2, 33, 4, 9, 5, 31, 0, True),
+    (5, 3, 64, 16, 32, 32, 96, 9, True),                          # the golden model's shapes
+    (2, 2, 64, 16, 32, 32, 96, 255, False),                       # 257 rows: score passes of 32 rows + 1
+    (1, 64, 512, 64, 128, 128, 1536, 300, False),                 # K2.6 decode
+    (4, 64, 512, 64, 128, 128, 1536, 257, True),                  # K2.6 tree verify
 ])
-def test_mla_attention(ops, T, H, C, R, S0, tree):
+def test_mla_attention(ops, T, H, C, R, N, U, Q, S0, tree):
     rng = np.random.default_rng(T * H + C)
-    S, N = S0 + T, 3
-    A = N + R
-    q_lat, q = rand(rng, T, H, C, scale=0.3), rand(rng, T, H, A)
+    S = S0 + T
+    cq, w_qb = rand(rng, T, Q), rand(rng, H * (N + R), Q, scale=Q ** -0.5)
+    q64_pre = np.einsum("ti,oi->to", cq.astype(np.float64), w_qb.astype(np.float64)).reshape(T, H, N + R)
+    q = np.einsum("ti,oi->to", cq, w_qb).reshape(T, H, N + R)   # the float32 baseline's q
+    positions = S0 + np.arange(T) + (2**17 if C == 512 else 0)     # K2.6 cases: past 2^17
+    cfg = PRESETS["k26" if C == 512 else "tiny"]
+    inv_freq = yarn_inv_freq(cfg)[:R // 2]
+    w_uk, w_uv = rand(rng, H, N, C, scale=0.3 * N ** -0.5), rand(rng, H, U, C, scale=C ** -0.5)
     ckv, kpe = rand(rng, S, C), rand(rng, S, R)
-    scale = float(A ** -0.5)
+    scale = float((N + R) ** -0.5)
     if tree:                                                      # random ancestor-like visibility, diagonal on
         vis = rng.random((T, T)) < 0.5
         vis |= np.eye(T, dtype=bool)
@@ -145,32 +166,39 @@ def test_mla_attention(ops, T, H, C, R, S0, tree):
     ckv_d, kpe_d = dev(np.pad(ckv, ((0, 3), (0, 0)))), dev(np.pad(kpe, ((0, 3), (0, 0))))
     mask_d = dev(np.pad(mask, ((0, 0), (0, 3)), constant_values=-np.inf).astype(np.float32)) if tree else None
     scores = dev(np.zeros((T * H, S_cap), np.float32))
-    o_lat = dev(np.zeros((T, H, C), np.float32))
-    run(ops, ops.mla_attention, dev(q_lat), dev(q), ckv_d, kpe_d, dev(np.array([S0, 0, 0, 0], np.int32)), mask_d,
-        S_cap, scores, S_cap, o_lat, T, H, C, R, A, N, scale)
+    o, q_d = dev(np.zeros((T, H, U), np.float32)), dev(np.zeros((T, H, N + R), np.float32))
+    from cuda_engine.ops import ATTN_MAX_SPLIT
+
+    partials, tickets = dev(np.zeros((T * H * ATTN_MAX_SPLIT, C + 2), np.float32)), dev(np.zeros(T * H, np.int32))
+    run(ops, ops.mla_attention, dev(cq), dev(w_qb), q_d, dev(positions, np.int32), dev(inv_freq), 1.0, dev(w_uk),
+        dev(w_uv), ckv_d, kpe_d, dev(np.array([S0, 0, 0, 0], np.int32)), mask_d, S_cap, scores, S_cap, partials,
+        tickets, o, T, R, scale)
+    np.testing.assert_array_equal(tickets.get(), 0)              # left ready for the next launch
     f64 = lambda a: a.astype(np.float64)  # noqa: E731
-    oracle = attention_oracle(f64(q_lat), f64(q[..., N:]), f64(ckv), f64(kpe), mask, scale)
-    base = attention_oracle(q_lat, q[..., N:], ckv, kpe, mask.astype(np.float32), np.float32(scale))
-    check(f"mla_attention T={T} H={H} C={C} R={R} S0={S0} tree={tree}", o_lat.get(), oracle, base)
+    angle = np.einsum("t,r->tr", positions.astype(np.float64), inv_freq)            # the oracle's rope_cos_sin
+    cos, sin = np.cos(angle), np.sin(angle)
+    q64 = q64_pre.copy()
+    q64[..., N:] = apply_rope(q64[..., N:], cos, sin)
+    q32 = q.copy()
+    q32[..., N:] = apply_rope(q[..., N:], cos.astype(np.float32), sin.astype(np.float32))
+    case = f"mla_attention T={T} H={H} C={C} R={R} N={N} U={U} Q={Q} S0={S0} tree={tree}"
+    got_q = q_d.get()
+    check(case + " q_nope", got_q[..., :N], q64[..., :N], q32[..., :N])
+    check(case + " q_pe (rotated)", got_q[..., N:], q64[..., N:], q32[..., N:])
+    oracle = attention_oracle(q64, f64(w_uk), f64(w_uv), f64(ckv), f64(kpe), mask, scale, N)
+    base = attention_oracle(q32, w_uk, w_uv, ckv, kpe, mask.astype(np.float32), np.float32(scale), N)
+    check(case, o.get(), oracle, base)
 
 
 # ---------------------------------------------------------------- KV cache
 
 @pytest.mark.parametrize("L,S_cap,C,R,start,keep", [
     (1, 4, 1, 2, 0, [0]), (2, 20, 17, 6, 5, [0, 2, 3, 7]), (3, 40, 64, 16, 11, [0, 1, 2, 3]),
-    (2, 600, 512, 64, 300, [0, 4, 5, 9, 31])])
-def test_kv_append_and_compact(ops, L, S_cap, C, R, start, keep):
+    (2, 600, 512, 64, 300, [0, 4, 5, 9, 31])])                   # K2.6 latent width
+def test_kv_compact_in_order(ops, L, S_cap, C, R, start, keep):
     rng = np.random.default_rng(C)
     ckv, kpe = rand(rng, L, S_cap, C), rand(rng, L, S_cap, R)
     ckv_d, kpe_d = dev(ckv), dev(kpe)
-    T = 3                                                         # append T rows to layer 1 % L at row `start`
-    new, kv = rand(rng, T, C), rand(rng, T, C + R)
-    l = 1 % L
-    run(ops, ops.kv_append, dev(new), dev(kv), ckv_d.view(l), kpe_d.view(l), dev(np.array([start, 0, 0, 0], np.int32)),
-        T, C, R)
-    ckv[l, start:start + T], kpe[l, start:start + T] = new, kv[:, C:]
-    np.testing.assert_array_equal(ckv_d.get(), ckv)
-    np.testing.assert_array_equal(kpe_d.get(), kpe)
     keep = np.asarray(keep)
     run(ops, ops.kv_compact, ckv_d, kpe_d, dev(keep, np.int32), len(keep), start)
     rows = np.concatenate([np.arange(start), start + keep])
@@ -191,7 +219,7 @@ def test_router(ops, cfg_name, changes, T):
     import dataclasses
 
     cfg = dataclasses.replace(PRESETS[cfg_name], **changes)
-    D, E, K = min(cfg.hidden_size, 512), cfg.n_routed_experts, cfg.num_experts_per_tok
+    D, E, K = cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok     # K2.6: 384 x 7168
     rng = np.random.default_rng(E + K)
     x, gate, bias = rand(rng, T, D), rand(rng, E, D, scale=D ** -0.5), rand(rng, E, scale=0.1)
     p = "model.layers.1.mlp.gate."
@@ -199,11 +227,9 @@ def test_router(ops, cfg_name, changes, T):
                                        bias.astype(np.float64)}, 1, x.astype(np.float64))
     scores32, _, w32 = route(cfg, {p + "weight": gate, p + "e_score_correction_bias": bias}, 1, x)
     S = K + 1
-    logits = dev(np.zeros((T, E), np.float32))
-    run(ops, ops.linear, dev(x), dev(gate), logits, T, D, E)
     sc, ids, w = dev(np.zeros((T, E), np.float32)), dev(np.zeros((T, S), np.int32)), dev(np.zeros((T, S), np.float32))
-    run(ops, ops.router, logits, dev(bias), sc, ids, w, T, K, S, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob,
-        cfg.routed_scaling_factor)
+    run(ops, ops.router, dev(x), dev(gate), dev(bias), sc, ids, w, T, K, S, cfg.n_group, cfg.topk_group,
+        cfg.norm_topk_prob, cfg.routed_scaling_factor)
     case = f"router {cfg_name} {changes} T={T}"
     check(case + " scores", sc.get(), scores64, scores32)
     got_ids = ids.get()
@@ -240,14 +266,58 @@ def test_experts(ops, E, I, D, K, T):
     S = K + 1 if K else 1
     ids = np.stack([np.concatenate([rng.permutation(E - 1)[:K], [E - 1]]) if K else [0] for _ in range(T)]).astype(np.int32)
     w = np.concatenate([rng.random((T, K)).astype(np.float32), np.ones((T, S - K), np.float32)], axis=1)
+    h, w_norm = rand(rng, T, D), rand(rng, D) + 1                  # the residual and the next norm (fused)
     ids_d, w_d = dev(ids), dev(w)
-    act, y, out = (dev(np.zeros(s, np.float32)) for s in ((T * S, I), (T * S, D), (T, D)))
+    act, y, out, h_out, y_norm = (dev(np.zeros(s, np.float32)) for s in ((T * S, I), (T * S, D), (T, D), (T, D), (T, D)))
     run(ops, ops.swiglu_gate_up, dev(x), dev(Wg), dev(Wu), ids_d, act, T, S)
     run(ops, ops.expert_down, act, dev(Wd), ids_d, y, T, S)
-    run(ops, ops.moe_combine, y, ids_d, w_d, out, T, K, S, D)
+    run(ops, ops.moe_combine, y, ids_d, w_d, out, T, K, S, dev(h), h_out, dev(w_norm), y_norm, 1e-5)
     f64 = lambda a: a.astype(np.float64)  # noqa: E731
-    check(f"experts E={E} I={I} D={D} K={K} T={T}", out.get(),
-          moe_oracle(f64(x), f64(Wg), f64(Wu), f64(Wd), ids, f64(w), K), moe_oracle(x, Wg, Wu, Wd, ids, w, K))
+    case = f"experts E={E} I={I} D={D} K={K} T={T}"
+    got = out.get()
+    check(case, got, moe_oracle(f64(x), f64(Wg), f64(Wu), f64(Wd), ids, f64(w), K), moe_oracle(x, Wg, Wu, Wd, ids, w, K))
+    np.testing.assert_array_equal(h_out.get(), h + got, err_msg=case + " residual")
+    check(case + " next norm", y_norm.get(), rms_norm(f64(h + got), f64(w_norm), 1e-5),
+          rms_norm(h + got, w_norm, np.float32(1e-5)))
+
+
+@pytest.mark.parametrize("E,I,D,K,T,g", [
+    (2, 8, 8, 1, 1, 8),                # one packed word per row (in must be a multiple of 8 and of g)
+    (3, 40, 56, 2, 3, 8),              # 7 words per row (fewer than the 32 lanes), 5 output blocks of 8
+    (4, 64, 96, 3, 17, 32),            # batch 17
+    (3, 2048, 7168, 2, 1, 32),         # K2.6 expert shapes (3 experts held, not 384: memory)
+])
+def test_w4a16_experts_against_dequantized(ops, E, I, D, K, T, g):
+    """Routed slots on packed INT4 weights, the shared slot dense (e_base = E), as the INT4 bundle runs them.
+    Oracle: dequantize_w4a16 + float64 (the exact quantized model); baseline: float32 NumPy on the same."""
+    from kdtr_format.int4 import bf16_bits, dequantize_w4a16, quantize_w4a16
+
+    rng = np.random.default_rng(E * I + D)
+    packed = {}
+    for proj, (o_, i_) in (("gate", (I, D)), ("up", (I, D)), ("down", (D, I))):
+        pairs = [quantize_w4a16(rng.standard_normal((o_, i_)) * i_ ** -0.5, g) for _ in range(E)]
+        packed[proj] = (np.stack([q for q, _ in pairs]), np.stack([bf16_bits(sc) for _, sc in pairs]),
+                        np.stack([dequantize_w4a16(q, sc, (o_, i_)) for q, sc in pairs]))
+    Wg_s, Wu_s, Wd_s = rand(rng, 1, I, D, scale=D ** -0.5), rand(rng, 1, I, D, scale=D ** -0.5), \
+        rand(rng, 1, D, I, scale=I ** -0.5)                       # the dense shared expert, id E
+    x, h, w_norm = rand(rng, T, D), rand(rng, T, D), rand(rng, D) + 1
+    S = K + 1
+    ids = np.stack([np.concatenate([rng.permutation(E)[:K], [E]]) for _ in range(T)]).astype(np.int32)
+    w = np.concatenate([rng.random((T, K)).astype(np.float32), np.ones((T, 1), np.float32)], axis=1)
+    ids_d, w_d = dev(ids), dev(w)
+    act, y, out, h_out, y_norm = (dev(np.zeros(s, np.float32)) for s in ((T * S, I), (T * S, D), (T, D), (T, D), (T, D)))
+    (qg, sg, _), (qu, su, _), (qd, sd, _) = packed["gate"], packed["up"], packed["down"]
+    run(ops, ops.w4a16_gate_up, dev(x), dev(qg), dev(sg), dev(qu), dev(su), ids_d, act, T, S, 0, K)
+    run(ops, ops.swiglu_gate_up, dev(x), dev(Wg_s), dev(Wu_s), ids_d, act, T, S, K, 1, E)
+    run(ops, ops.w4a16_down, act, dev(qd), dev(sd), ids_d, y, T, S, 0, K)
+    run(ops, ops.expert_down, act, dev(Wd_s), ids_d, y, T, S, K, 1, E)
+    run(ops, ops.moe_combine, y, ids_d, w_d, out, T, K, S, dev(h), h_out, dev(w_norm), y_norm, 1e-5)
+    Wg = np.concatenate([packed["gate"][2], Wg_s]); Wu = np.concatenate([packed["up"][2], Wu_s])  # noqa: E702
+    Wd = np.concatenate([packed["down"][2], Wd_s])
+    f32 = lambda a: a.astype(np.float32)  # noqa: E731
+    check(f"w4a16 experts E={E} I={I} D={D} K={K} T={T} g={g}", out.get(),
+          moe_oracle(x.astype(np.float64), Wg.astype(np.float64), Wu.astype(np.float64), Wd.astype(np.float64), ids,
+                     w.astype(np.float64), K), moe_oracle(x, f32(Wg), f32(Wu), f32(Wd), ids, w, K))
 
 
 # ---------------------------------------------------------------- sampling

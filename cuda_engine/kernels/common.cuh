@@ -10,6 +10,10 @@
 #define WARP_SIZE 32
 #define WARPS_PER_BLOCK 8
 #define BLOCK_THREADS (WARP_SIZE * WARPS_PER_BLOCK)
+// __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM): with the thread count alone, ptxas for sm_90 aims
+// at 8 resident blocks, caps registers at 32 and spills (kdtr kernels check caught it); asking for
+// one block per SM lets it use what it needs (<= 64 here, still 4 blocks of 256 threads per SM).
+#define MIN_BLOCKS_PER_SM 1
 
 __device__ __forceinline__ float warp_sum(float v) {
     for (int off = WARP_SIZE / 2; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);

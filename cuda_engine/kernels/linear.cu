@@ -9,7 +9,7 @@
 // (prefill shapes of the golden model are tiny).
 #include "common.cuh"
 
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS)
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
 linear_kernel(const float* __restrict__ x, const float* __restrict__ W, float* __restrict__ y,
               int I, int O, int x_stride, int y_stride, long long x_bstride, long long w_bstride,
               long long y_bstride) {

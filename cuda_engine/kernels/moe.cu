@@ -5,17 +5,27 @@
 // slot K (when n_shared_experts = 1) holds the shared expert, stacked after the routed ones at id E,
 // weight 1. Expert weights are stacked: gate/up [E', I, D], down [E', D, I] (E' = E + n_shared).
 //
-//   router_kernel:         scores = sigmoid(logits) [T, E]; choice = scores + bias (selection only);
+//   router_kernel:         logits = gate x[t] (mlp.gate.weight [E, D], a warp per expert row: one launch
+//                          for the router GEMV and the selection); scores = sigmoid(logits) [T, E];
+//                          choice = scores + bias (selection only);
 //                          with n_group > 1 keep the topk_group groups with the largest top-2 sums;
 //                          top-K of choice, ties to the lower id; weights = scores[ids], renormalised
 //                          (sum + 1e-20) if norm_topk_prob, times routed_scaling_factor.
-//                          Launch grid (T), block BLOCK_THREADS; thread 0 selects (K * E compares: tiny
-//                          next to the expert GEMVs, and obviously the oracle's stable order).
-//   swiglu_gate_up_kernel: act[t, k] = silu(Wg[e] x[t]) * (Wu[e] x[t]), e = slot_ids[t, k]  [T * S, I].
-//                          Launch grid (ceil(I / WARPS_PER_BLOCK), T * S), one warp per (slot, i).
-//   expert_down_kernel:    y[t, k] = Wd[e] act[t, k]  [T * S, D]. Launch grid (ceil(D / WARPS_PER_BLOCK), T * S).
+//                          Launch grid (T), block BLOCK_THREADS. One block per token streams the gate rows:
+//                          a launch saved for the golden models' small routers; at K2.6's 384 x 7168 (11 MB
+//                          per token through one SM) a separate GEMV would be the faster choice.
+//                          warp 0 selects: K rounds of a warp
+//                          argmax with ties to the lower id (the oracle's stable order).
+//   swiglu_gate_up_kernel: act[t, k] = silu(Wg[e] x[t]) * (Wu[e] x[t]), e = slot_ids[t, k] - e_base  [T * S, I],
+//                          for the slots k0 .. k0+nk-1 (all S; or, when the routed experts are INT4
+//                          (w4a16_plain.cu), only the dense shared expert's slot, e_base = E).
+//                          Launch grid (ceil(I / WARPS_PER_BLOCK), T * nk), one warp per (slot, i).
+//   expert_down_kernel:    y[t, k] = Wd[e] act[t, k]  [T * S, D], same slots.
+//                          Launch grid (ceil(D / WARPS_PER_BLOCK), T * nk).
 //   moe_combine_kernel:    out[t] = sum over routed slots in ascending expert id of w * y, then + the
 //                          unweighted slots (shared expert) in slot order: the oracle's summation order.
+//                          Fused with the block's end (one launch fewer per layer): h_out = h + out and
+//                          y_norm = rms_norm(h_out, w_norm) (the next layer's input norm or the final norm).
 //                          Launch grid (T), block BLOCK_THREADS.
 // Limits: E <= ROUTER_MAX_E, n_group <= ROUTER_MAX_GROUPS, S <= MOE_MAX_SLOTS (shared-memory arrays).
 #include "common.cuh"
@@ -24,25 +34,34 @@
 #define ROUTER_MAX_GROUPS 64
 #define MOE_MAX_SLOTS 64
 
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS)
-router_kernel(const float* __restrict__ logits, const float* __restrict__ bias, float* __restrict__ scores,
-              int* __restrict__ slot_ids, float* __restrict__ slot_w, int E, int K, int S, int n_group,
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
+router_kernel(const float* __restrict__ x, const float* __restrict__ gate, int D, const float* __restrict__ bias,
+              float* __restrict__ scores, int* __restrict__ slot_ids, float* __restrict__ slot_w, int E, int K, int S,
+              int n_group,
               int topk_group, int norm_topk_prob, float routed_scaling_factor) {
     __shared__ float choice[ROUTER_MAX_E];
     __shared__ unsigned char taken[ROUTER_MAX_E];
     __shared__ float gscore[ROUTER_MAX_GROUPS];
     __shared__ bool keep[ROUTER_MAX_GROUPS];
-    const int t = blockIdx.x;
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        const float s = sigmoid(logits[(size_t)t * E + e]);
-        scores[(size_t)t * E + e] = s;
-        choice[e] = s + bias[e];
-        taken[e] = 0;
+    __shared__ float ssc[ROUTER_MAX_E];                       // the sigmoid scores, for the selected weights
+    __shared__ float w_sel[MOE_MAX_SLOTS];
+    __shared__ int id_sel[MOE_MAX_SLOTS];
+    const int t = blockIdx.x, lane = threadIdx.x % WARP_SIZE;
+    const float* xr = x + (size_t)t * D;
+    for (int e = threadIdx.x / WARP_SIZE; e < E; e += WARPS_PER_BLOCK) {
+        float acc = 0.0f;
+        for (int d = lane; d < D; d += WARP_SIZE) acc += xr[d] * gate[(size_t)e * D + d];
+        const float s = sigmoid(warp_sum(acc));
+        if (lane == 0) {
+            scores[(size_t)t * E + e] = s;
+            ssc[e] = s;
+            choice[e] = s + bias[e];
+            taken[e] = 0;
+        }
     }
     __syncthreads();
-    if (threadIdx.x != 0) return;
-    const float* sc = scores + (size_t)t * E;
-    if (n_group > 1) {                                        // group-limited selection
+    if (threadIdx.x >= WARP_SIZE) return;                     // selection: warp 0
+    if (n_group > 1 && lane == 0) {                           // group-limited selection (thread 0: G is small)
         const int per = E / n_group;
         for (int g = 0; g < n_group; ++g) {
             float b1 = -INFINITY, b2 = -INFINITY;             // largest, second largest
@@ -61,32 +80,43 @@ router_kernel(const float* __restrict__ logits, const float* __restrict__ bias, 
         }
         for (int e = 0; e < E; ++e) if (!keep[e / per]) choice[e] = -INFINITY;
     }
+    __syncwarp();
+    // top-K, ties to the lower id: each round, every lane finds its best untaken expert (ids lane, lane+32,
+    // ...), then a butterfly keeps the (larger choice, lower id) pair: the same order as a stable sort.
     float sum = 0.0f;
-    for (int k = 0; k < K; ++k) {                             // top-K, ties to the lower id
-        int best = -1;
-        for (int e = 0; e < E; ++e)
-            if (!taken[e] && (best < 0 || choice[e] > choice[best])) best = e;
-        taken[best] = 1;
-        slot_ids[(size_t)t * S + k] = best;
-        slot_w[(size_t)t * S + k] = sc[best];
-        sum += sc[best];
-    }
     for (int k = 0; k < K; ++k) {
-        float w = slot_w[(size_t)t * S + k];
+        float bv = -INFINITY;
+        int bi = -1;
+        for (int e = lane; e < E; e += WARP_SIZE)
+            if (!taken[e] && (bi < 0 || choice[e] > bv)) { bv = choice[e]; bi = e; }
+        for (int off = WARP_SIZE / 2; off > 0; off >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
+            const int oi = __shfl_xor_sync(0xffffffffu, bi, off);
+            if (oi >= 0 && (bi < 0 || ov > bv || (ov == bv && oi < bi))) { bv = ov; bi = oi; }
+        }
+        if (lane == 0) { taken[bi] = 1; id_sel[k] = bi; w_sel[k] = ssc[bi]; }   // every lane holds the same bi
+        __syncwarp();
+        sum += ssc[bi];
+    }
+    if (lane != 0) return;
+    for (int k = 0; k < K; ++k) {
+        float w = w_sel[k];
         if (norm_topk_prob) w = w / (sum + 1e-20f);
+        slot_ids[(size_t)t * S + k] = id_sel[k];
         slot_w[(size_t)t * S + k] = w * routed_scaling_factor;
     }
     for (int k = K; k < S; ++k) { slot_ids[(size_t)t * S + k] = E + (k - K); slot_w[(size_t)t * S + k] = 1.0f; }
 }
 
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS)
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
 swiglu_gate_up_kernel(const float* __restrict__ x, const float* __restrict__ Wg, const float* __restrict__ Wu,
-                      const int* __restrict__ slot_ids, float* __restrict__ act, int D, int I, int S) {
+                      const int* __restrict__ slot_ids, float* __restrict__ act, int D, int I, int S, int k0, int nk,
+                      int e_base) {
     const int lane = threadIdx.x % WARP_SIZE;
     const int i = blockIdx.x * WARPS_PER_BLOCK + threadIdx.x / WARP_SIZE;
     if (i >= I) return;
-    const int ts = blockIdx.y, t = ts / S;
-    const size_t e = (size_t)slot_ids[ts];
+    const int t = blockIdx.y / nk, ts = t * S + k0 + blockIdx.y % nk;
+    const size_t e = (size_t)(slot_ids[ts] - e_base);
     const float* xr = x + (size_t)t * D;
     const float* g = Wg + (e * I + i) * D;
     const float* u = Wu + (e * I + i) * D;
@@ -97,14 +127,14 @@ swiglu_gate_up_kernel(const float* __restrict__ x, const float* __restrict__ Wg,
     if (lane == 0) act[(size_t)ts * I + i] = silu(ag) * au;
 }
 
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS)
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
 expert_down_kernel(const float* __restrict__ act, const float* __restrict__ Wd, const int* __restrict__ slot_ids,
-                   float* __restrict__ y, int I, int D) {
+                   float* __restrict__ y, int I, int D, int S, int k0, int nk, int e_base) {
     const int lane = threadIdx.x % WARP_SIZE;
     const int d = blockIdx.x * WARPS_PER_BLOCK + threadIdx.x / WARP_SIZE;
     if (d >= D) return;
-    const int ts = blockIdx.y;
-    const size_t e = (size_t)slot_ids[ts];
+    const int ts = (blockIdx.y / nk) * S + k0 + blockIdx.y % nk;
+    const size_t e = (size_t)(slot_ids[ts] - e_base);
     const float* a = act + (size_t)ts * I;
     const float* w = Wd + (e * D + d) * I;
     float acc = 0.0f;
@@ -113,10 +143,12 @@ expert_down_kernel(const float* __restrict__ act, const float* __restrict__ Wd, 
     if (lane == 0) y[(size_t)ts * D + d] = acc;
 }
 
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS)
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
 moe_combine_kernel(const float* __restrict__ y, const int* __restrict__ slot_ids, const float* __restrict__ slot_w,
-                   float* __restrict__ out, int K, int S, int D) {
+                   float* __restrict__ out, int K, int S, int D, const float* __restrict__ h,
+                   float* __restrict__ h_out, const float* __restrict__ w_norm, float* __restrict__ y_norm, float eps) {
     __shared__ int order[MOE_MAX_SLOTS];
+    __shared__ float buf[BLOCK_THREADS];
     const int t = blockIdx.x;
     const int* ids = slot_ids + (size_t)t * S;
     for (int k = threadIdx.x; k < K; k += blockDim.x) {       // routed slots by ascending expert id:
@@ -125,6 +157,8 @@ moe_combine_kernel(const float* __restrict__ y, const int* __restrict__ slot_ids
         order[rank] = k;
     }
     __syncthreads();
+    const size_t row = (size_t)t * D;
+    float ss = 0.0f;
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
         float acc = 0.0f;
         for (int j = 0; j < K; ++j) {
@@ -132,6 +166,11 @@ moe_combine_kernel(const float* __restrict__ y, const int* __restrict__ slot_ids
             acc = __fadd_rn(acc, __fmul_rn(slot_w[(size_t)t * S + k], y[((size_t)t * S + k) * D + d]));
         }
         for (int k = K; k < S; ++k) acc = __fadd_rn(acc, y[((size_t)t * S + k) * D + d]);
-        out[(size_t)t * D + d] = acc;
+        out[row + d] = acc;
+        const float v = h[row + d] + acc;                     // the residual add and the next RMSNorm,
+        h_out[row + d] = v;                                   // as add_rms_norm_kernel (norm.cu)
+        ss += v * v;
     }
+    const float inv = 1.0f / sqrtf(block_sum(ss, buf) / (float)D + eps);
+    for (int d = threadIdx.x; d < D; d += blockDim.x) y_norm[row + d] = w_norm[d] * (h_out[row + d] * inv);
 }

@@ -7,7 +7,7 @@
 // result is bitwise reproducible. 1/sqrtf (not rsqrtf: 2 ulp) keeps the oracle's rounding close.
 #include "common.cuh"
 
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS)
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
 rms_norm_kernel(const float* __restrict__ x, int x_stride, const float* __restrict__ w,
                 float* __restrict__ y, int y_stride, int n, float eps) {
     __shared__ float buf[BLOCK_THREADS];
@@ -19,7 +19,7 @@ rms_norm_kernel(const float* __restrict__ x, int x_stride, const float* __restri
     for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = w[i] * (xr[i] * inv);
 }
 
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS)
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
 add_rms_norm_kernel(const float* __restrict__ h, const float* __restrict__ a, float* __restrict__ h_out,
                     const float* __restrict__ w, float* __restrict__ y, int n, float eps) {
     __shared__ float buf[BLOCK_THREADS];

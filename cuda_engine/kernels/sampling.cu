@@ -6,7 +6,7 @@
 //                         Launch grid (1), block (1).
 #include "common.cuh"
 
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS)
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
 argmax_kernel(const float* __restrict__ logits, int V, int* __restrict__ out) {
     __shared__ float bv[BLOCK_THREADS];
     __shared__ int bi[BLOCK_THREADS];

@@ -1,0 +1,155 @@
+"""The verdict at the desk: what `kdtr verify` prints. Short by default, so a failing run reads on one
+screen; every check with `verbose` (and always in the JSON / JUnit / HTML reports).
+
+Default, in order: errors (a bad bundle, dump or engine), the first divergence and its cause, a compact
+layer x tap grid per prompt (all-pass layers folded), token and DDTree failures, the 10 worst numeric
+failures, skipped checks, then the verdict line with the coverage.
+
+Everything printed is plain text: names, paths, messages and metadata come from files and the command
+line, and must never be read as rich markup (a tensor named "[/]" is just a name).
+"""
+from __future__ import annotations
+
+import re
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from conformance.coverage import coverage_text, skipped
+from conformance.exit_codes import ExitCode
+from conformance.report import KINDS, Verdict, counts, error_ratio, fmt_value, metric_summary
+
+WORST = 10                                   # numeric failures listed by default
+_STYLE = {"pass": "green", "fail": "bold red", "error": "bold red", "skip": "dim"}
+_CELL = {"pass": ".", "fail": "X", "error": "E", "skip": "-"}
+# One letter per tap for the grid header, in execution order (docs/architecture.md).
+TAP_LETTERS = {"attn_in": "a", "q": "q", "kv_latent": "c", "k_pe": "k", "attn_out": "o", "resid_attn": "r",
+               "mlp_in": "m", "router_scores": "s", "topk_ids": "i", "topk_weights": "w", "mlp_out": "f",
+               "resid_out": "h"}
+_LAYER_CHECK = re.compile(r"(?:^|/)p(?P<p>\d+)/(?P<phase>prefill|ar)/L(?P<layer>\d+)/(?P<tap>[^/]+)$")
+
+
+def print_console(v: Verdict, console: Console | None = None, verbose: bool = False) -> None:
+    console = console or Console()
+
+    def say(line: str = "", style: str = "") -> None:
+        console.print(Text(line, style=style), highlight=False)
+
+    for c in v.checks:
+        if c.status == "error":
+            say(f"ERROR {c.name}: {c.message}", "bold red")
+            for problem in c.metrics.get("problems", [])[1:5]:
+                say(f"  also: {problem}")
+    _divergence(v, say)
+    _grid(v, say)
+    for c in v.checks:
+        if c.status == "fail" and c.kind in ("tokens", "ddtree", "coverage"):
+            say(f"{c.kind} FAIL {c.name}: {c.message}", "red")
+    _worst(v, say, None if verbose else WORST)
+    names = skipped(v.checks)
+    if names:
+        say(f"{len(names)} checks skipped (taps the engine did not report): {', '.join(names[:5])}"
+            + (", ..." if len(names) > 5 else ""), "yellow")
+    if verbose:
+        _tables(v, console)
+    n = counts(v.checks)
+    say(f"{n['pass']} passed, {n['fail']} failed, {n['error']} errors, {n['skip']} skipped; coverage "
+        f"(checks run / defined): {coverage_text(v.coverage)}")
+    style = "bold green" if v.exit_code == ExitCode.OK else "bold red"
+    say(f"{v.verdict.upper()} {v.engine} on {v.bundle}: exit code {int(v.exit_code)} ({v.exit_code.name})",
+        style)
+
+
+def _divergence(v: Verdict, say) -> None:
+    d = v.first_divergence
+    if d is None:
+        return
+    where = (f"layer {d.layer}, tap {d.tap}, {d.phase}" + (f" step {d.step}" if d.step is not None else "")
+             + (f", token position {d.token_position}" if d.token_position is not None else ""))
+    say(f"first divergence: {d.name} ({where})", "bold red")
+    say(f"  worst element {d.worst_index}: golden {fmt_value(d.golden)}, actual {fmt_value(d.actual)}")
+    if d.local_error is not None or d.inherited_error is not None:
+        say(f"  on golden inputs: {metric_summary(d.local_error)}; in the run: {metric_summary(d.inherited_error)}")
+    if d.cause:
+        say(f"  cause: {d.cause}", "bold")
+    for k, val in (d.evidence or {}).items():
+        say(f"  {k}: {val}")
+
+
+def _grid(v: Verdict, say) -> None:
+    """Per prompt, one row per layer: a cell per tap, prefill then decode. Consecutive layers where every
+    cell passed fold into one row; a prompt with nothing but passes is one line."""
+    cells: dict = {}                              # prompt -> layer -> phase -> {tap: status}
+    for c in v.checks:
+        m = _LAYER_CHECK.search(c.name)
+        if m and c.kind == "numeric":
+            cells.setdefault(int(m["p"]), {}).setdefault(int(m["layer"]), {}).setdefault(
+                m["phase"], {})[m["tap"]] = c.status
+    if not cells or all(st == "pass" for pr in cells.values() for lay in pr.values()
+                        for taps in lay.values() for st in taps.values()):
+        return                                     # nothing to point at: the counts line says it
+    taps = {ph: [t for t in TAP_LETTERS if any(t in lay.get(ph, {}) for pr in cells.values() for lay in pr.values())]
+            for ph in ("prefill", "ar")}
+    head = lambda ph: "".join(TAP_LETTERS[t] for t in taps[ph])  # noqa: E731
+    say("layer x tap grid (. pass  X fail  - skipped  blank: no such tap); taps: "
+        + " ".join(f"{ch}={t}" for t, ch in TAP_LETTERS.items()))
+    say(f"{'':10}{'prefill':<{len(taps['prefill']) + 2}}decode")
+    say(f"{'':10}{head('prefill'):<{len(taps['prefill']) + 2}}{head('ar')}")
+    for p, layers in sorted(cells.items()):
+        rows = []
+        for l, phases in sorted(layers.items()):
+            row = "  ".join("".join(_CELL.get(phases.get(ph, {}).get(t), " ") for t in taps[ph])
+                            for ph in ("prefill", "ar"))
+            rows.append((l, row))
+        _fold(p, rows, say)
+
+
+def _fold(p: int, rows: list, say) -> None:
+    """Print layer rows, runs of all-pass rows as one line "L0-L4  all pass"."""
+    i = 0
+    while i < len(rows):
+        j = i
+        while j < len(rows) and set(rows[j][1]) <= {".", " "}:
+            j += 1
+        if j > i:
+            span = f"L{rows[i][0]}" + (f"-L{rows[j - 1][0]}" if j - 1 > i else "")
+            say(f"p{p:<3}{span:<7}all pass" if (i, j) != (0, len(rows)) else f"p{p:<3}every layer passes")
+            i = j
+            continue
+        say(f"p{p:<3}L{rows[i][0]:<6}{rows[i][1]}")
+        i += 1
+
+
+def _worst(v: Verdict, say, limit: int | None) -> None:
+    bad = [c for c in v.checks if c.status == "fail" and c.kind == "numeric"]
+    if not bad:
+        return
+    bad.sort(key=lambda c: -(error_ratio(c) or 0.0))
+    shown = bad if limit is None else bad[:limit]
+    say(f"numeric failures, worst first ({len(shown)} of {len(bad)}; -v or the reports for the rest):")
+    for c in shown:
+        r = error_ratio(c)
+        parts = []
+        for metric, limit in (("max_abs", "atol"), ("nmse", "nmse"), ("mismatch_count", None)):
+            if c.metrics.get(metric) is not None:
+                bound = f" (limit {fmt_value(c.tolerance[limit])})" if c.tolerance.get(limit) else ""
+                parts.append(f"{metric}={fmt_value(c.metrics[metric])}{bound}")
+        say(f"  {c.name}  {'' if r is None else f'{r:.3g}x tolerance: '}{', '.join(parts)}")
+
+
+def _tables(v: Verdict, console: Console) -> None:
+    """Every check, a table per kind (verbose)."""
+    for kind in KINDS:
+        checks = [c for c in v.checks if c.kind == kind]
+        if not checks:
+            continue
+        t = Table(title=f"{kind} checks", title_justify="left")
+        for col in ("check", "status", "metrics", "tolerance", "min passing / message"):
+            t.add_column(col, overflow="fold")
+        for c in checks:
+            last = (f"would pass at {metric_summary(c.min_passing, 'min_passing')}" if c.min_passing
+                    else c.message)
+            t.add_row(Text(c.name), Text(c.status, style=_STYLE[c.status]), Text(metric_summary(c.metrics)),
+                      Text(metric_summary(c.tolerance, "tolerance")), Text(last))
+        console.print(t)

@@ -1,0 +1,184 @@
+"""Precision profiles: tolerances for engines that compute in another dtype, derived like the fp32 rule.
+
+The bundle's own tolerances (`metadata.tolerances.taps`) are the `fp32` profile: a multiple of the float32
+reference's error against the float64 golden. A bf16 engine makes far larger errors, so it gets its own
+profile, derived the same way from a **bf16 reference run**: the refmodel on the bundle's weights rounded to
+bfloat16, every array operation's result rounded to bfloat16 (round to nearest even) while reductions and
+contractions accumulate in float32, teacher-forced with the golden tokens, measured against the float64
+golden on the same prompts. Each tap's rule is then `DerivedTolerance` with the same multiplier, and the
+floor is the same number of ULPs, counted in bfloat16 (docs/conformance.md, section 3).
+
+Rounding after every operation is stricter than a fused bf16 kernel (which keeps, say, an RMSNorm's
+statistics in float32 and rounds once), so a correct bf16 engine sits inside the reference's noise. The
+router gate and its correction bias stay float32, as transformers and DeepSeek's own inference keep them.
+
+Stored as `metadata.tolerances.profiles.bf16` (schema: docs/golden-bundles.md).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from conformance.tolerance import DEFAULT_FLOOR_ULPS, DEFAULT_MULTIPLIER, DerivedTolerance
+from kdtr_format import bfloat16_to_float32, float32_to_bfloat16
+
+PROFILES = ("fp32", "bf16")
+PROFILE_OF_DTYPE = {"float32": "fp32", "bfloat16": "bf16"}
+BF16_EPS = 2.0**-7                      # bfloat16 machine epsilon: one ULP at 1.0 (8-bit significand)
+FP32_KEEP = (".mlp.gate.weight", ".mlp.gate.e_score_correction_bias")   # router: float32 in bf16 engines
+
+
+class ProfileError(ValueError):
+    """A profile was asked for that the bundle does not carry (or that does not exist)."""
+
+
+# ---------------------------------------------------------------- the bf16 reference
+
+def round_bf16(x: np.ndarray) -> np.ndarray:
+    """float -> float32 holding the nearest bfloat16 value (ties to even)."""
+    return bfloat16_to_float32(float32_to_bfloat16(np.asarray(x, np.float32)))
+
+
+def _plain(x):
+    """Strip the precision classes (recursively through lists/tuples) so NumPy computes on plain arrays."""
+    if isinstance(x, _Precision):
+        return x.view(np.ndarray)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_plain(v) for v in x)
+    return x
+
+
+def _kind(args) -> type | None:
+    """The precision of an operation on `args`: float32 if any input is Fp32Array (a float32 weight
+    promotes, as torch promotes bf16 x fp32 to fp32), else bf16 if any is Bf16Array, else none."""
+    flat = []
+    for a in args:
+        flat.extend(a if isinstance(a, (list, tuple)) else [a])
+    kinds = {type(a) for a in flat if isinstance(a, _Precision)}
+    return Fp32Array if Fp32Array in kinds else Bf16Array if Bf16Array in kinds else None
+
+
+def _wrap(r, kind):
+    """A float result in `kind`: rounded to bfloat16 for Bf16Array, kept for Fp32Array; integer and
+    boolean results stay plain."""
+    if isinstance(r, tuple):
+        return tuple(_wrap(v, kind) for v in r)
+    if kind is None or not isinstance(r, (np.ndarray, np.floating)) or np.asarray(r).dtype.kind != "f":
+        return r
+    r = np.asarray(r, np.float32)
+    return (round_bf16(r) if kind is Bf16Array else r).view(kind)
+
+
+class _Precision(np.ndarray):
+    """An array whose operations compute on plain float32 arrays (reductions and contractions accumulate
+    in float32) and whose float results are then stored in the class's precision."""
+
+    def __array_ufunc__(self, ufunc, method, *inputs, out=None, **kwargs):
+        if out is not None:                                              # in place: the target decides
+            plain_out = _plain(out)
+            getattr(ufunc, method)(*_plain(inputs), out=plain_out, **kwargs)
+            for o, p in zip(out, plain_out):
+                if isinstance(o, Bf16Array) and p.dtype.kind == "f":
+                    p[...] = round_bf16(p)
+            return out[0] if len(out) == 1 else out
+        return _wrap(getattr(ufunc, method)(*_plain(inputs), **kwargs), _kind(inputs))
+
+    def __array_function__(self, func, types, args, kwargs):
+        return _wrap(func(*_plain(args), **{k: _plain(v) for k, v in kwargs.items()}), _kind(args))
+
+
+class Bf16Array(_Precision):
+    """float32 storage holding bfloat16 values: every operation's result is rounded to bfloat16. This
+    turns the refmodel, unchanged, into a bf16 engine with float32 accumulation."""
+
+
+class Fp32Array(_Precision):
+    """A float32 tensor inside a bf16 model (the router gate and bias): operations touching it run and
+    stay in float32, as transformers' router does (`F.linear(hidden.float(), weight.float())`)."""
+
+
+def bf16_weights(W64: dict) -> dict:
+    """The weights a bf16 engine holds: every float tensor rounded to bfloat16 (Bf16Array), except the
+    router gate and its bias (Fp32Array: the router runs in float32 on the bf16 hidden state)."""
+    out = {}
+    for k, v in W64.items():
+        if v.dtype.kind != "f":
+            out[k] = v
+        elif k.endswith(FP32_KEEP):
+            out[k] = np.asarray(v, np.float32).view(Fp32Array)
+        else:
+            out[k] = round_bf16(v).view(Bf16Array)
+    return out
+
+
+def bf16_ulp(magnitude: float) -> float:
+    """Spacing of bfloat16 values at `magnitude` (normal range)."""
+    m = abs(float(magnitude))
+    if m == 0 or not np.isfinite(m):
+        return 2.0**-133                                                 # smallest bf16 subnormal
+    return 2.0 ** (np.floor(np.log2(m)) - 7)
+
+
+# ---------------------------------------------------------------- deriving and reading profiles
+
+def derive_profile(errors: list[dict], quant: str, floor_ulps: int = DEFAULT_FLOOR_ULPS) -> dict:
+    """The bf16 profile from per-prompt errors of the bf16 reference (gen.baseline_errors output): per
+    tap the worst prompt's max abs error and NMSE, the multiplier of the fp32 rule and a floor of
+    `floor_ulps` bfloat16 ULPs of the tap's largest golden value. Integer taps (topk_ids) stay exact;
+    their near-tie allowance is the runner's (docs/conformance.md)."""
+    agg: dict[str, dict] = {}
+    for e in errors:
+        for k, v in e.items():
+            a = agg.setdefault(k, {})
+            for key, x in v.items():
+                a[key] = max(a.get(key, 0), x)
+    multiplier = DEFAULT_MULTIPLIER[quant]
+    taps = {}
+    for k, a in sorted(agg.items()):
+        if "mismatches" in a:
+            taps[k] = {"exact": True, "reference_mismatches": int(a["mismatches"])}
+            continue
+        taps[k] = DerivedTolerance(
+            baseline_max_abs=float(a["max_abs"]), baseline_nmse=float(a["nmse"]), multiplier=multiplier,
+            abs_floor=floor_ulps * bf16_ulp(a["magnitude"]),
+            nmse_floor=float((floor_ulps * BF16_EPS) ** 2)).to_dict()
+    return {
+        "dtype": "bfloat16",
+        "rule": ("bf16 engine passes a tap if max|a - g| <= multiplier * baseline_max_abs + abs_floor and "
+                 "NMSE <= multiplier * baseline_nmse + nmse_floor, where the baseline is the bf16 reference "
+                 "(weights and every operation's result rounded to bfloat16, float32 accumulation, router "
+                 "gate float32) vs the float64 golden on the same weights and tokens, worst prompt; "
+                 "abs_floor = floor_ulps bfloat16 ULPs of the tap's largest golden value. Tokens and "
+                 "expert choices are exact except at near-ties: a golden margin within twice the profile's "
+                 "logits (router_scores) atol."),
+        "multiplier": multiplier,
+        "floor_ulps": floor_ulps,
+        "taps": taps,
+    }
+
+
+def bf16_profile(cfg, W64: dict, goldens: list[tuple], quant: str) -> dict:
+    """Run the bf16 reference on every (prompt, golden tokens, float64 goldens, first position) and derive
+    the profile."""
+    from conformance.goldens import baseline_errors, run_reference   # gen calls this: import when called
+
+    Wb = bf16_weights(W64)
+    errors = []
+    for prompt, tokens, g64, pos0 in goldens:
+        gb, _, _, _ = run_reference(cfg, Wb, prompt, len(tokens), tokens=tokens, pos0=pos0)
+        errors.append(baseline_errors(g64, {k: np.asarray(v) for k, v in gb.items()}))
+    return derive_profile(errors, quant)
+
+
+def profile_taps(meta: dict, profile: str) -> dict:
+    """The per-tap manifest entries of `profile` from a bundle's metadata; a clear error when absent."""
+    if profile not in PROFILES:
+        raise ProfileError(f"unknown precision profile {profile!r}; choose one of {', '.join(PROFILES)}")
+    tol = meta["tolerances"]
+    if profile == "fp32":
+        return tol["taps"]
+    prof = tol.get("profiles", {}).get(profile)
+    if prof is None:
+        raise ProfileError(f"this bundle carries no {profile!r} precision profile (bundles made before "
+                           f"profiles existed); regenerate it with the command in bundles/MANIFEST.md, or "
+                           f"judge with --profile fp32 and a rules file")
+    return prof["taps"]

@@ -1,0 +1,91 @@
+"""Precision profiles: the bf16 reference really rounds where a bf16 engine does, and `kdtr gen` stores a
+bf16 profile derived from it with the fp32 rule's multiplier and a floor in bfloat16 ULPs."""
+import numpy as np
+import pytest
+
+from conformance.gen import run_reference
+from conformance.profiles import (BF16_EPS, Bf16Array, Fp32Array, ProfileError, bf16_weights, profile_taps,
+                                  round_bf16)
+from kdtr_format import open_kdtr
+from refmodel.config import PRESETS
+from refmodel.weights import init_weights
+
+TINY = PRESETS["tiny"]
+
+
+def is_bf16(x) -> bool:
+    x = np.asarray(x, np.float32)
+    return bool(np.all(x.view(np.uint32) & 0xFFFF == 0))
+
+
+def test_round_bf16_is_nearest_even():
+    one = np.float32(1.0)
+    ulp = 2**-7                                                             # bfloat16 spacing at 1.0
+    assert round_bf16(one + np.float32(ulp / 2))[()] == 1.0                 # a tie: to even (1.0)
+    assert round_bf16(one + np.float32(1.5 * ulp))[()] == 1.0 + 2 * ulp     # a tie: to even (1 + 2 ulps)
+    assert round_bf16(one + np.float32(ulp / 2 + 2**-20))[()] == 1.0 + ulp  # above the tie: up
+
+
+def test_operations_round_to_bf16_and_accumulate_in_float32():
+    rng = np.random.default_rng(0)
+    a = round_bf16(rng.normal(size=(3, 512))).view(Bf16Array)
+    b = round_bf16(rng.normal(size=(7, 512))).view(Bf16Array)
+    y = np.einsum("ti,oi->to", a, b)
+    assert isinstance(y, Bf16Array) and is_bf16(y)
+    exact = np.einsum("ti,oi->to", a.astype(np.float64).view(np.ndarray), b.astype(np.float64).view(np.ndarray))
+    # one rounding of a float32 sum: within half a bf16 ulp (plus the float32 accumulation error)
+    assert np.all(np.abs(np.asarray(y) - exact) <= 0.5 * BF16_EPS * np.abs(exact) + 1e-4)
+    s = a.sum(-1)
+    assert isinstance(s, Bf16Array) and is_bf16(s)
+    z = np.zeros_like(a)
+    z[[0, 2]] += a[[0, 2]] * np.float32(1.0 / 3.0)                          # in place, fancy index: rounded
+    assert isinstance(z, Bf16Array) and is_bf16(z)
+
+
+def test_float32_weights_promote_like_torch():
+    """bf16 activation x float32 router weight: computed and kept in float32 (transformers' router)."""
+    rng = np.random.default_rng(1)
+    x = round_bf16(rng.normal(size=(2, 64))).view(Bf16Array)
+    w = rng.normal(size=(5, 64)).astype(np.float32).view(Fp32Array)
+    y = np.einsum("ti,oi->to", x, w)
+    assert isinstance(y, Fp32Array) and not is_bf16(y)
+    assert np.array_equal(np.asarray(y), np.einsum("ti,oi->to", np.asarray(x), np.asarray(w)))
+
+
+def test_bf16_reference_rounds_every_tap_but_the_router():
+    W = bf16_weights(init_weights(TINY, 0))
+    out, tokens, _, _ = run_reference(TINY, W, np.array([5, 6, 7]), 3)
+    assert len(tokens) == 3
+    for k, v in out.items():
+        if np.asarray(v).dtype.kind != "f":
+            continue
+        router = k.endswith(("router_scores", "topk_weights"))
+        assert is_bf16(v) != router, f"{k}: {'float32' if router else 'bfloat16'} expected"
+
+
+def test_gen_stores_a_bf16_profile_noisier_than_fp32_at_every_tap(small_bundle):
+    with open_kdtr(small_bundle) as f:
+        meta = f.metadata
+    fp32, bf16 = profile_taps(meta, "fp32"), profile_taps(meta, "bf16")
+    prof = meta["tolerances"]["profiles"]["bf16"]
+    assert prof["dtype"] == "bfloat16" and prof["multiplier"] == meta["tolerances"]["multiplier"]
+    assert set(fp32) == set(bf16)
+    for k, e in fp32.items():
+        if e.get("exact"):
+            assert bf16[k]["exact"], k
+            continue
+        b = bf16[k]
+        # bfloat16 keeps 8 significand bits to float32's 24: its error is orders of magnitude larger
+        assert b["baseline_max_abs"] > 64 * e["baseline_max_abs"], (k, b, e)
+        assert b["abs_floor"] == pytest.approx(e["abs_floor"] * 2**16), k   # 4 ulps, in bf16 instead of fp32
+        assert b["nmse_floor"] == pytest.approx((4 * BF16_EPS) ** 2)
+
+
+def test_missing_profile_is_a_clear_error(small_bundle):
+    with open_kdtr(small_bundle) as f:
+        meta = dict(f.metadata)
+    meta["tolerances"] = {k: v for k, v in meta["tolerances"].items() if k != "profiles"}
+    with pytest.raises(ProfileError, match="this bundle carries no 'bf16' precision profile"):
+        profile_taps(meta, "bf16")
+    with pytest.raises(ProfileError, match="unknown precision profile 'fp16'; choose one of fp32, bf16"):
+        profile_taps(meta, "fp16")
