@@ -83,6 +83,8 @@ def test_undecisive_prompt_is_rejected(monkeypatch, tmp_path):
     (["--prompt-ids", "5,x"], "write prompts as comma-separated ids"),
     (["--prompt-ids", "399"], "prompt token 399 is outside [0, 399)"),
     (["--preset", "k26"], "cannot be generated whole"),
+    (["--long-position", "262140"], "--long-position 262140: the long-position prompt's positions must lie in "
+                                    "[0, max_position_embeddings = 262144)"),
 ])
 def test_bad_gen_options_are_clear(args, message, tmp_path):
     r = CliRunner().invoke(main, ["gen", "--distill-steps", "0", "--max-new-tokens", "2", *args,
