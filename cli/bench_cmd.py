@@ -28,7 +28,8 @@ def engine_cmd(bundle, steps, json_path) -> None:
     except CudaEngineError as e:
         click.echo(f"kdtr bench engine: {e}", err=True)
         sys.exit(6)
-    click.echo(f"{r['device']} (cc {r['compute_capability']}, driver {r['driver']}), {bundle}, {steps} steps")
+    click.echo(f"{r['device']} (cc {r['compute_capability']}, driver {r['driver']}, CUDA {r['cuda_driver_api']}), "
+               f"{bundle}, {steps} steps")
     click.echo(f"launches per decode step: {r['launches_per_step']}")
     click.echo(f"decode, prepared launches: {r['us_per_token_prepared']:8.1f} us/token "
                f"(floor {r['floor_us_per_step_prepared']:.1f})")

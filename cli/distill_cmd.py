@@ -4,12 +4,13 @@ import sys
 
 import click
 
+from cli.outputs import check_output, fail_write
 from conformance.exit_codes import ExitCode
 
 
 @click.command("distill")
 @click.argument("model", type=click.Path(exists=True, dir_okay=False, readable=True))
-@click.option("--steps", default=500, show_default=True, type=click.IntRange(min=1), help="Training steps.")
+@click.option("--steps", default=1000, show_default=True, type=click.IntRange(min=1), help="Training steps.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seeds the corpus, the init and torch.")
 @click.option("--out", type=click.Path(dir_okay=False), default=None,
               help="Write here instead of updating MODEL in place.")
@@ -22,6 +23,7 @@ def distill_cmd(model: str, steps: int, seed: int, out: str | None) -> None:
         sys.exit(int(ExitCode.USAGE))
     from kdtr_format import KdtrError
 
+    check_output(out or model, "--out")
     bar, progress = rich_progress()
     try:
         with bar:
@@ -29,4 +31,6 @@ def distill_cmd(model: str, steps: int, seed: int, out: str | None) -> None:
     except (KdtrError, ValueError) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(int(ExitCode.INVALID_FILE))
+    except OSError as e:
+        fail_write(e)
     click.echo(f"drafter distilled: {steps} steps, seed {seed}, {info['seconds']} s -> {out or model}")

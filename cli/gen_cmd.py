@@ -11,12 +11,15 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
+from cli.outputs import check_output, fail_write
 from conformance.bundle_model import LONG_POSITION_OFFSET
 from conformance.exit_codes import ExitCode
 from conformance.gen import GenError, GenSettings, apply_quant, generate_bundle, model_from_checkpoint, \
     model_from_kdtr, model_from_preset
 from kdtr_format import KdtrError
+from kdtr_format.paths import open_regular
 from refmodel.checkpoint import CheckpointError
 
 
@@ -39,9 +42,9 @@ def _read_prompts(path: str | None) -> list | None:
     if path is None:
         return None
     try:
-        with open(path) as fh:
+        with open_regular(path, "prompts file") as fh:
             data = json.load(fh)
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:   # ValueError: not JSON, or not UTF-8
         raise click.BadParameter(f"{path}: {e}; expected JSON like [[1, 2, 3], [7]]", param_hint="--prompts")
     ok = isinstance(data, list) and data and all(
         isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in data)
@@ -92,7 +95,7 @@ class _Bars:
               help="Random prompts of lengths 1, 5, 10, 18, 33, 63, 118, 224 (the first N) when none are given.")
 @click.option("--max-new-tokens", type=click.IntRange(2, 4096), default=64, show_default=True)
 @click.option("--budget", type=click.IntRange(1, 1024), default=32, show_default=True, help="DDTree node budget.")
-@click.option("--distill-steps", type=click.IntRange(0), default=650, show_default=True,
+@click.option("--distill-steps", type=click.IntRange(0), default=1000, show_default=True,
               help="Drafter distillation steps (0: untrained drafter).")
 @click.option("--long-position", type=click.IntRange(0), default=LONG_POSITION_OFFSET, show_default=True,
               help="First position of the long-position prompt (a random prompt whose cache holds only its own "
@@ -112,9 +115,7 @@ def gen_cmd(preset, quant, int4_scope, checkpoint, model_path, prompts_file, pro
     if prompts_file and prompt_ids:
         raise click.UsageError("--prompts and --prompt-ids both give prompts: pass one")
     prompts = _read_prompts(prompts_file) or _parse_prompt_ids(prompt_ids)
-    parent = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):         # fail now, not after the work
-        raise click.BadParameter(f"cannot write {out}: {parent} is not a writable directory", param_hint="--out")
+    check_output(out, "--out")                                               # fail now, not after the work
     command = _canonical_command(click.get_current_context())
     s = GenSettings(preset=preset, quant=quant, int4_scope=int4_scope, seed=seed, prompts=prompts,
                     num_prompts=num_prompts, max_new_tokens=max_new_tokens, budget=budget,
@@ -135,7 +136,9 @@ def gen_cmd(preset, quant, int4_scope, checkpoint, model_path, prompts_file, pro
     except (GenError, KdtrError, CheckpointError) as e:
         console.print(f"[red]kdtr gen: {escape(str(e))}[/red]", soft_wrap=True)
         sys.exit(ExitCode.INVALID_FILE if isinstance(e, KdtrError) else ExitCode.USAGE)
-    table = Table(title=f"bundle {out}")
+    except OSError as e:   # writing the bundle failed (disk full, directory gone): the environment, not the input
+        fail_write(e, "kdtr gen")
+    table = Table(title=Text(f"bundle {out}"))   # Text: a path is printed as itself, never as markup
     table.add_column("figure")
     table.add_column("value", justify="right")
     table.add_row("bundle size", f"{os.path.getsize(out) / 2**20:.2f} MiB")

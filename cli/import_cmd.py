@@ -1,12 +1,14 @@
 """`kdtr import CHECKPOINT_DIR --out MODEL.kdtr`: a HF-layout Kimi K2.x / DeepseekV3 checkpoint
 (INT4 experts kept packed) into one .kdtr model file. All logic is refmodel.checkpoint.import_checkpoint;
-a bad checkpoint is one line on stderr and exit code ExitCode.INVALID_FILE (5)."""
+a bad checkpoint (a config or shard that is not a regular file included) is one line on stderr and
+exit code ExitCode.INVALID_FILE (5); an --out that cannot be written is exit 2."""
 import sys
 
 import click
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
+from cli.outputs import check_output, fail_write
 from conformance.exit_codes import ExitCode
 from kdtr_format import KdtrError
 from refmodel.checkpoint import CheckpointError, import_checkpoint
@@ -18,6 +20,7 @@ from refmodel.checkpoint import CheckpointError, import_checkpoint
               help="The .kdtr model file to write (atomically).")
 def import_cmd(checkpoint_dir: str, out_path: str) -> None:
     """Import CHECKPOINT_DIR (config.json + safetensors shards) into a .kdtr model file."""
+    check_output(out_path, "--out")
     console = Console(stderr=True)
     columns = (TextColumn("importing"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
     try:
@@ -28,6 +31,8 @@ def import_cmd(checkpoint_dir: str, out_path: str) -> None:
     except (CheckpointError, KdtrError) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(int(ExitCode.INVALID_FILE))
+    except OSError as e:
+        fail_write(e)
     q = summary.quantization
     scheme = (f"INT4 W4A16 g{q['group_size']} ({q['scope']}, {q['scale_dtype']} scales)" if q else "no INT4")
     click.echo(f"wrote {summary.out_path}: {summary.tensors} tensors from {summary.shards} shard(s), "

@@ -1,7 +1,6 @@
 """`kdtr verify`: judge an engine (or an external engine's run dump) against golden bundles."""
 from __future__ import annotations
 
-import os
 import sys
 
 import click
@@ -9,12 +8,15 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from cli.outputs import check_output, fail_write
 from conformance.engine_choice import ENGINES, EngineUnavailable, pick_engine
 from conformance.exit_codes import ExitCode
 from conformance.console import print_console
 from conformance.report import PRECEDENCE, write_html, write_json, write_junit
 from conformance.runner import verify
 from conformance.tolerance import load_rules_file
+from kdtr_format.errors import NotARegularFileError
+from kdtr_format.paths import check_regular
 
 
 def _suffixed(path: str | None, bundle: str, many: bool) -> str | None:
@@ -58,11 +60,17 @@ def verify_cmd(bundles, engine_name, dump, rules, json_path, junit_path, html_pa
         overrides = load_rules_file(rules) if rules else ()
     except (OSError, ValueError) as e:
         raise click.BadParameter(str(e), param_hint="--rules") from None
-    for path, hint in ((json_path, "--json"), (junit_path, "--junit"), (html_path, "--html"),
-                       (save_dump, "--save-dump")):
-        _check_writable(path, hint)
+    for path, hint in ((json_path, "--json"), (junit_path, "--junit"), (html_path, "--html")):
+        check_output(path, hint, stream_ok=True)    # a report may go to a device or /dev/stdout
+    check_output(save_dump, "--save-dump")          # a .kdtr needs a regular file (it is seeked)
     if dump and len(bundles) > 1:
         raise click.UsageError("--dump judges one run against one bundle: pass a single BUNDLE")
+    for path, what in [(b, "bundle") for b in bundles] + ([(dump, "run dump")] if dump else []):
+        try:                                        # a FIFO or device: one line and exit 5, before any run
+            check_regular(path, what)
+        except (NotARegularFileError, OSError) as e:
+            Console(stderr=True, soft_wrap=True).print(f"kdtr verify: {e}", markup=False, highlight=False)
+            sys.exit(ExitCode.INVALID_FILE)
     worst = ExitCode.OK
     for bundle in bundles:
         engine = None
@@ -83,24 +91,23 @@ def verify_cmd(bundles, engine_name, dump, rules, json_path, junit_path, html_pa
                     task[stage] = bar.add_task(f"{bundle}: {stage}", total=total)
                 bar.update(task[stage], completed=done)
 
-            v = verify(bundle, engine=engine, dump=dump, overrides=overrides, progress=progress,
-                       save_dump=_suffixed(save_dump, bundle, len(bundles) > 1), require_coverage=coverage)
+            try:
+                v = verify(bundle, engine=engine, dump=dump, overrides=overrides, progress=progress,
+                           save_dump=_suffixed(save_dump, bundle, len(bundles) > 1), require_coverage=coverage)
+            except OSError as e:        # only the dump write touches the file system after the checks above
+                if not save_dump:
+                    raise
+                fail_write(e, "kdtr verify --save-dump")
         print_console(v, Console(), verbose=verbose)
         many = len(bundles) > 1
         for path, write in ((json_path, write_json), (junit_path, write_junit), (html_path, write_html)):
             if path:
-                write(v, _suffixed(path, bundle, many))
+                try:
+                    write(v, _suffixed(path, bundle, many))
+                except OSError as e:   # e.g. --json /dev/full: one line and exit 2, the device untouched
+                    fail_write(e, "kdtr verify")
         worst = max(worst, v.exit_code, key=_severity)
     sys.exit(int(worst))
-
-
-def _check_writable(path: str | None, hint: str) -> None:
-    """Fail before a long run, not after it, when a report cannot be written."""
-    if path is None:
-        return
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        raise click.BadParameter(f"cannot write {path}: {parent} is not a writable directory", param_hint=hint)
 
 
 def _coverage_fraction(text: str | None) -> float | None:

@@ -33,7 +33,7 @@ class GenSettings:
     num_prompts: int = 4
     max_new_tokens: int = 64
     budget: int = 32                      # DDTree node budget
-    distill_steps: int = 650
+    distill_steps: int = 1000
     long_position: int = LONG_POSITION_OFFSET   # first position of the long-position prompt; 0: no such prompt
     command: str = ""                     # provenance: the command line that made the bundle
 

@@ -13,9 +13,7 @@ from __future__ import annotations
 import html
 import json
 import math
-import os
 import re
-import tempfile
 import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,6 +22,7 @@ import numpy as np
 
 from conformance.coverage import coverage, coverage_text
 from conformance.exit_codes import ExitCode
+from kdtr_format.paths import write_atomically
 
 STATUSES = ("pass", "fail", "error", "skip")
 KINDS = ("integrity", "numeric", "tokens", "ddtree", "coverage")
@@ -147,19 +146,9 @@ def verdict_dict(v: Verdict) -> dict:
 
 
 def _atomic_write(path: str | Path, data: str) -> None:
-    """Write to a temp file beside `path`, fsync, then os.replace: readers never see half a report."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)                 # mkstemp makes 0600; a report is for CI and people to read
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    """Readers never see half a report (kdtr_format.paths.write_atomically); a device, FIFO or
+    /dev/stdout given as the report path is written directly, never replaced by a file."""
+    write_atomically(path, lambda fh: fh.write(data.encode("utf-8")), stream_ok=True)
 
 
 def write_json(v: Verdict, path: str | Path) -> None:

@@ -54,12 +54,23 @@ def driver_device():
 
 
 def device_info() -> dict:
-    """Name, compute capability, driver version and memory of the device in use."""
+    """Name, compute capability, driver (kernel module and CUDA API versions) and memory of the device in use."""
     drv = driver()
     dev = _STATE["dev"]
     v = drv.get_driver_version()
     return {"device": dev.name(), "compute_capability": "%d.%d" % dev.compute_capability(),
-            "driver": f"{v // 1000}.{(v % 1000) // 10}", "total_memory_bytes": int(dev.total_memory())}
+            "driver": _kernel_module_version(), "cuda_driver_api": f"{v // 1000}.{(v % 1000) // 10}",
+            "total_memory_bytes": int(dev.total_memory())}
+
+
+def _kernel_module_version() -> str:
+    """The NVIDIA kernel module's version (e.g. 580.159.04) from /proc, else 'unknown'."""
+    try:
+        with open("/proc/driver/nvidia/version") as f:
+            words = f.readline().split()
+    except OSError:
+        return "unknown"
+    return next((w for w in words if w.count(".") >= 1 and w.replace(".", "").isdigit()), "unknown")
 
 
 class DevBuf:

@@ -42,7 +42,9 @@ step timeout 300 compute-sanitizer --tool memcheck --report-api-errors no --erro
     python3 -c 'from cli.main import main; main()' verify bundles/model_tiny.kdtr --engine cuda
 step timeout 300 compute-sanitizer --tool racecheck --kernel-name kns=mla_attention_kernel --error-exitcode 9 \
     python3 -c 'from cli.main import main; main()' verify bundles/model_tiny.kdtr --engine cuda
-step kdtr bench engine bundles/model_tiny.kdtr --json "$OUT_DIR/bench.json"
+for b in bundles/*.kdtr; do
+    step kdtr bench engine "$b" --json "$OUT_DIR/bench.$(basename "$b" .kdtr).json"
+done
 step kdtr verify bundles/model_tiny.kdtr --engine auto
 echo "device_run: $([ $failed -eq 0 ] && echo ALL STEPS PASSED || echo SOME STEP FAILED)"
 exit $failed

@@ -7,8 +7,8 @@
 """
 from kdtr_format.errors import (
     AlignmentError, ByteOrderError, ChecksumError, ClosedFileError, DuplicateNameError,
-    HeaderChecksumError, HeaderFormatError, HeaderTooLargeError, InvalidDtypeError, InvalidNameError,
-    InvalidShapeError, KdtrError, MetadataError, NotAKdtrFileError, OffsetError, OverlapError,
+    HeaderChecksumError, HeaderFormatError, HeaderTooLargeError, InvalidBoolError, InvalidDtypeError,
+    InvalidNameError, InvalidShapeError, Int4LayoutError, KdtrError, MetadataError, NotAKdtrFileError, NotARegularFileError, OffsetError, OverlapError,
     PaddingError, SafetensorsInputError, ShapeMismatchError, TensorNotFoundError, TrailingDataError, TruncatedFileError,
     UnsupportedVersionError)
 from kdtr_format.reader import KdtrFile, TensorInfo, open_kdtr
@@ -23,4 +23,5 @@ __all__ = [
     "HeaderFormatError", "MetadataError", "InvalidNameError", "DuplicateNameError",
     "InvalidDtypeError", "InvalidShapeError", "ShapeMismatchError", "OffsetError", "OverlapError",
     "AlignmentError", "ChecksumError", "PaddingError", "SafetensorsInputError", "TensorNotFoundError", "ClosedFileError",
+    "Int4LayoutError", "InvalidBoolError", "NotARegularFileError",
 ]

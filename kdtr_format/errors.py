@@ -102,3 +102,20 @@ class TensorNotFoundError(KdtrError, KeyError):
 
 class ClosedFileError(KdtrError):
     """The KdtrFile was used after close()."""
+
+
+class Int4LayoutError(KdtrError):
+    """An INT4 pair breaks the pairing rules: int4_shape on a tensor not named `.qw`, a `.qw`
+    without int4_shape or without its `.sc`, or a scale whose shape does not divide the input dim."""
+
+
+class InvalidBoolError(KdtrError):
+    """A bool tensor holds a byte other than 0 or 1."""
+
+
+class NotARegularFileError(KdtrError, OSError):
+    """An input path is a FIFO, device, socket or directory, not a regular file (refused before
+    reading: a FIFO would block forever)."""
+
+    def __str__(self) -> str:  # OSError would print "[Errno ...]" around a one-argument message
+        return str(self.args[0])

@@ -11,13 +11,13 @@ import json
 import mmap
 import os
 import struct
-import tempfile
 
 import numpy as np
 import safetensors
 
 from kdtr_format import spec
 from kdtr_format.errors import InvalidDtypeError, MetadataError, SafetensorsInputError
+from kdtr_format.paths import check_regular, write_atomically
 from kdtr_format.reader import open_kdtr
 from kdtr_format.writer import Tensor, write_kdtr
 
@@ -29,9 +29,9 @@ _KDTR_BY_ST = {code: name for name, code in spec.SAFETENSORS_DTYPES.items()}
 
 def export_safetensors(kdtr_path, out_dir) -> tuple[str, str]:
     """Write out_dir/model.safetensors and out_dir/metadata.json; return both paths."""
-    os.makedirs(out_dir, exist_ok=True)
     st_path, meta_path = os.path.join(out_dir, ST_FILE), os.path.join(out_dir, META_FILE)
-    with open_kdtr(kdtr_path, verify=True) as f:
+    with open_kdtr(kdtr_path, verify=True) as f:   # first: a bad input creates no directory
+        os.makedirs(out_dir, exist_ok=True)
         views = {name: f[name] for name in f}  # keep every view alive while safetensors reads them
         specs = {name: safetensors.TensorSpec(dtype=f.info(name).dtype, shape=list(v.shape),
                                               data_ptr=v.ctypes.data if v.nbytes else 0,
@@ -39,22 +39,19 @@ def export_safetensors(kdtr_path, out_dir) -> tuple[str, str]:
                  for name, v in views.items()}
         int4 = {n: list(f.info(n).int4_shape) for n in f if f.info(n).int4_shape is not None}
         st_meta = {META_KEY: _dumps(f.metadata), INT4_KEY: _dumps(int4), ORDER_KEY: _dumps(f.names)}
-        _atomic(st_path, lambda tmp: safetensors.serialize_file(specs, tmp, st_meta))
+        # The library writes by name; fh.name is the temp file, flushed and fsync'd after.
+        write_atomically(st_path, lambda fh: safetensors.serialize_file(specs, fh.name, st_meta))
         metadata = f.metadata
         del views, specs
     text = json.dumps(metadata, indent=2, sort_keys=True) + "\n"
-    _atomic(meta_path, lambda tmp: _write_text(tmp, text))
+    write_atomically(meta_path, lambda fh: fh.write(text.encode("utf-8")))
     return st_path, meta_path
-
-
-def _write_text(path: str, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as fh:
-        fh.write(text)
 
 
 def convert_safetensors(st_path, out_path) -> None:
     """Write the tensors of a safetensors file to out_path as .kdtr (streamed, atomic)."""
     st_path = os.fspath(st_path)
+    check_regular(st_path, "safetensors file")   # a FIFO would block the safetensors reader
     try:
         with safetensors.safe_open(st_path, framework="np") as sf:  # validates the whole header
             st_meta = sf.metadata() or {}
@@ -110,18 +107,3 @@ def _kdtr_metadata(st_path: str, st_meta: dict) -> tuple[dict, dict, list]:
 
 def _dumps(obj) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"))
-
-
-def _atomic(path: str, write) -> None:
-    """Run write(tmp) on a temp file beside path, then rename it over path."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
-                               prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise

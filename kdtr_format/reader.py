@@ -1,9 +1,10 @@
 """Open a .kdtr file: validate the preamble and header, then hand out zero-copy read-only tensor views.
 
-Opening reads 64 bytes of preamble and the JSON header, nothing else; the data section is mmapped and
+Opening refuses anything but a regular file (a FIFO would block), then reads 64 bytes of preamble
+and the JSON header, nothing else; the data section is mmapped and
 touched only when a tensor is read or verified. Validation runs in the order of docs/kdtr-format.md
-(magic, version, byte order, header size, file extent, header checksum, JSON, directory extents,
-dtype x shape, names); all arithmetic is on Python ints, so no size can overflow, and no buffer is
+(magic, version, byte order, header size, file extent, header checksum, JSON depth and size
+scanned before parsing, JSON, directory extents, dtype x shape, names, INT4 pairs); all arithmetic is on Python ints, so no size can overflow, and no buffer is
 allocated from a size field before that size was checked against the file length.
 """
 import gc
@@ -17,21 +18,22 @@ from typing import Iterator, NamedTuple
 import numpy as np
 
 from kdtr_format import spec
+from kdtr_format.checks import (
+    check_dtype, check_int4_pairs, check_int4_shape, check_name, check_shape, check_zero_size_extent,
+    header_digest, scan_json)
 from kdtr_format.errors import (
     REGENERATE, AlignmentError, ByteOrderError, ChecksumError, ClosedFileError, DuplicateNameError,
-    HeaderChecksumError, HeaderFormatError, HeaderTooLargeError, InvalidDtypeError, InvalidNameError,
-    InvalidShapeError, MetadataError, NotAKdtrFileError, OffsetError, OverlapError, PaddingError,
+    HeaderChecksumError, HeaderFormatError, HeaderTooLargeError, InvalidBoolError, MetadataError,
+    NotAKdtrFileError, NotARegularFileError, OffsetError, OverlapError, PaddingError,
     ShapeMismatchError, TensorNotFoundError, TrailingDataError, TruncatedFileError,
     UnsupportedVersionError)
+from kdtr_format.paths import open_regular
 
 TOP_KEYS = {"metadata", "tensors"}
 ENTRY_KEYS = {"name", "dtype", "shape", "offset", "nbytes", "sha256"}
 OPTIONAL_ENTRY_KEYS = {"int4_shape"}
 _ENTRY_KEYS_INT4 = ENTRY_KEYS | OPTIONAL_ENTRY_KEYS
 _HEX64 = re.compile(r"[0-9a-f]{64}")
-_JSON_ESCAPE = re.compile(rb"\\.", re.DOTALL)  # backslash escapes only occur inside JSON strings
-_DEPTH_STEP = np.zeros(256, np.int8)  # byte -> nesting change: [ { open, ] } close
-_DEPTH_STEP[[ord("["), ord("{")]], _DEPTH_STEP[[ord("]"), ord("}")]] = 1, -1
 
 
 class TensorInfo(NamedTuple):  # a NamedTuple, not a frozen dataclass: 5x cheaper to build per open
@@ -43,61 +45,6 @@ class TensorInfo(NamedTuple):  # a NamedTuple, not a frozen dataclass: 5x cheape
     nbytes: int
     checksum: str
     int4_shape: tuple[int, int] | None = None
-
-
-# ---- checks shared with the writer -------------------------------------------------------------
-
-def check_name(name, where: str) -> None:
-    if not isinstance(name, str) or not name or len(name) > spec.MAX_NAME_BYTES \
-            or not name.isascii() or not name.isprintable():
-        shown = repr(name) if not isinstance(name, str) or len(name) <= 80 else repr(name[:80]) + "..."
-        raise InvalidNameError(
-            f"{where}: tensor name {shown} is invalid; names are 1..{spec.MAX_NAME_BYTES} printable "
-            f"ASCII characters (0x20..0x7E); rename the tensor")
-
-
-def check_dtype(name: str, dtype, where: str) -> None:
-    if not isinstance(dtype, str) or dtype not in spec.DTYPES:
-        raise InvalidDtypeError(
-            f"{where}: tensor '{name}': dtype {dtype!r} is not a kdtr dtype; use one of "
-            f"{', '.join(spec.DTYPES)}")
-
-
-def check_shape(name: str, shape, where: str) -> None:
-    if len(shape) > spec.MAX_NDIM:
-        raise InvalidShapeError(
-            f"{where}: tensor '{name}': {len(shape)} dims exceed the limit of {spec.MAX_NDIM}; "
-            f"reshape the tensor")
-    for d in shape:
-        if type(d) is not int or not 0 <= d <= spec.MAX_INT:
-            raise InvalidShapeError(
-                f"{where}: tensor '{name}': dim {d!r} in shape {list(shape)} is not an integer in "
-                f"[0, 2^63); {REGENERATE}")
-
-
-def check_int4_shape(name: str, dtype: str, shape, int4_shape, where: str) -> None:
-    """int4_shape (out, in) must describe int32 words [out, in/8]."""
-    ok = (dtype == "int32" and len(int4_shape) == 2 and len(shape) == 2
-          and all(type(d) is int and 0 <= d <= spec.MAX_INT for d in int4_shape)
-          and int4_shape[1] % spec.INT4_PER_WORD == 0
-          and tuple(shape) == (int4_shape[0], int4_shape[1] // spec.INT4_PER_WORD))
-    if not ok:
-        raise ShapeMismatchError(
-            f"{where}: tensor '{name}': int4_shape {list(int4_shape)} does not match packed {dtype} "
-            f"shape {list(shape)}; packed INT4 is int32 [out, in/8] with in a multiple of 8")
-
-
-def json_depth(raw: bytes) -> int:
-    """Maximum nesting of [ and { in JSON bytes, ignoring string contents (no recursion, C speed).
-    Exact for valid JSON: with escapes removed, every other '"'-separated piece is outside strings."""
-    skeleton = np.frombuffer(b"".join(_JSON_ESCAPE.sub(b"", raw).split(b'"')[0::2]), dtype=np.uint8)
-    return int(np.cumsum(_DEPTH_STEP[skeleton], dtype=np.int64).max(initial=0))
-
-
-def header_digest(preamble: bytes, header: bytes) -> bytes:
-    """SHA-256 over the preamble's first 32 bytes and the header: covers every byte that no tensor
-    checksum or exact-layout rule covers (a flipped minor version or header bit is caught)."""
-    return hashlib.sha256(preamble[:spec.DIGESTED_PREAMBLE] + header).digest()
 
 
 def _object_pairs(pairs: list) -> dict:
@@ -122,7 +69,7 @@ class KdtrFile:
         self.path = os.fspath(path)
         self._mm = None
         self._closed = False
-        with open(self.path, "rb") as fh:
+        with open_regular(self.path, "kdtr file") as fh:
             self.file_size = os.fstat(fh.fileno()).st_size
             self._read_header(fh)
             self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
@@ -184,32 +131,43 @@ class KdtrFile:
         self.header_offset, self.header_len, self.header_sha256 = hoff, hlen, digest.hex()
         # Parsing builds ~10 objects per tensor and no cycles; pausing the cyclic GC halves open time
         # for thousands of tensors (bench/bench_open.py).
+        text = self._scan_and_decode(raw)
+        del raw   # the header is held once, as text, while it is parsed (a 64 MiB string costs 128)
         gc_was_enabled = gc.isenabled()
         gc.disable()
         try:
-            self._parse_header(raw, minor)
+            self._parse_header(text, minor)
         finally:
             if gc_was_enabled:
                 gc.enable()
 
-    def _parse_header(self, raw: bytes, minor: int) -> None:
+    def _scan_and_decode(self, raw: bytes) -> str:
+        """Depth and item limits, checked in one pass over the bytes before any parsing; then UTF-8."""
         p = self.path
-        depth = json_depth(raw)
+        depth, items = scan_json(raw)  # before parsing: bounds the parser's time, memory and recursion
         if depth > spec.MAX_JSON_DEPTH:
             raise MetadataError(
                 f"{p}: header JSON nests {depth} deep, over the limit of {spec.MAX_JSON_DEPTH}; "
                 f"flatten the metadata and {REGENERATE}")
+        if items > spec.MAX_JSON_ITEMS:
+            raise HeaderTooLargeError(
+                f"{p}: header JSON has {items} structural characters ([ {{ , :), over the limit of "
+                f"{spec.MAX_JSON_ITEMS}; split the tensors over several files and {REGENERATE}")
         try:
-            doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_object_pairs,
-                             parse_constant=_reject_constant)
+            return raw.decode("utf-8")
         except UnicodeDecodeError as e:
             raise HeaderFormatError(f"{p}: header is not UTF-8 ({e.reason} at byte {e.start}); "
                                     f"{REGENERATE}") from None
+
+    def _parse_header(self, text: str, minor: int) -> None:
+        p = self.path
+        try:
+            doc = json.loads(text, object_pairs_hook=_object_pairs, parse_constant=_reject_constant)
         except HeaderFormatError as e:
             raise HeaderFormatError(f"{p}: header JSON: {e}; {REGENERATE}") from None
         except ValueError as e:
             raise HeaderFormatError(f"{p}: header is not valid JSON ({e}); {REGENERATE}") from None
-        except RecursionError:  # only reachable by invalid JSON that json_depth under-counted
+        except RecursionError:  # unreachable while scan_json bounds the depth; kept as a guard
             raise HeaderFormatError(f"{p}: header JSON nests too deep to parse; {REGENERATE}") from None
         strict = minor <= spec.VERSION_MINOR  # newer minors may add optional keys: ignore those
         if not isinstance(doc, dict) or not TOP_KEYS <= doc.keys() or (strict and doc.keys() - TOP_KEYS):
@@ -237,17 +195,17 @@ class KdtrFile:
                 raise ShapeMismatchError(
                     f"{p}: tensor '{info.name}': nbytes {info.nbytes} != {info.dtype} size "
                     f"{spec.DTYPES[info.dtype].itemsize} x shape {list(info.shape)}; {REGENERATE}")
+            if info.nbytes == 0:
+                check_zero_size_extent(info.name, info.dtype, info.shape, p)
             if info.int4_shape is not None:
                 check_int4_shape(info.name, info.dtype, info.shape, info.int4_shape, p)
         self._infos: dict[str, TensorInfo] = {}
         for info in entries:
-            name = info.name
-            if type(name) is not str or not 0 < len(name) <= spec.MAX_NAME_BYTES \
-                    or not name.isascii() or not name.isprintable():
-                check_name(name, p)
-            if name in self._infos:
+            if info.name in self._infos:
                 raise DuplicateNameError(f"{p}: tensor name '{info.name}' appears twice; {REGENERATE}")
             self._infos[info.name] = info
+        check_int4_pairs({n: (i.dtype, i.shape, i.int4_shape) for n, i in self._infos.items()
+                          if i.int4_shape is not None or n.endswith((".qw", ".sc"))}, p)
 
     def _entry(self, i: int, e, strict: bool) -> TensorInfo:
         """Type-check one directory entry (values are checked later, in spec order). Written for
@@ -261,12 +219,16 @@ class KdtrFile:
                 f"{p}: tensors[{i}] must be an object with keys {sorted(ENTRY_KEYS)} "
                 f"(+ optional int4_shape), got {got}; {REGENERATE}")
         offset, nbytes, shape, sha = e["offset"], e["nbytes"], e["shape"], e["sha256"]
-        int4 = e.get("int4_shape")
+        int4 = e.get("int4_shape")  # absent, or a list: `null` is not "absent"
         if not (type(offset) is int and type(nbytes) is int and 0 <= offset <= spec.MAX_INT
                 and 0 <= nbytes <= spec.MAX_INT and type(shape) is list and type(sha) is str
-                and _HEX64.fullmatch(sha) and (int4 is None or type(int4) is list)):
+                and _HEX64.fullmatch(sha) and (type(int4) is list or "int4_shape" not in keys)):
             self._entry_error(i, e)
-        return TensorInfo(e["name"], e["dtype"], tuple(shape), offset, nbytes, sha,
+        name = e["name"]  # checked here, so that every later message can quote it on one line
+        if type(name) is not str or not 0 < len(name) <= spec.MAX_NAME_BYTES \
+                or not name.isascii() or not name.isprintable():
+            check_name(name, p)
+        return TensorInfo(name, e["dtype"], tuple(shape), offset, nbytes, sha,
                           tuple(int4) if int4 is not None else None)
 
     def _entry_error(self, i: int, e: dict) -> None:
@@ -284,7 +246,7 @@ class KdtrFile:
             raise HeaderFormatError(f"{p}: {label}: field 'sha256' = {e['sha256']!r} is not 64 "
                                     f"lowercase hex digits; {REGENERATE}")
         raise HeaderFormatError(f"{p}: {label}: field 'int4_shape' = {e['int4_shape']!r} is not a "
-                                f"list; {REGENERATE}")
+                                f"list (omit the key for a tensor that is not packed INT4); {REGENERATE}")
 
     def _check_extents(self, entries: list[TensorInfo]) -> None:
         """Extents in directory order: inside the data section, non-overlapping, aligned, no gaps."""
@@ -344,8 +306,19 @@ class KdtrFile:
             out = np.empty(info.shape, dtype)
             out.flags.writeable = False
             return out
+        if info.dtype == "bool":
+            self._check_bool(info, mm)
         return np.frombuffer(mm, dtype, count=info.nbytes // dtype.itemsize,
                              offset=info.offset).reshape(info.shape)
+
+    def _check_bool(self, info: TensorInfo, mm) -> None:
+        """NumPy would hand out a byte 2 as a bool that is true yet != True: refuse it instead."""
+        raw = np.frombuffer(mm, np.uint8, count=info.nbytes, offset=info.offset)
+        if raw.max() > 1:
+            at = int(np.argmax(raw > 1))
+            raise InvalidBoolError(
+                f"{self.path}: bool tensor '{info.name}' holds byte {int(raw[at])} at element {at}; "
+                f"bool bytes must be 0 or 1; {REGENERATE}")
 
     def get(self, name: str, to_float32: bool = True) -> np.ndarray:
         """The tensor; bfloat16 converted to a new float32 array when to_float32, else a raw view."""
@@ -365,6 +338,8 @@ class KdtrFile:
                     raise ChecksumError(
                         f"{self.path}: tensor '{info.name}': checksum mismatch (SHA-256 {got[:16]}... "
                         f"!= directory {info.checksum[:16]}...): its data is corrupt; {REGENERATE}")
+                if info.dtype == "bool" and info.nbytes:
+                    self._check_bool(info, mm)
             if names is None:
                 self._verify_padding(view)
 

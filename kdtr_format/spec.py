@@ -35,6 +35,10 @@ MAX_NDIM = 8
 MAX_INT = (1 << 63) - 1        # every dim, offset and nbytes fits a C int64
 MAX_NAME_BYTES = 256           # names are printable ASCII 0x20..0x7E
 MAX_JSON_DEPTH = 64            # nesting of the whole header document (metadata included)
+# Structural characters [ { , : outside strings, counted before parsing: each becomes at most one
+# Python object, so this bounds the parser's memory and time. A full K2.6 bundle (139,095 weight
+# tensors + 8 prompts of goldens) has 2,474,750; the limit leaves 1.7x (docs/kdtr-format.md).
+MAX_JSON_ITEMS = 1 << 22
 
 # name -> (numpy dtype, little-endian, as stored), itemsize follows from it.
 # bfloat16 has no numpy dtype: it is stored and returned as its raw uint16 bit pattern.

@@ -5,14 +5,14 @@ fixed offset 64), so memory is bounded by the largest tensor (its little-endian 
 the input was not already one). The JSON header goes after the data, when every offset and checksum
 is known, and the 64-byte preamble that points at it is written last: until then the file does not
 even carry the magic. Deterministic: the bytes depend only on the tensors (in the given order) and
-the metadata (JSON with sorted keys, no whitespace, no timestamps). Atomic: everything goes to a
-temp file in the destination directory, fsync'd, then os.replace'd over the final name; any
-exception (or KeyboardInterrupt) mid-way removes the temp file.
+the metadata (JSON with sorted keys, no whitespace, no timestamps). Atomic: through
+kdtr_format.paths.write_atomically (temp file beside the target, fsync, rename, removed on any
+exception or termination signal); a target that is a device or FIFO is refused (the preamble is
+written last, so the output must be seekable).
 """
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Iterable, Mapping
 
 import numpy as np
@@ -20,7 +20,9 @@ import numpy as np
 from kdtr_format import spec
 from kdtr_format.errors import (
     DuplicateNameError, HeaderTooLargeError, InvalidDtypeError, MetadataError)
-from kdtr_format.reader import check_dtype, check_int4_shape, check_name, check_shape, header_digest
+from kdtr_format.paths import write_atomically
+from kdtr_format.checks import (
+    check_dtype, check_int4_pairs, check_int4_shape, check_name, check_shape, header_digest)
 
 # numpy dtype (byte order ignored) -> kdtr dtype name; uint16 is absent: bfloat16 must be explicit.
 _BY_NUMPY = {dt.newbyteorder("="): name for name, dt in spec.DTYPES.items() if name != "bfloat16"}
@@ -107,30 +109,20 @@ def write_kdtr(path, tensors, metadata: dict) -> None:
     if not isinstance(metadata, dict):
         raise MetadataError(f"{path}: metadata is a {type(metadata).__name__}; pass a dict")
     plain_meta = _plain_json(metadata, path)
-    parent = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            os.fchmod(fh.fileno(), 0o644)  # mkstemp makes 0600; a bundle is meant to be shared
-            fh.write(bytes(spec.PREAMBLE_SIZE))  # placeholder: the preamble is written last
-            entries = _write_data(fh, tensors, path)
-            header = _header_bytes(plain_meta, entries, path)
-            header_offset = fh.tell()
-            fh.write(header)
-            fh.seek(0)
-            fields = spec.PREAMBLE.pack(spec.MAGIC, spec.VERSION_MAJOR, spec.VERSION_MINOR,
-                                        spec.BYTE_ORDER_MARK, header_offset, len(header), bytes(32))
-            fh.write(fields[:spec.DIGESTED_PREAMBLE] + header_digest(fields, header))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    _fsync_dir(parent)
+
+    def write(fh) -> None:
+        fh.write(bytes(spec.PREAMBLE_SIZE))  # placeholder: the preamble is written last
+        entries = _write_data(fh, tensors, path)
+        check_int4_pairs({e["name"]: (e["dtype"], e["shape"], e.get("int4_shape")) for e in entries}, path)
+        header = _header_bytes(plain_meta, entries, path)
+        header_offset = fh.tell()
+        fh.write(header)
+        fh.seek(0)
+        fields = spec.PREAMBLE.pack(spec.MAGIC, spec.VERSION_MAJOR, spec.VERSION_MINOR,
+                                    spec.BYTE_ORDER_MARK, header_offset, len(header), bytes(32))
+        fh.write(fields[:spec.DIGESTED_PREAMBLE] + header_digest(fields, header))
+
+    write_atomically(path, write)
 
 
 def _write_data(fh, tensors, where: str) -> list[dict]:
@@ -165,18 +157,3 @@ def _header_bytes(metadata: dict, entries: list[dict], where: str) -> bytes:
             f"{where}: header would be {len(header)} bytes, over the limit of "
             f"{spec.MAX_HEADER_BYTES}; shrink the metadata or split the tensors over several files")
     return header
-
-
-def _fsync_dir(directory: str) -> None:
-    """Make the rename durable (POSIX); a no-op where directories cannot be opened."""
-    try:
-        dfd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dfd)
-    except OSError:
-        pass
-    finally:
-        os.close(dfd)
-

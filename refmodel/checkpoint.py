@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kdtr_format import Tensor, open_kdtr, write_kdtr
+from kdtr_format.paths import open_regular
 from refmodel.config import ModelConfig
 from refmodel.quant import SCOPES, is_quantized, quant_config
 from refmodel.weights import expected_shapes
@@ -75,7 +76,7 @@ class ImportSummary:
 def read_safetensors_header(path: str) -> list[StEntry]:
     """Entries of one shard, in data order, with every offset and size checked against the file."""
     size = os.path.getsize(path)
-    with open(path, "rb") as fh:
+    with open_regular(path, "safetensors shard") as fh:
         raw_len = fh.read(8)
         if len(raw_len) < 8:
             raise CheckpointError(f"{path}: not a safetensors file (shorter than 8 bytes)")
@@ -131,7 +132,7 @@ def read_config(ckpt_dir: str) -> tuple[dict, ModelConfig, dict | None]:
     """(config.json as a dict, the text model's ModelConfig, the quantization_config or None)."""
     path = os.path.join(ckpt_dir, "config.json")
     try:
-        with open(path) as fh:
+        with open_regular(path, "config.json") as fh:   # a FIFO here would block forever
             raw = json.load(fh)
     except FileNotFoundError:
         raise CheckpointError(f"{ckpt_dir}: no config.json; point kdtr import at a HF checkpoint directory") \
@@ -150,7 +151,7 @@ def shard_paths(ckpt_dir: str) -> list[str]:
     """Shard files in order: those named by model.safetensors.index.json, else model.safetensors."""
     index = os.path.join(ckpt_dir, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as fh:
+        with open_regular(index, "checkpoint index") as fh:
             weight_map = json.load(fh).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index}: no weight_map; the index is damaged")

@@ -199,7 +199,7 @@ def test_rules_file_json_equivalent(tmp_path):
     ({"rule": [{"atol": 1}]}, r"rule 1: each rule needs a 'match' glob string"),
     ({"rule": [{"match": "*", "atl": 1}]}, r"rule 1 \('\*'\): unknown keys \['atl'\]"),
     ({"rule": [{"match": "*", "atol": 1, "multiplier": 4}]}, r"give 'atol' or derive it"),
-    ({"rule": [{"match": "*", "rtol": -1}]}, r"rule rtol must be a number >= 0"),
+    ({"rule": [{"match": "*", "rtol": -1}]}, r"rule 1 \('\*'\): 'rtol' must be a number >= 0, got -1"),
 ])
 def test_rules_file_errors(doc, msg):
     with pytest.raises(ValueError, match=msg):

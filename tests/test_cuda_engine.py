@@ -62,6 +62,21 @@ def test_two_runs_identical_and_graph_changes_no_bit(engine_cls):
 
 
 @pytest.mark.cuda
+def test_growing_buffers_change_no_bit(engine_cls, monkeypatch):
+    """Capacities of 2 tokens and 4 cache rows force every reallocation path (activations, the cache with
+    its rows copied, the graph re-captured): the run is bit-identical to one that never reallocates."""
+    import cuda_engine.engine as ce
+
+    a = collect_with(engine_cls(), "bundles/model_tiny.kdtr")
+    monkeypatch.setattr(ce, "T_CAP0", 2)
+    monkeypatch.setattr(ce, "S_CAP0", 4)
+    b = collect_with(engine_cls(), "bundles/model_tiny.kdtr")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert np.array_equal(a[k], b[k]), f"{k} differs after reallocations"
+
+
+@pytest.mark.cuda
 def test_run_layer_reproduces_the_forward(engine_cls):
     """run_layer on the engine's own layer input and cache rows gives the forward's taps bit for bit."""
     from kdtr_format import open_kdtr

@@ -31,7 +31,7 @@ def golden(tmp_path):
 def test_inspect_table(golden):
     r = run("inspect", golden, "--check")
     assert r.exit_code == ExitCode.OK, r.output
-    assert "kdtr v1.0" in r.output and "5 tensors" in r.output and "checksums OK" in r.output
+    assert "kdtr v1.0" in r.output and "6 tensors" in r.output and "checksums OK" in r.output
     assert "w_bf16" in r.output and "bfloat16" in r.output and "1x1 (int4 1x8)" in r.output
 
 
@@ -40,8 +40,8 @@ def test_inspect_json(golden):
     assert r.exit_code == ExitCode.OK, r.output
     doc = json.loads(r.output)
     assert doc["checked"] is False and doc["version"] == "1.0"
-    assert [t["name"] for t in doc["tensors"]] == ["w", "w_bf16", "mask", "qw", "ids"]
-    assert doc["tensors"][3]["int4_shape"] == [1, 8] and doc["header_offset"] == 384
+    assert [t["name"] for t in doc["tensors"]] == ["w", "w_bf16", "mask", "w4.qw", "w4.sc", "ids"]
+    assert doc["tensors"][3]["int4_shape"] == [1, 8] and doc["header_offset"] == 448
 
 
 def test_inspect_check_flipped_data_byte(golden):
@@ -150,7 +150,8 @@ def test_safetensors_kdtr_safetensors_bit_exact(tmp_path):
 
 
 def test_int4_shape_survives_export(tmp_path):
-    write_kdtr(tmp_path / "q.kdtr", {"x.qw": Tensor(np.ones((2, 4), np.int32), int4_shape=(2, 32))}, {})
+    write_kdtr(tmp_path / "q.kdtr", {"x.qw": Tensor(np.ones((2, 4), np.int32), int4_shape=(2, 32)),
+                                     "x.sc": np.ones((2, 1), np.float32)}, {})
     st_out, _ = export_safetensors(tmp_path / "q.kdtr", tmp_path / "out")
     convert_safetensors(st_out, tmp_path / "back.kdtr")
     with open_kdtr(tmp_path / "back.kdtr") as f:

@@ -12,7 +12,7 @@ from kdtr_format import (DTYPES, ChecksumError, HeaderChecksumError, KdtrError, 
                          bfloat16_to_float32, float32_to_bfloat16, open_kdtr, write_kdtr)
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "golden_tiny.kdtr")
-GOLDEN_SHA256 = "d9374842d5aabd760b6ae65e1f199e4754c64477ebc463a22d9610698c6b1a2f"
+GOLDEN_SHA256 = "c19735547ceca59446804da9563f8f755ddef4e43b963dd8d842415a4a7b7cee"
 
 
 def golden_tensors():
@@ -21,7 +21,8 @@ def golden_tensors():
         ("w", np.array([[1.0, 2.0], [3.0, 4.0]], np.float32)),
         ("w_bf16", Tensor(np.array([0x3F80, 0xC000], np.uint16), dtype="bfloat16")),  # 1.0, -2.0
         ("mask", np.array([True, False, True])),
-        ("qw", Tensor(np.array([[0x76543210]], np.int32), int4_shape=(1, 8))),
+        ("w4.qw", Tensor(np.array([[0x76543210]], np.int32), int4_shape=(1, 8))),   # INT4 weight [1, 8]
+        ("w4.sc", Tensor(np.array([[0x3F80]], np.uint16), dtype="bfloat16")),      # its scale, g = 8
         ("ids", np.array(7, np.int64)),
     ]
 
@@ -39,38 +40,39 @@ def test_golden_bytes_exact(tmp_path):
     assert got[0:8].hex(" ") == "4b 44 54 52 0d 0a 1a 0a"   # magic "KDTR\r\n\x1a\n"
     assert got[8:12].hex(" ") == "01 00 00 00"               # major 1, minor 0 (u16 LE each)
     assert got[12:16].hex(" ") == "0d 0c 0b 0a"              # byte-order mark 0x0A0B0C0D LE
-    assert got[16:24].hex(" ") == "80 01 00 00 00 00 00 00"  # header_offset 384
+    assert got[16:24].hex(" ") == "c0 01 00 00 00 00 00 00"  # header_offset 448
     header_len = int.from_bytes(got[24:32], "little")
-    assert len(got) == 384 + header_len
-    assert got[32:64] == hashlib.sha256(got[:32] + got[384:]).digest()
-    # Data section: w at 64, w_bf16 at 128, mask at 192, qw at 256, ids at 320 (64-byte aligned).
+    assert len(got) == 448 + header_len
+    assert got[32:64] == hashlib.sha256(got[:32] + got[448:]).digest()   # bytes 0 ..= 31, then the header
+    # Data section: w at 64, w_bf16 at 128, mask at 192, w4.qw at 256, w4.sc at 320, ids at 384.
     assert got[64:80].hex(" ") == "00 00 80 3f 00 00 00 40 00 00 40 40 00 00 80 40"
     assert got[80:128] == bytes(48)
     assert got[128:132].hex(" ") == "80 3f 00 c0"
     assert got[192:195].hex(" ") == "01 00 01"
     assert got[256:260].hex(" ") == "10 32 54 76"
-    assert got[320:328].hex(" ") == "07 00 00 00 00 00 00 00"
-    header = json.loads(got[384:])
+    assert got[320:322].hex(" ") == "80 3f"
+    assert got[384:392].hex(" ") == "07 00 00 00 00 00 00 00"
+    header = json.loads(got[448:])
     assert list(header) == ["metadata", "tensors"] and header["metadata"] == GOLDEN_META
     assert header["tensors"][3] == {
-        "dtype": "int32", "int4_shape": [1, 8], "name": "qw", "nbytes": 4, "offset": 256,
+        "dtype": "int32", "int4_shape": [1, 8], "name": "w4.qw", "nbytes": 4, "offset": 256,
         "sha256": hashlib.sha256(bytes.fromhex("10325476")).hexdigest(), "shape": [1, 1]}
-    assert got[384:].startswith(b'{"metadata":{"generator":"tests/test_format_roundtrip.py","seed":0},'
+    assert got[448:].startswith(b'{"metadata":{"generator":"tests/test_format_roundtrip.py","seed":0},'
                                 b'"tensors":[{"dtype":"float32","name":"w","nbytes":16,"offset":64,')
 
 
 def test_golden_reads_back():
     with open_kdtr(GOLDEN, verify=True) as f:
-        assert f.names == ["w", "w_bf16", "mask", "qw", "ids"]
+        assert f.names == ["w", "w_bf16", "mask", "w4.qw", "w4.sc", "ids"]
         assert f.metadata == GOLDEN_META
-        assert f.info("w").offset == 64 and f.info("qw").int4_shape == (1, 8)
+        assert f.info("w").offset == 64 and f.info("w4.qw").int4_shape == (1, 8)
         np.testing.assert_array_equal(f["w"], [[1, 2], [3, 4]])
         assert f["w_bf16"].dtype == np.uint16 and f["w_bf16"].tolist() == [0x3F80, 0xC000]
         assert f.get("w_bf16").tolist() == [1.0, -2.0] and f.get("w_bf16").dtype == np.float32
         assert f.get("w_bf16", to_float32=False).dtype == np.uint16
         assert f["ids"].shape == () and int(f["ids"]) == 7
         assert f["mask"].tolist() == [True, False, True]
-        assert "qw" in f and "nope" not in f and list(f) == f.names
+        assert "w4.qw" in f and "nope" not in f and list(f) == f.names
         assert not f["w"].flags.writeable
         with pytest.raises(ValueError):
             f["w"][0, 0] = 9.0

@@ -118,7 +118,7 @@ def test_engine_cuda_without_a_gpu_exits_6(small_bundle):
 
 @pytest.mark.parametrize("filename, text, says", [
     ("rules.toml", "[[rule]]\nbogus = 1\n", "rules.toml: rule 1: each rule needs a 'match' glob string"),
-    ("rules.toml", '[[rule]]\nmatch = "*"\natol = -1\n', "rule atol must be a number >= 0, got -1"),
+    ("rules.toml", '[[rule]]\nmatch = "*"\natol = -1\n', "rule 1 ('*'): 'atol' must be a number >= 0, got -1"),
     ("rules.toml", "not toml [", "Invalid value for --rules"),
     ("rules.yaml", "rule: []\n", "rules file must end in .toml or .json, got 'rules.yaml'"),
 ])

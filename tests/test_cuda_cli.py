@@ -1,0 +1,33 @@
+"""`kdtr bench engine` and `kdtr verify --engine cuda` on a machine without pycuda: a clear message and
+exit 6 (engine error), never a traceback. Skipped where pycuda is installed."""
+import importlib.util
+
+import pytest
+from click.testing import CliRunner
+
+from cli.main import main
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("pycuda") is not None, reason="pycuda is installed here")
+
+
+def test_bench_engine_without_pycuda_says_why():
+    r = CliRunner().invoke(main, ["bench", "engine", "bundles/model_tiny.kdtr", "--steps", "3"])
+    assert r.exit_code == 6, r.output
+    assert "kdtr bench engine: pycuda is not installed" in r.output and "pip install -e '.[cuda]'" in r.output
+    assert "Traceback" not in r.output
+
+
+def test_cuda_engine_load_without_pycuda_raises_the_engine_error():
+    from cuda_engine.device import CudaEngineError
+    from cuda_engine.engine import CudaEngine
+
+    with pytest.raises(CudaEngineError, match=r"pycuda is not installed .*; install it with pip install -e '\.\[cuda\]'"):
+        CudaEngine().load("bundles/model_tiny.kdtr")
+
+
+def test_unknown_w4a16_mode_is_named():
+    from cuda_engine.device import CudaEngineError
+    from cuda_engine.engine import CudaEngine
+
+    with pytest.raises(CudaEngineError, match=r"w4a16 mode 'fast': choose one of plain, dense \(KDTR_W4A16\)"):
+        CudaEngine(w4a16="fast")
