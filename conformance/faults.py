@@ -15,8 +15,8 @@ local-vs-inherited test sees it.
     nibble_order          INT4 words read MSB-first (INT4 bundles)    -> L{first_k_dense_replace}/mlp_out
     rope_f32_angles       RoPE angles position * inv_freq formed in float32 (as many engines do), cos/sin
                           of them                                     -> the long-position prompt's L0/q
-                          (angle error ~3e-6 rad at position 82, under a third of the k_pe tolerance, so
-                          the ordinary prompts pass; ~4e-3 rad at 196608, hundreds of tolerances)
+                          (angle error ~3e-6 rad at position 82, at most 0.21x the k_pe tolerance, so the
+                          ordinary prompts pass; ~4e-3 rad at 196608: up to 650x)
     decode_attn_scale     layer L's attention output scaled by (1 + eps) in decode steps only (a decode-only
                           kernel bug, e.g. a split-KV merge normalising by a wrong sum; o_proj is linear, so
                           scaling it during decode is the same) -> L{L}/attn_out of the first decode step
