@@ -137,6 +137,13 @@ def test_gen_without_torch_says_how_to_install_it(monkeypatch, tmp_path):
     assert r.exit_code == 0, r.output                                  # an untrained drafter needs no torch
 
 
+def test_verify_needs_no_torch(small_bundle, monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "torch", None)                  # as if uninstalled (README's main job)
+    r = CliRunner().invoke(main, ["verify", str(small_bundle), "--engine", "reference"])
+    assert r.exit_code == 0, r.output
+
+
 def test_gen_from_an_int4_model_keeps_its_quantization(small_int4_bundle, tmp_path):
     out = tmp_path / "again.kdtr"
     r = CliRunner().invoke(main, ["gen", "--model", str(small_int4_bundle), "--prompt-ids", "5",
