@@ -157,3 +157,13 @@ def test_gen_from_an_int4_model_keeps_its_quantization(small_int4_bundle, tmp_pa
     r = CliRunner().invoke(main, ["gen", "--model", str(small_int4_bundle), "--quant", "fp32", "--prompt-ids",
                                   "5", "--max-new-tokens", "2", "--out", str(tmp_path / "y.kdtr")])
     assert r.exit_code == 2 and "the model is INT4 already" in r.output
+
+
+def test_a_missing_manifest_entry_is_an_error_not_a_zero_tolerance(small_bundle):
+    with open_kdtr(small_bundle) as f:
+        man = f.metadata["tolerances"]
+    assert goldens.atol(man, "prefill/L0/q") == pytest.approx(
+        man["taps"]["prefill/L0/q"]["multiplier"] * man["taps"]["prefill/L0/q"]["baseline_max_abs"]
+        + man["taps"]["prefill/L0/q"]["abs_floor"], rel=1e-12)
+    with pytest.raises(KeyError, match="tolerance manifest has no entry 'prefill/L0/nope'"):
+        goldens.atol(man, "prefill/L0/nope")
