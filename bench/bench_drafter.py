@@ -7,7 +7,12 @@ which bounds what a per-token lookup can reach).
     python bench/bench_drafter.py [--steps N] [--set field=value ...] [--corpus-cache PATH]
 
 `--set` overrides a DistillSettings field (e.g. `--set gamma=10 --set sequences=480`); `--mlp I` changes the
-drafter's intermediate_size. The corpus (the target's greedy streams) can be cached between runs.
+drafter's intermediate_size. The corpus (the target's greedy streams) can be cached between runs. Training
+runs in this process with the machine's own math kernels, not pinned as `kdtr gen` pins them
+(refmodel/pinned.py): its drafter is the bundle's in distribution, not bit for bit. The INT4 figures use
+the committed INT4 bundle's prompts (its first random prompt was redrawn: bundles/MANIFEST.md).
+
+Measurements it made: refmodel/distill.py (DistillSettings) and bundles/MANIFEST.md.
 """
 from __future__ import annotations
 
