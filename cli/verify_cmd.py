@@ -9,9 +9,10 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from cli.outputs import check_output, fail_write
-from conformance.engine_choice import ENGINES, EngineUnavailable, pick_engine
+from conformance.engine_choice import ENGINES, EngineOptionError, EngineUnavailable, pick_engine
 from conformance.exit_codes import ExitCode
 from conformance.console import print_console
+from conformance.profiles import PROFILES, ProfileError
 from conformance.report import PRECEDENCE, write_html, write_json, write_junit
 from conformance.runner import verify
 from conformance.tolerance import load_rules_file
@@ -32,7 +33,13 @@ def _suffixed(path: str | None, bundle: str, many: bool) -> str | None:
 @click.argument("bundles", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("--engine", "engine_name", type=click.Choice(["auto"] + sorted(ENGINES)), default="auto",
               show_default=True, help="Engine under test; auto = cuda when a GPU and pycuda are present, "
-                                      "else reference.")
+                                      "else reference; torch = a PyTorch DeepseekV3 (docs/conformance.md).")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]),
+              help="--engine torch: compute dtype (default float32).")
+@click.option("--module", "module_path", metavar="PKG.MOD:CLASS",
+              help="--engine torch: your own DeepseekV3 port (HF parameter names) instead of transformers'.")
+@click.option("--profile", type=click.Choice(PROFILES),
+              help="Tolerance profile the bundle derived (fp32, bf16); default: the engine's dtype.")
 @click.option("--dump", type=click.Path(exists=True, dir_okay=False),
               help="Judge an external engine's run dump (docs/run-dump.md) instead of running an engine.")
 @click.option("--rules", type=click.Path(exists=True, dir_okay=False),
@@ -47,8 +54,8 @@ def _suffixed(path: str | None, bundle: str, many: bool) -> str | None:
                    "least this fraction of the checks the bundle defines; `full` = 1. Default: skipped "
                    "taps are allowed, and reported.")
 @click.option("-v", "--verbose", is_flag=True, help="List every check, not only failures.")
-def verify_cmd(bundles, engine_name, dump, rules, json_path, junit_path, html_path, save_dump,
-               require_coverage, verbose):
+def verify_cmd(bundles, engine_name, dtype, module_path, profile, dump, rules, json_path, junit_path, html_path,
+               save_dump, require_coverage, verbose):
     """Verify an engine against golden BUNDLES: every tap of every layer, the AR token stream and
     the DDTree rounds. Exit 0 pass, 1 numeric, 2 usage, 3 tokens, 4 DDTree, 5 invalid/corrupt bundle or
     dump, 6 engine error, 7 coverage below --require-coverage (the most severe wins when several occur:
@@ -76,7 +83,9 @@ def verify_cmd(bundles, engine_name, dump, rules, json_path, junit_path, html_pa
         engine = None
         if not dump:
             try:
-                engine, why = pick_engine(engine_name)
+                engine, why = pick_engine(engine_name, dtype, module_path)
+            except EngineOptionError as e:
+                raise click.UsageError(str(e)) from None
             except EngineUnavailable as e:
                 console.print(f"[red]kdtr verify: {escape(str(e))}[/red]", soft_wrap=True)
                 sys.exit(ExitCode.ENGINE_ERROR)
@@ -93,11 +102,15 @@ def verify_cmd(bundles, engine_name, dump, rules, json_path, junit_path, html_pa
 
             try:
                 v = verify(bundle, engine=engine, dump=dump, overrides=overrides, progress=progress,
-                           save_dump=_suffixed(save_dump, bundle, len(bundles) > 1), require_coverage=coverage)
+                           save_dump=_suffixed(save_dump, bundle, len(bundles) > 1), require_coverage=coverage,
+                           profile=profile)
+            except ProfileError as e:
+                raise click.UsageError(f"{bundle}: {e}") from None
             except OSError as e:        # only the dump write touches the file system after the checks above
                 if not save_dump:
                     raise
                 fail_write(e, "kdtr verify --save-dump")
+        console.print(f"tolerance profile: {v.info.get('profile', '-')}")
         print_console(v, Console(), verbose=verbose)
         many = len(bundles) > 1
         for path, write in ((json_path, write_json), (junit_path, write_junit), (html_path, write_html)):

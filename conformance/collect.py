@@ -6,7 +6,14 @@ from __future__ import annotations
 import numpy as np
 
 from conformance.records import golden_tree, offsets, position_offset, prompts_of, ragged
+from kdtr_format import bfloat16_to_float32
 from refmodel.ddtree import compile_tree, walk
+
+
+def _values(logits, dtype: str) -> np.ndarray:
+    """Logits as numbers to take an argmax of: a bfloat16 engine returns raw uint16 bit patterns."""
+    a = np.asarray(logits)
+    return bfloat16_to_float32(a) if dtype == "bfloat16" and a.dtype == np.uint16 else a
 
 
 def collect(engine, f, progress=None) -> dict:
@@ -28,7 +35,7 @@ def collect(engine, f, progress=None) -> dict:
                 if k.split("/")[-1] in ar_taps and k.startswith("L"):
                     steps.setdefault(f"p{i}/ar/{k}", []).append(np.asarray(v)[0])
         out[f"p{i}/ar/logits"] = np.stack(rows)                          # [n, V]
-        out[f"p{i}/ar/tokens"] = np.argmax(out[f"p{i}/ar/logits"], axis=-1).astype(np.int64)
+        out[f"p{i}/ar/tokens"] = np.argmax(_values(out[f"p{i}/ar/logits"], engine.dtype), axis=-1).astype(np.int64)
         out.update({k: np.stack(v) for k, v in steps.items()})
         out.update(replay_ddtree(engine, f, i, prompt, len(tokens)))
         if progress:
@@ -43,7 +50,7 @@ def replay_ddtree(engine, f, i: int, prompt, n_tokens: int) -> dict:
     engine.reset()
     P, pos0 = len(prompt), position_offset(f, i)
     logits, _ = engine.prefill(prompt, pos0 + np.arange(P))
-    emitted, start, forwards = [int(np.argmax(np.asarray(logits)[-1]))], P, 1
+    emitted, start, forwards = [int(np.argmax(_values(logits, engine.dtype)[-1]))], P, 1
     argmaxes, accepted, acc_sizes, bonuses, path = [], [], [], [], []
     for r, golden_start in enumerate(np.asarray(f[p + "ddtree/round_start"])):
         if start != golden_start:
@@ -52,7 +59,7 @@ def replay_ddtree(engine, f, i: int, prompt, n_tokens: int) -> dict:
         ids, positions, mask = compile_tree(tree, emitted[-1], start, pos0)   # rows: start; positions: pos0 + start
         lg, _ = engine.verify_tree(ids, positions, mask)
         forwards += 1
-        post = np.argmax(np.asarray(lg), axis=-1)
+        post = np.argmax(_values(lg, engine.dtype), axis=-1)
         acc, bonus = walk(tree.child_maps, post)
         engine.compact(start, np.asarray(acc))
         emitted += [int(t) for t in ids[acc[1:]]] + [int(bonus)]

@@ -5,11 +5,15 @@ import importlib.util
 
 from conformance.reference_engine import ReferenceEngine
 
-ENGINES = ("cuda", "reference")
+ENGINES = ("cuda", "reference", "torch")
 
 
 class EngineUnavailable(RuntimeError):
     """The requested engine cannot run here (no GPU, no pycuda, not built yet)."""
+
+
+class EngineOptionError(ValueError):
+    """An engine option given to an engine that has no such option (a usage error)."""
 
 
 def _cuda_engine_class():
@@ -31,8 +35,25 @@ def _cuda_engine_class():
     return CudaEngine, "a CUDA device and pycuda are present"
 
 
-def pick_engine(name: str):
-    """(engine instance, why it was chosen). `auto`: cuda when it can run, else reference."""
+def _torch_engine(dtype: str | None, module: str | None):
+    """The torch engine (conformance/torch_engine.py), imported only now: torch is an optional extra."""
+    missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise EngineUnavailable(f"--engine torch needs {' and '.join(missing)}: pip install -e '.[torch]' "
+                                f"(install the CPU wheel first: pip install torch==2.13.0)")
+    from conformance.torch_engine import TorchEngine
+
+    e = TorchEngine(dtype or "float32", module)
+    return e, f"requested; {e.describe()}"
+
+
+def pick_engine(name: str, dtype: str | None = None, module: str | None = None):
+    """(engine instance, why it was chosen). `auto`: cuda when it can run, else reference. `dtype` and
+    `module` configure the torch engine (its compute dtype, a user module's import path)."""
+    if (dtype or module) and name != "torch":
+        raise EngineOptionError(f"--dtype and --module apply to --engine torch only, not to --engine {name}")
+    if name == "torch":
+        return _torch_engine(dtype, module)
     if name == "reference":
         return ReferenceEngine(), "requested; the refmodel in float32"
     if name == "cuda":

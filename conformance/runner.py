@@ -17,6 +17,7 @@ from conformance.collect import collect
 from conformance.judge import coverage_check, judge
 from conformance.localize import localize
 from conformance.outputs import InvalidOutputs
+from conformance.profiles import PROFILE_OF_DTYPE, profile_taps
 from conformance.protocol import check_engine
 from conformance.records import check_schema, prompts_of, read_dump, write_dump
 from conformance.report import CheckResult, make_verdict
@@ -24,10 +25,12 @@ from kdtr_format import KdtrError, open_kdtr
 
 
 def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), progress=None,
-           save_dump: str | None = None, require_coverage: float | None = None):
+           save_dump: str | None = None, require_coverage: float | None = None, profile: str | None = None):
     """Judge `engine` (live) or `dump` (a run dump) against `bundle`; returns a report.Verdict.
     `require_coverage` (0..1): add a coverage check that fails (exit 7) when a group of checks ran
-    less than that fraction of the checks the bundle defines (conformance/coverage.py)."""
+    less than that fraction of the checks the bundle defines (conformance/coverage.py).
+    `profile`: the precision profile to judge with (fp32 or bf16, conformance/profiles.py); None = the
+    one of the engine's (or the dump's) dtype. Raises ProfileError when the bundle lacks it."""
     t0 = time.perf_counter()
     name = "dump" if dump else str(getattr(engine, "name", "engine"))
     try:
@@ -43,6 +46,9 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
             checks.append(CheckResult("engine/run", "error", "numeric",
                                       message=f"not an engine (conformance/protocol.py): {'; '.join(lacks)}"))
             return make_verdict(name, bundle, checks)
+        if engine is not None and dump is None:                          # a missing profile: say so before
+            profile = profile or PROFILE_OF_DTYPE.get(engine.dtype, "fp32")   # the run, not after it
+            profile_taps(f.metadata, profile)
         dtype = "float32"
         try:
             out, dtype = _outputs(f, engine, dump, progress)
@@ -54,8 +60,9 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
                                       message=f"{type(e).__name__}: {e}"))
             return make_verdict(name, bundle, checks)
         t1 = time.perf_counter()
+        profile = profile or PROFILE_OF_DTYPE.get(dtype, "fp32")
         try:
-            judged, first = judge(f, out, overrides, dtype)
+            judged, first = judge(f, out, overrides, dtype, profile)
         except InvalidOutputs as e:                                      # a bad dump is a bad file (5);
             kind, label = ("integrity", "dump/structure") if dump else ("numeric", "engine/outputs")  # a bad engine, 6
             checks.append(CheckResult(label, "error", kind, {"problems": e.problems}, message=str(e)))
@@ -63,17 +70,26 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
         if save_dump and dump is None:
             own = engine.dump_metadata() if callable(getattr(engine, "dump_metadata", None)) else None
             write_dump(out, save_dump, name, dtype, f.metadata.get("provenance", {}).get("command", ""), own)
+        _say_why_unobserved(judged, getattr(engine, "unobserved", None) or {})
         if first is not None and engine is not None and dump is None:
             try:
-                first = localize(engine, f, first, judged, out, overrides, dtype)
+                first = localize(engine, f, first, judged, out, overrides, dtype, profile)
             except Exception as e:  # noqa: BLE001 - localisation is best effort; the verdict stands
                 first.cause = f"not localised: run_layer raised {type(e).__name__}: {e}"
         if require_coverage is not None:
             judged.append(coverage_check(judged, require_coverage))
-        info = {"dtype": dtype, "engine_seconds": round(t1 - t0, 3),
+        info = {"dtype": dtype, "profile": profile, "engine_seconds": round(t1 - t0, 3),
                 "judge_seconds": round(time.perf_counter() - t1, 3), "prompts": len(prompts_of(f)),
                 "bundle_figures": f.metadata.get("figures", {})}
         return make_verdict(name, os.fspath(bundle), checks + judged, first, info)
+
+
+def _say_why_unobserved(checks, why: dict) -> None:
+    """A skipped tap that the engine said it cannot observe carries the engine's reason."""
+    for c in checks:
+        tap = c.name.rsplit("/", 1)[-1]
+        if c.status == "skip" and tap in why:
+            c.message = f"not observable: {why[tap]}"
 
 
 def _outputs(f, engine, dump, progress) -> tuple[dict, str]:

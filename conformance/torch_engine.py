@@ -1,0 +1,339 @@
+"""The `torch` engine: a PyTorch DeepseekV3 model on a bundle's own weights, driven through the Engine protocol.
+
+By default the model is transformers' `DeepseekV3ForCausalLM` (eager attention, eager experts); with
+`--module pkg.mod:Class` it is the user's own port. Either way the bundle's weights are loaded under their
+HF names (INT4 experts dequantized by `kdtr_format.int4`, the layout truth), in float32 or bfloat16 (the
+router gate and its bias stay float32, as transformers' `from_pretrained` keeps them), on the GPU when
+torch sees one, else the CPU.
+
+A user module must look like transformers' DeepseekV3ForCausalLM: a class built from a `DeepseekV3Config`
+(`cls._from_config(config)` for a transformers `PreTrainedModel`, else `cls(config)`), submodules under the
+HF names (`model.layers.{l}.self_attn.q_b_proj`, ...), experts fused (`mlp.experts.gate_up_proj`) or one
+module per expert (`mlp.experts.{e}.gate_proj`), and `forward(input_ids, position_ids, attention_mask,
+cache, use_cache)` taking a 4D additive mask and a transformers `DynamicCache`, returning `.logits`.
+
+Taps come from forward hooks, under the names of docs/architecture.md:
+
+    attn_in       input_layernorm output            attn_out     self_attn output
+    resid_attn    post_attention_layernorm input    mlp_in       post_attention_layernorm output
+    router_scores sigmoid(mlp.gate logits)          topk_ids, topk_weights   mlp.gate outputs
+    mlp_out       mlp output                        resid_out    decoder layer output
+    q             the query handed to the attention function (registered as an attention implementation)
+    kv_latent, k_pe   the rows the forward appended to the cache (exactly what the cache holds)
+    final_hidden  model.norm output                 logits       the model's output
+
+transformers keeps the rotated RoPE dims de-interleaved ([evens ; odds], y = x[P]); the taps convert back to
+the checkpoint's interleaved layout (x = y[argsort(P)]), and `run_layer` converts golden cache rows the
+other way (docs/run-dump.md, "Layouts to match"). A tap the module does not expose is not reported and its
+reason is kept in `unobserved`, which the runner shows on the skipped check.
+
+Legend: T tokens of a forward, S cache rows, D hidden, H heads, A = N + R query dims, N nope dims,
+C kv_lora_rank, R qk_rope_head_dim, V vocab.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+
+import numpy as np
+import torch
+from transformers import AttentionInterface, DeepseekV3Config, DeepseekV3ForCausalLM, DynamicCache, PreTrainedModel
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import eager_attention_forward
+
+from conformance.profiles import FP32_KEEP
+from conformance.reference_engine import bundle_weights
+from kdtr_format import open_kdtr
+from refmodel.config import ModelConfig
+from refmodel.model import causal_mask, tap_names
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+ATTENTION = "kdtr_tapped_eager"     # transformers' eager attention, plus a look at the rotated query
+
+
+class TorchEngineError(ValueError):
+    """The module or the weights cannot be used as a torch engine (the message names the fix)."""
+
+
+def _tapped_eager(module, query, key, value, attention_mask, **kwargs):
+    """Eager attention that first hands the query [1, H, T, A] (RoPE applied) to the engine's recorder."""
+    record = getattr(module, "_kdtr_record_q", None)
+    if record is not None:
+        record(query)
+    return eager_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+AttentionInterface.register(ATTENTION, _tapped_eager)
+
+
+# ---------------------------------------------------------------- building the model
+
+def hf_config(cfg: ModelConfig) -> DeepseekV3Config:
+    """Our ModelConfig as transformers' DeepseekV3Config. Traps: n_group/topk_group always set;
+    max_position_embeddings = factor x original (some revisions recompute the factor from it); mscale and
+    mscale_all_dim passed through; rope_interleave left at its default (True: the checkpoint layout)."""
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    max_pos = cfg.max_position_embeddings
+    if cfg.rope_scaling is not None:
+        rope = {k: v for k, v in cfg.rope_scaling.items() if k != "type"}
+        rope.update(rope_type="yarn", rope_theta=cfg.rope_theta)
+        max_pos = int(round(rope["factor"] * rope["original_max_position_embeddings"]))
+    return DeepseekV3Config(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        moe_intermediate_size=cfg.moe_intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_attention_heads,
+        n_shared_experts=cfg.n_shared_experts, n_routed_experts=cfg.n_routed_experts,
+        routed_scaling_factor=cfg.routed_scaling_factor, kv_lora_rank=cfg.kv_lora_rank,
+        q_lora_rank=cfg.q_lora_rank, qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
+        qk_nope_head_dim=cfg.qk_nope_head_dim, n_group=cfg.n_group, topk_group=cfg.topk_group,
+        num_experts_per_tok=cfg.num_experts_per_tok, first_k_dense_replace=cfg.first_k_dense_replace,
+        norm_topk_prob=cfg.norm_topk_prob, max_position_embeddings=max_pos, rms_norm_eps=cfg.rms_norm_eps,
+        rope_parameters=rope, tie_word_embeddings=cfg.tie_word_embeddings, num_mtp_layers=0,
+    )
+
+
+def hf_state(cfg: ModelConfig, W: dict[str, np.ndarray], fused_experts: bool) -> dict[str, torch.Tensor]:
+    """Our weights (HF names, one tensor per expert) as a state dict; `fused_experts`: transformers v5's
+    `mlp.experts.gate_up_proj` [E, 2I, D] and `mlp.experts.down_proj` [E, D, I] instead."""
+    state = {n: torch.from_numpy(np.ascontiguousarray(a)) for n, a in W.items()
+             if not (fused_experts and ".mlp.experts." in n)}
+    if fused_experts:
+        for l in range(cfg.first_k_dense_replace, cfg.num_hidden_layers):
+            p, E = f"model.layers.{l}.mlp.experts.", range(cfg.n_routed_experts)
+            gate_up = [np.concatenate([W[p + f"{e}.gate_proj.weight"], W[p + f"{e}.up_proj.weight"]]) for e in E]
+            state[p + "gate_up_proj"] = torch.from_numpy(np.stack(gate_up))                      # [E, 2I, D]
+            state[p + "down_proj"] = torch.from_numpy(np.stack([W[p + f"{e}.down_proj.weight"] for e in E]))
+    return state
+
+
+def load_module_class(path: str) -> type:
+    """`pkg.mod:Class` (or `pkg.mod.Class`) -> the class, with a clear error for each way it can fail."""
+    mod_name, sep, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    if not mod_name or not attr:
+        raise TorchEngineError(f"--module {path!r}: give an import path like 'mypkg.model:MyDeepseekV3'")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise TorchEngineError(f"--module {path!r}: cannot import {mod_name!r} ({e}); is it on PYTHONPATH?") from None
+    cls = getattr(mod, attr, None)
+    if not isinstance(cls, type) or not issubclass(cls, torch.nn.Module):
+        raise TorchEngineError(f"--module {path!r}: {mod_name}.{attr} is not a torch.nn.Module class")
+    return cls
+
+
+def load_weights(model: torch.nn.Module, cfg: ModelConfig, W: dict) -> None:
+    """Copy W into the model's own tensors (each in the dtype it has), after checking every name and shape:
+    `load_state_dict` would silently skip per-expert names on a fused-experts model."""
+    own = model.state_dict()
+    state = hf_state(cfg, W, fused_experts=any(n.endswith("mlp.experts.gate_up_proj") for n in own))
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    if missing or unexpected:
+        raise TorchEngineError(f"{type(model).__name__}'s parameters do not carry the HF names of the bundle: "
+                               f"missing {missing[:4]}, unexpected {unexpected[:4]} (a torch engine module "
+                               f"names its parameters as transformers' DeepseekV3ForCausalLM)")
+    with torch.no_grad():
+        for name, t in state.items():
+            if tuple(own[name].shape) != tuple(t.shape):
+                raise TorchEngineError(f"{name}: the module has shape {tuple(own[name].shape)}, the bundle "
+                                       f"{tuple(t.shape)}")
+            own[name].copy_(t.to(own[name].dtype))
+
+
+def build_model(cfg: ModelConfig, W: dict, module: str | None = None, dtype: str = "float32",
+                device: str = "cpu") -> torch.nn.Module:
+    """An eval-mode model holding exactly W: weights in `dtype`, router gate and bias in float32."""
+    config = hf_config(cfg)
+    cls = DeepseekV3ForCausalLM if module is None else load_module_class(module)
+    if issubclass(cls, PreTrainedModel):
+        model = cls._from_config(config, attn_implementation=ATTENTION, experts_implementation="eager")
+    else:
+        config._attn_implementation = ATTENTION
+        model = cls(config)
+    load_weights(model, cfg, W)
+    with torch.no_grad():
+        for name, p in model.named_parameters():                        # weights to dtype; buffers (the
+            if not name.endswith(FP32_KEEP):                             # RoPE inv_freq, the router bias)
+                p.data = p.data.to(DTYPES[dtype])                        # stay float32 as in from_pretrained
+    return model.to(device).eval()
+
+
+# ---------------------------------------------------------------- the engine
+
+def _rope_inverse(R: int) -> np.ndarray:
+    """Index that takes transformers' de-interleaved RoPE dims y = x[P] back to x (P = evens, then odds)."""
+    return np.argsort(np.concatenate([np.arange(0, R, 2), np.arange(1, R, 2)]))
+
+
+class TorchEngine:
+    """The Engine protocol (conformance/protocol.py) over a PyTorch DeepseekV3 module, with teacher forcing (run_layer)."""
+    name = "torch"
+    supports_teacher_forcing = True
+
+    def __init__(self, dtype: str = "float32", module: str | None = None, device: str | None = None):
+        if dtype not in DTYPES:
+            raise TorchEngineError(f"--dtype {dtype!r}: the torch engine runs float32 or bfloat16")
+        self.dtype, self.module = dtype, module
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.unobserved: dict[str, str] = {}                             # tap -> why it is not reported
+        self.cfg: ModelConfig | None = None
+        self.model = None
+        self._taps: dict = {}
+
+    def describe(self) -> str:
+        return f"{self.module or 'transformers DeepseekV3ForCausalLM'}, {self.dtype}, {self.device}"
+
+    def load(self, bundle) -> None:
+        if isinstance(bundle, (str, os.PathLike)):
+            with open_kdtr(bundle) as f:
+                self.cfg, W = bundle_weights(f)
+        else:
+            self.cfg, W = bundle_weights(bundle)
+        self.model = build_model(self.cfg, W, self.module, self.dtype, self.device)
+        self._inv = _rope_inverse(self.cfg.qk_rope_head_dim)
+        self._hook()
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = DynamicCache(config=self.model.config)
+
+    # -- taps
+
+    def _np(self, t: torch.Tensor) -> np.ndarray:
+        """A float tensor as the protocol stores it: float32, or for a bfloat16 engine the raw bfloat16
+        bits (uint16). The router's float32 outputs are rounded to bfloat16 there, as a dump stores them."""
+        t = t.detach()
+        if self.dtype == "bfloat16":
+            return t.to(torch.bfloat16).view(torch.int16).cpu().numpy().view(np.uint16)
+        return t.float().cpu().numpy()
+
+    def _put(self, key: str, t: torch.Tensor) -> None:
+        self._taps[key] = self._np(t[0])                                 # batch row 0
+
+    def _hook(self) -> None:
+        """Forward hooks on the HF-named submodules; each writes its tap into self._taps."""
+        mods = dict(self.model.named_modules())
+        N = self.cfg.qk_nope_head_dim
+
+        def out(key, pick=lambda o: o):
+            return lambda m, args, o: self._put(key, pick(o))
+
+        def attn_q(l):
+            def record(q):                                               # [1, H, T, A], RoPE de-interleaved
+                q = q.transpose(1, 2)                                    # -> [1, T, H, A]
+                self._put(f"L{l}/q", torch.cat([q[..., :N], q[..., N:][..., self._inv]], dim=-1))
+            return record
+
+        def post_norm(l):                                                # its input is the residual
+            def hook(m, args, o):                                        # stream after attention
+                self._put(f"L{l}/resid_attn", args[0])
+                self._put(f"L{l}/mlp_in", o)
+            return hook
+
+        for l in range(self.cfg.num_hidden_layers):
+            p = f"model.layers.{l}."
+            need = [p + s for s in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")]
+            absent = [n for n in need if n not in mods]
+            if absent:
+                raise TorchEngineError(f"the module has no submodule {absent[0]!r}: a torch engine module "
+                                       f"names its submodules as transformers' DeepseekV3ForCausalLM")
+            mods[p + "input_layernorm"].register_forward_hook(out(f"L{l}/attn_in"))
+            mods[p + "self_attn"].register_forward_hook(out(f"L{l}/attn_out", lambda o: o[0]))
+            mods[p + "self_attn"]._kdtr_record_q = attn_q(l)
+            mods[p + "post_attention_layernorm"].register_forward_hook(post_norm(l))
+            if l >= self.cfg.first_k_dense_replace:
+                if p + "mlp.gate" not in mods:
+                    raise TorchEngineError(f"MoE layer {l} has no submodule {p}mlp.gate (the router)")
+                mods[p + "mlp.gate"].register_forward_hook(lambda m, args, o, l=l: self._routing(l, o))
+            mods[p + "mlp"].register_forward_hook(out(f"L{l}/mlp_out"))
+            mods[p[:-1]].register_forward_hook(out(f"L{l}/resid_out", lambda o: o[0] if isinstance(o, tuple) else o))
+        mods["model.norm"].register_forward_hook(out("final_hidden"))
+
+    def _routing(self, l: int, o) -> None:
+        """transformers' router returns (logits, topk_weights, topk_ids); our scores are the sigmoid."""
+        logits, weights, ids = o
+        self._taps[f"L{l}/router_scores"] = self._np(torch.sigmoid(logits.float()))        # [T, E]
+        self._taps[f"L{l}/topk_weights"] = self._np(weights)                               # [T, K]
+        self._taps[f"L{l}/topk_ids"] = ids.detach().cpu().numpy().astype(np.int64)         # [T, K]
+
+    def _cache_taps(self, cache, layers, T: int) -> None:
+        """kv_latent and k_pe: the T rows this forward appended to each layer's cache."""
+        C, R = self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim
+        for l in layers:
+            keys, values = cache.layers[l].keys, cache.layers[l].values   # [1, 1, S, C], [1, 1, S, R]
+            if keys.ndim != 4 or keys.shape[1] != 1 or keys.shape[-1] != C or values.shape[-1] != R:
+                self.unobserved.update(dict.fromkeys(("kv_latent", "k_pe"), (
+                    f"the module caches tensors of shape {tuple(keys.shape)} / {tuple(values.shape)}, not the "
+                    f"MLA latent [1, 1, S, {C}] and rotated rope key [1, 1, S, {R}]")))
+                return
+            self._taps[f"L{l}/kv_latent"] = self._np(keys[0, 0, -T:])
+            self._taps[f"L{l}/k_pe"] = self._np(values[0, 0, -T:, self._inv])
+
+    def _ordered(self, layers, final: bool) -> dict:
+        """The taps in execution order (docs/architecture.md); note the ones the module did not show."""
+        keys = [f"L{l}/{t}" for l in layers for t in tap_names(self.cfg, l)] + (["final_hidden"] if final else [])
+        for k in keys:
+            if k not in self._taps and k.split("/")[-1] not in self.unobserved:
+                self.unobserved[k.split("/")[-1]] = ("the module's attention does not call transformers' attention "
+                                                     "interface, so the rotated query is not observable"
+                                                     if k.endswith("/q") else "no hook saw it")
+        return {k: self._taps[k] for k in keys if k in self._taps}
+
+    # -- the protocol
+
+    def _mask(self, mask: np.ndarray) -> torch.Tensor:
+        return torch.as_tensor(np.asarray(mask), dtype=DTYPES[self.dtype], device=self.device)[None, None]
+
+    def _forward(self, ids, positions, mask) -> tuple[np.ndarray, dict]:
+        ids = np.array(ids, np.int64).reshape(-1)          # a writable copy for torch
+        T, S = len(ids), self.cache.get_seq_length()
+        mask = causal_mask(T, S) if mask is None else mask               # [T, S + T] additive
+        self._taps = {}
+        with torch.no_grad():
+            out = self.model(input_ids=torch.as_tensor(ids, device=self.device)[None],
+                             position_ids=torch.as_tensor(np.array(positions, np.int64), device=self.device)[None],
+                             attention_mask=self._mask(mask), cache=self.cache, use_cache=True)
+        self._cache_taps(self.cache, range(self.cfg.num_hidden_layers), T)
+        taps = self._ordered(range(self.cfg.num_hidden_layers), final=True)
+        logits = self._np(out.logits[0])                                 # [T, V]
+        taps["logits"] = logits
+        return logits, taps
+
+    def prefill(self, ids, positions):
+        return self._forward(ids, positions, None)
+
+    def decode(self, token, position):
+        return self._forward([token], [position], None)
+
+    def verify_tree(self, ids, positions, mask):
+        return self._forward(ids, positions, mask)
+
+    def compact(self, start, keep) -> None:
+        """Rows start + keep[i] -> start + i in every layer, then truncate (KVCache.compact)."""
+        keep = np.asarray(keep, np.int64).reshape(-1)
+        S = self.cache.get_seq_length()
+        if not 0 <= start <= S or (keep.size and (keep.min() < 0 or keep.max() >= S - start)):
+            raise ValueError(f"compact(start={start}, keep={keep.tolist()}): rows must lie in [start, {S})")
+        rows = torch.as_tensor(np.concatenate([np.arange(start), start + keep]), device=self.device)
+        for layer in self.cache.layers:
+            layer.keys, layer.values = layer.keys[:, :, rows], layer.values[:, :, rows]
+
+    def run_layer(self, layer: int, inputs: dict) -> dict:
+        """Layer `layer` alone on golden inputs (hidden [T, D], positions [T], cache rows c_kv [S, C] and
+        k_pe [S, R] in the checkpoint layout), on a cache of its own."""
+        dt, dev = DTYPES[self.dtype], self.device
+        h = torch.as_tensor(np.array(inputs["hidden"]), dtype=dt, device=dev)[None]            # [1, T, D]
+        pos = torch.as_tensor(np.asarray(inputs["positions"], np.int64), device=dev)[None]     # [1, T]
+        c_kv, k_pe = np.array(inputs["c_kv"]), np.array(inputs["k_pe"])                         # [S, C], [S, R]
+        R = self.cfg.qk_rope_head_dim
+        P = np.concatenate([np.arange(0, R, 2), np.arange(1, R, 2)])
+        cache = DynamicCache(config=self.model.config)
+        if len(c_kv):
+            cache.update(torch.as_tensor(c_kv, dtype=dt, device=dev)[None, None],
+                         torch.as_tensor(k_pe[:, P], dtype=dt, device=dev)[None, None], layer)  # de-interleaved
+        T, S = h.shape[1], len(c_kv)
+        self._taps = {}
+        with torch.no_grad():
+            pe = self.model.model.rotary_emb(h, pos)
+            self.model.model.layers[layer](h, attention_mask=self._mask(causal_mask(T, S)), position_ids=pos,
+                                           cache=cache, use_cache=True, position_embeddings=pe)
+        self._cache_taps(cache, [layer], T)
+        return self._ordered([layer], final=False)

@@ -1,0 +1,69 @@
+"""User modules for `--engine torch --module`: ports of transformers' DeepseekV3, some with a planted bug.
+
+`PortForCausalLM` is a faithful port (it must pass). `KRopeBugForCausalLM` rotates k's RoPE dims in
+(i, i + R/2) pairs, as if they were already de-interleaved, while q keeps the checkpoint's interleaved
+pairs (2i, 2i + 1): a port that fixed the layout on one side only. Everything before the rotated key
+(attn_in, q, kv_latent) is right, so the first divergence must be layer 0's `k_pe`.
+"""
+import torch
+from transformers import DeepseekV3ForCausalLM
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import (DeepseekV3Attention, apply_rotary_pos_emb,
+                                                                  apply_rotary_pos_emb_interleave,
+                                                                  eager_attention_forward)
+
+
+class PortAttention(DeepseekV3Attention):
+    """transformers' MLA forward, as a user would port it; the class flags plant the bugs."""
+    k_rope_bug = False          # rotate k's rope dims in (i, i + R/2) pairs (q stays interleaved)
+    own_attention = False       # call eager attention directly, not through transformers' interface
+
+    def forward(self, hidden_states, position_embeddings, attention_mask, cache=None, **kwargs):
+        B, T = hidden_states.shape[:-1]
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+        q = q.view(B, T, -1, self.qk_head_dim).transpose(1, 2)                 # [B, H, T, A]
+        q_pass, q_rot = torch.split(q, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        kv = self.kv_a_proj_with_mqa(hidden_states)
+        kv_nope, k_rot = torch.split(kv, [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        kv_nope = self.kv_a_layernorm(kv_nope).view(B, 1, T, self.kv_lora_rank)
+        k_rot = k_rot.view(B, 1, T, self.qk_rope_head_dim)
+        cos, sin = position_embeddings
+        if self.k_rope_bug:
+            q_rot, _ = apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)  # right on q
+            _, k_rot = apply_rotary_pos_emb(q_rot, k_rot, cos, sin)             # THE BUG: rotate-half on k
+        else:
+            q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)
+        if cache is not None:
+            kv_nope, k_rot = cache.update(kv_nope, k_rot, self.layer_idx)
+        key, value = self.expand_kv(kv_nope, k_rot)
+        attention = eager_attention_forward if self.own_attention else ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward)
+        out, _ = attention(self, torch.cat((q_pass, q_rot), dim=-1), key, value, attention_mask,
+                           dropout=0.0, scaling=self.scaling)
+        return self.o_proj(out.reshape(B, T, -1).contiguous()), None
+
+
+class PortForCausalLM(DeepseekV3ForCausalLM):
+    attention = PortAttention
+
+    def __init__(self, config):
+        super().__init__(config)
+        for l, layer in enumerate(self.model.layers):
+            layer.self_attn = self.attention(config, l)
+
+
+class KRopeBugForCausalLM(PortForCausalLM):
+    attention = type("KRopeBugAttention", (PortAttention,), {"k_rope_bug": True})
+
+
+class OwnAttentionForCausalLM(PortForCausalLM):
+    """Correct, but its attention bypasses transformers' interface: the rotated query is not observable."""
+    attention = type("OwnAttention", (PortAttention,), {"own_attention": True})
+
+
+class RenamedForCausalLM(torch.nn.Module):
+    """A module whose parameters do not carry the HF names: the engine must refuse it clearly."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.embed = torch.nn.Embedding(config.vocab_size, config.hidden_size)
