@@ -43,9 +43,13 @@ def print_console(v: Verdict, console: Console | None = None, verbose: bool = Fa
                 say(f"  also: {problem}")
     _divergence(v, say)
     _grid(v, say)
+    failed = {c.name for c in v.checks if c.status == "fail"}
+    echoes = [c.name for c in v.checks if c.name in failed and _echoes_replay(c.name, failed)]
     for c in v.checks:
-        if c.status == "fail" and c.kind in ("tokens", "ddtree", "coverage"):
+        if c.status == "fail" and c.kind in ("tokens", "ddtree", "coverage") and c.name not in echoes:
             say(f"{c.kind} FAIL {c.name}: {c.message}", "red")
+    if echoes:
+        say(f"ddtree FAIL {', '.join(echoes)}: the live DDTree stream fails where the replay's does", "red")
     _live_ddtree(v, say)
     _worst(v, say, None if verbose else WORST)
     names = skipped(v.checks)
@@ -62,11 +66,16 @@ def print_console(v: Verdict, console: Console | None = None, verbose: bool = Fa
         style)
 
 
+def _echoes_replay(name: str, failed: set) -> bool:
+    """A live DDTree stream failure of a prompt whose replayed stream failed too: the same flip, once."""
+    return name.endswith("/ddtree_live/tokens") and name.replace("/ddtree_live/", "/ddtree/") in failed
+
+
 def _live_ddtree(v: Verdict, say) -> None:
-    """An engine's own DDTree loop: what passed with a note (allowed near-ties, counts not judged) and
-    the target forwards against golden and AR, summed over the prompts."""
+    """An engine's own DDTree loop: trees that passed with a note (allowed near-ties, rounds not compared)
+    and the target forwards against golden and AR, summed over the prompts."""
     for c in v.checks:
-        if c.status == "pass" and c.kind == "ddtree" and c.message:
+        if c.status == "pass" and c.name.endswith("/ddtree_live/trees") and c.message:
             say(f"ddtree note {c.name}: {c.message}", "yellow")
     fw = [c.metrics for c in v.checks if c.name.endswith("/ddtree_live/target_forwards") and c.metrics]
     if fw:
