@@ -25,18 +25,19 @@ def top2_margin(logits: np.ndarray) -> float:
 
 
 def prefill(cfg: ModelConfig, W: dict, prompt_ids, cache: KVCache, absorbed: bool = False,
-            taps: dict | None = None) -> np.ndarray:
+            taps: dict | None = None, forced_ids: dict | None = None) -> np.ndarray:
     """Run the prompt at positions 0..P-1 into the cache; returns the last position's logits [V]."""
     prompt_ids = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
     logits, _ = forward(cfg, W, prompt_ids, np.arange(cache.length, cache.length + len(prompt_ids)), cache=cache,
-                        absorbed=absorbed, taps=taps)
+                        absorbed=absorbed, taps=taps, forced_ids=forced_ids)
     return logits[-1]
 
 
 def decode_one_token(cfg: ModelConfig, W: dict, token: int, cache: KVCache, absorbed: bool = False,
-                     taps: dict | None = None) -> np.ndarray:
+                     taps: dict | None = None, forced_ids: dict | None = None) -> np.ndarray:
     """Append one token at position cache.length; returns its logits [V]."""
-    logits, _ = forward(cfg, W, [token], [cache.length], cache=cache, absorbed=absorbed, taps=taps)
+    logits, _ = forward(cfg, W, [token], [cache.length], cache=cache, absorbed=absorbed, taps=taps,
+                        forced_ids=forced_ids)
     return logits[0]
 
 
