@@ -155,11 +155,11 @@ def derive_profile(errors: list[dict], quant: str, floor_ulps: int = DEFAULT_FLO
         "rule": ("bf16 engine passes a tap if max|a - g| <= multiplier * baseline_max_abs + abs_floor and "
                  "NMSE <= multiplier * baseline_nmse + nmse_floor, where the baseline is the bf16 reference "
                  "(weights and every operation's result rounded to bfloat16, float32 accumulation, router "
-                 "gate float32, routing held to the golden expert sets) vs the float64 golden on the same weights and tokens, worst prompt; "
-                 "abs_floor = floor_ulps bfloat16 ULPs of the tap's largest golden value. Tokens and "
-                 "expert choices are exact except at near-ties: a golden margin within twice the profile's "
-                 "logits (router_scores) atol, and the engine's own reported logits (router_scores) "
-                 "choosing its decision."),
+                 "gate float32, routing held to the golden expert sets) vs the float64 golden on the same "
+                 "weights and tokens, worst prompt; abs_floor = floor_ulps bfloat16 ULPs of the tap's "
+                 "largest golden value. Tokens and expert choices are exact except at near-ties: a golden "
+                 "margin within twice the profile's logits (router_scores) atol, and the engine's own "
+                 "reported logits (router_scores) choosing its decision."),
         "multiplier": multiplier,
         "floor_ulps": floor_ulps,
         "taps": taps,
