@@ -164,7 +164,7 @@ def _rope_inverse(R: int) -> np.ndarray:
 
 
 class TorchEngine:
-    """conformance.engine.Engine over a PyTorch DeepseekV3 module, with teacher forcing (run_layer)."""
+    """The Engine protocol (conformance/protocol.py) over a PyTorch DeepseekV3 module, with teacher forcing (run_layer)."""
     name = "torch"
     supports_teacher_forcing = True
 

@@ -210,13 +210,6 @@ def _create_temp(directory: str, name: str) -> str:
     return tmp
 
 
-def _stat(path: str) -> os.stat_result | None:
-    try:
-        return os.stat(path)
-    except FileNotFoundError:
-        return None
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
