@@ -10,7 +10,7 @@ from conformance.exit_codes import ExitCode
 
 @click.command("distill")
 @click.argument("model", type=click.Path(exists=True, dir_okay=False, readable=True))
-@click.option("--steps", default=500, show_default=True, type=click.IntRange(min=1), help="Training steps.")
+@click.option("--steps", default=1000, show_default=True, type=click.IntRange(min=1), help="Training steps.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seeds the corpus, the init and torch.")
 @click.option("--out", type=click.Path(dir_okay=False), default=None,
               help="Write here instead of updating MODEL in place.")

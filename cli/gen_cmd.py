@@ -14,6 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from cli.outputs import check_output, fail_write
+from conformance.bundle_model import LONG_POSITION_OFFSET
 from conformance.exit_codes import ExitCode
 from conformance.gen import GenError, GenSettings, apply_quant, generate_bundle, model_from_checkpoint, \
     model_from_kdtr, model_from_preset
@@ -78,8 +79,9 @@ class _Bars:
 
 @click.command("gen")
 @click.option("--preset", default="tiny", show_default=True, help="Model preset (refmodel.config.PRESETS).")
-@click.option("--quant", type=click.Choice(["fp32", "int4"]), default="fp32", show_default=True,
-              help="fp32 weights, or INT4 W4A16 group-32 (compressed-tensors layout).")
+@click.option("--quant", type=click.Choice(["fp32", "int4"]), default=None,
+              help="fp32 weights, or INT4 W4A16 group-32 (compressed-tensors layout). Default: the model's "
+                   "own (--model, --from-checkpoint), fp32 for --preset.")
 @click.option("--int4-scope", type=click.Choice(["experts", "mlp"]), default="experts", show_default=True,
               help="INT4 modules: routed experts only (as K2.6 ships) or every MLP.")
 @click.option("--from-checkpoint", "checkpoint", type=click.Path(exists=True, file_okay=False),
@@ -93,12 +95,15 @@ class _Bars:
               help="Random prompts of lengths 1, 5, 10, 18, 33, 63, 118, 224 (the first N) when none are given.")
 @click.option("--max-new-tokens", type=click.IntRange(2, 4096), default=64, show_default=True)
 @click.option("--budget", type=click.IntRange(1, 1024), default=32, show_default=True, help="DDTree node budget.")
-@click.option("--distill-steps", type=click.IntRange(0), default=650, show_default=True,
+@click.option("--distill-steps", type=click.IntRange(0), default=1000, show_default=True,
               help="Drafter distillation steps (0: untrained drafter).")
+@click.option("--long-position", type=click.IntRange(0), default=LONG_POSITION_OFFSET, show_default=True,
+              help="First position of the long-position prompt (a random prompt whose cache holds only its own "
+                   "rows); 0: none. docs/golden-bundles.md says why this offset.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Weights, drafter and prompt seed.")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="The bundle to write (atomically).")
 def gen_cmd(preset, quant, int4_scope, checkpoint, model_path, prompts_file, prompt_ids, num_prompts,
-            max_new_tokens, budget, distill_steps, seed, out):
+            max_new_tokens, budget, distill_steps, long_position, seed, out):
     """Generate a golden bundle: model, prompts, per-layer goldens, AR stream and DDTree rounds.
 
     The goldens are the float64 reference on the stored weights; tolerances are derived from a float32 run
@@ -114,7 +119,7 @@ def gen_cmd(preset, quant, int4_scope, checkpoint, model_path, prompts_file, pro
     command = _canonical_command(click.get_current_context())
     s = GenSettings(preset=preset, quant=quant, int4_scope=int4_scope, seed=seed, prompts=prompts,
                     num_prompts=num_prompts, max_new_tokens=max_new_tokens, budget=budget,
-                    distill_steps=distill_steps, command=command)
+                    distill_steps=distill_steps, long_position=long_position, command=command)
     console = Console(stderr=True)
     cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             TextColumn("{task.fields[info]}"))

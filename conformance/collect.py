@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from conformance.records import golden_tree, offsets, prompts_of, ragged
+from conformance.records import golden_tree, offsets, position_offset, prompts_of, ragged
 from kdtr_format import bfloat16_to_float32
 from refmodel.ddtree import compile_tree, walk
 
@@ -23,13 +23,13 @@ def collect(engine, f, progress=None) -> dict:
     for n, i in enumerate(ps):
         p = f"golden/p{i}/"
         prompt, tokens = np.asarray(f[p + "prompt_ids"]), np.asarray(f[p + "ar/tokens"])
-        P = len(prompt)
+        P, pos0 = len(prompt), position_offset(f, i)                    # cache row j sits at pos0 + j
         engine.reset()
-        logits, taps = engine.prefill(prompt, np.arange(P))
+        logits, taps = engine.prefill(prompt, pos0 + np.arange(P))
         out.update({f"p{i}/prefill/{k}": np.asarray(v) for k, v in taps.items()})
         rows, steps = [np.asarray(logits)[-1]], {}
         for s, tok in enumerate(tokens[:-1]):                            # teacher forcing: golden tokens in
-            lg, tp = engine.decode(int(tok), P + s)
+            lg, tp = engine.decode(int(tok), pos0 + P + s)
             rows.append(np.asarray(lg)[-1])
             for k, v in tp.items():
                 if k.split("/")[-1] in ar_taps and k.startswith("L"):
@@ -48,15 +48,15 @@ def replay_ddtree(engine, f, i: int, prompt, n_tokens: int) -> dict:
     The roots are the engine's own bonus tokens, so its DDTree stream is its own."""
     p = f"golden/p{i}/"
     engine.reset()
-    P = len(prompt)
-    logits, _ = engine.prefill(prompt, np.arange(P))
+    P, pos0 = len(prompt), position_offset(f, i)
+    logits, _ = engine.prefill(prompt, pos0 + np.arange(P))
     emitted, start, forwards = [int(np.argmax(_values(logits, engine.dtype)[-1]))], P, 1
     argmaxes, accepted, acc_sizes, bonuses, path = [], [], [], [], []
     for r, golden_start in enumerate(np.asarray(f[p + "ddtree/round_start"])):
         if start != golden_start:
             break                                                        # already diverged: judged below
         tree = golden_tree(f, p, r)
-        ids, positions, mask = compile_tree(tree, emitted[-1], start)
+        ids, positions, mask = compile_tree(tree, emitted[-1], start, pos0)   # rows: start; positions: pos0 + start
         lg, _ = engine.verify_tree(ids, positions, mask)
         forwards += 1
         post = np.argmax(_values(lg, engine.dtype), axis=-1)

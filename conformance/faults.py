@@ -13,6 +13,13 @@ local-vs-inherited test sees it.
     rope_pairs            NeoX rotate-half on the raw interleaved rope dims, every layer -> L0/q or L0/k_pe
     tree_mask_off_by_one  in verify_tree each node also sees the next node -> DDTree checks only
     nibble_order          INT4 words read MSB-first (INT4 bundles)    -> L{first_k_dense_replace}/mlp_out
+    rope_f32_angles       RoPE angles position * inv_freq formed in float32 (as many engines do), cos/sin
+                          of them                                     -> the long-position prompt's L0/q
+                          (angle error ~3e-6 rad at position 82, at most 0.21x the k_pe tolerance, so the
+                          ordinary prompts pass; ~4e-3 rad at 196608: up to 650x)
+    decode_attn_scale     layer L's attention output scaled by (1 + eps) in decode steps only (a decode-only
+                          kernel bug, e.g. a split-KV merge normalising by a wrong sum; o_proj is linear, so
+                          scaling it during decode is the same) -> L{L}/attn_out of the first decode step
     position_off_by_one   decode step `step` (default 2) runs at position + 1: RoPE of that token and
                           its cache row rotate by the wrong angle      -> L0/k_pe at that step, cause
                           "input" (every layer is right on the inputs its taps show)
@@ -21,6 +28,7 @@ Legend: H heads, N qk_nope_head_dim, R qk_rope_head_dim, C kv_lora_rank, A = N +
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -28,10 +36,11 @@ import numpy as np
 from conformance.reference_engine import ReferenceEngine
 from conformance.records import prompts_of
 from kdtr_format import open_kdtr
+from refmodel.model import yarn_inv_freq
 
 FAULTS = ("scale_tap", "swap_expert", "rope_pairs", "tree_mask_off_by_one", "nibble_order",
-          "position_off_by_one")
-_NEEDS_LAYER = ("scale_tap", "swap_expert")
+          "position_off_by_one", "rope_f32_angles", "decode_attn_scale")
+_NEEDS_LAYER = ("scale_tap", "swap_expert", "decode_attn_scale")
 _EXPERT_MATS = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -122,6 +131,14 @@ class FaultyEngine(ReferenceEngine):
 
     # ------------------------------------------------------------ running
 
+    def _cos_sin(self, positions):
+        if self.fault != "rope_f32_angles":
+            return super()._cos_sin(positions)
+        inv_freq = yarn_inv_freq(self.cfg).astype(np.float32)                 # [R/2]
+        angle = np.asarray(positions, np.float32)[:, None] * inv_freq          # [T, R/2], rounded to float32
+        a = np.float32(self.cfg.rope_attention_factor)
+        return np.cos(angle) * a, np.sin(angle) * a
+
     def reset(self) -> None:
         super().reset()
         self.decode_steps = 0
@@ -130,11 +147,26 @@ class FaultyEngine(ReferenceEngine):
         if self.fault == "position_off_by_one" and self.decode_steps == self.params.get("step", 2):
             position += 1
         self.decode_steps += 1
-        return super().decode(token, position)
+        with self._decode_path():
+            return super().decode(token, position)
 
     def _forward(self, ids, positions, mask=None):
         logits, taps = super()._forward(ids, positions, mask)
         return logits, self._raw_layout(taps)
+
+    @contextlib.contextmanager
+    def _decode_path(self):
+        """decode_attn_scale: layer L's o_proj scaled while a decode step runs, restored after."""
+        if self.fault != "decode_attn_scale":
+            yield
+            return
+        key = f"model.layers.{self.layer}.self_attn.o_proj.weight"
+        saved = self.W[key]
+        self.W[key] = saved * np.float32(1 + self.params.get("eps", 1e-4))
+        try:
+            yield
+        finally:
+            self.W[key] = saved
 
     def verify_tree(self, ids, positions, mask):
         if self.fault == "tree_mask_off_by_one":
@@ -149,6 +181,9 @@ class FaultyEngine(ReferenceEngine):
         if self.fault == "rope_pairs":                                        # golden k_pe rows -> our layout
             _, Q = neox_perms(self.cfg.qk_rope_head_dim)
             inputs = {**inputs, "k_pe": np.asarray(inputs["k_pe"])[:, Q]}
+        if len(inputs["hidden"]) == 1 and len(inputs["c_kv"]):               # a decode step: one token, a cache
+            with self._decode_path():
+                return self._raw_layout(super().run_layer(layer, inputs))
         return self._raw_layout(super().run_layer(layer, inputs))
 
     def _raw_layout(self, taps: dict) -> dict:

@@ -25,7 +25,7 @@ from conformance.near_ties import (explains_flip, logits_atol, own_choice, routi
                                    token_near_ties)
 from conformance.outputs import InvalidOutputs, tree_offsets, validate_outputs, widened
 from conformance.profiles import profile_taps
-from conformance.records import numeric_keys, prompts_of
+from conformance.records import numeric_keys, position_offset, prompts_of
 from conformance.report import CheckResult, Divergence
 from conformance.tolerance import DerivedTolerance, Rule, check_tap, judges_nothing, resolve_rule
 from refmodel.config import ModelConfig
@@ -100,6 +100,7 @@ def judge(f, out: dict, overrides=(), dtype: str = "float32",
         checks.append(_token_check(f, g, i, out, near, logits_atol(man)))
         ar_ok = all(c.status == "pass" for c in checks if c.name == f"p{i}/ar/logits")
         checks += _ddtree_checks(f, g, i, out, overrides, dtype, ar_ok, man, near)
+    checks += long_position_checks(f, checks)
     return checks, first
 
 
@@ -108,6 +109,31 @@ def _vacuous(f, g: str, key: str, man: dict, overrides, dtype: str, name: str) -
     if g + key not in f:
         return None
     return judges_nothing(np.asarray(f[g + key]), resolve_rule(name, manifest_rule(man.get(key)), overrides), dtype)
+
+
+def long_position_checks(f, checks: list[CheckResult]) -> list[CheckResult]:
+    """One named check per long-position prompt (docs/golden-bundles.md): its own verdict, which says what
+    a failure there alone means. Such a prompt computes, in exact arithmetic, what it would at position 0
+    (RoPE is relative); only the absolute rotations (q, k_pe) and float32 angle rounding differ."""
+    out = []
+    for i in prompts_of(f):
+        pos0 = position_offset(f, i)
+        if not pos0:
+            continue
+        bad = lambda c: c.status in ("fail", "error")  # noqa: E731
+        here = [c for c in checks if c.name.startswith(f"p{i}/") and bad(c)]
+        elsewhere = [c for c in checks if c.name.startswith("p") and not c.name.startswith(f"p{i}/") and bad(c)]
+        name, metrics = f"p{i}/long_position", {"position_offset": pos0, "failed_checks": len(here)}
+        if not here:
+            out.append(CheckResult(name, "pass", "numeric", metrics, {"exact": True}))
+            continue                                     # failing: the kind of its first failure (exit code)
+        why = (f"the long-position prompt p{i} (positions {pos0}..) fails {len(here)} check(s), first {here[0].name}, ")
+        why += ("and other prompts fail too: look at their first divergence first" if elsewhere else
+                "while every prompt at positions from 0 passes: the engine does not rotate at the positions it is "
+                "given (e.g. it derives them from its cache length, which holds only this prompt's rows) or "
+                "forms RoPE angles in float32 (off by up to ~4e-3 rad at this position)")
+        out.append(CheckResult(name, "fail", here[0].kind, metrics, {"exact": True}, why))
+    return out
 
 
 def _routing_near_ties(f, g: str, key: str, name: str, man: dict, out: dict, golden, actual, cfg,

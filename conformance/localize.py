@@ -21,6 +21,7 @@ import numpy as np
 from conformance.judge import canonical_routing, manifest_rule
 from conformance.outputs import widened
 from conformance.profiles import profile_taps
+from conformance.records import position_offset
 from conformance.report import Divergence
 from conformance.tolerance import check_tap, resolve_rule
 
@@ -54,16 +55,17 @@ def _inputs(f, div: Divergence, src) -> dict:
     i = int(div.name.split("/")[0][1:])
     g, l = f"golden/p{i}/", div.layer
     prompt, tokens = np.asarray(f[g + "prompt_ids"]), np.asarray(f[g + "ar/tokens"])
+    pos0 = position_offset(f, i)                                          # cache row j at position pos0 + j
     embed = f.get("model.embed_tokens.weight")
     if div.phase == "prefill":
         hidden = embed[prompt] if l == 0 else src[g + f"prefill/L{l - 1}/resid_out"]
         C, R = f[g + f"prefill/L{l}/kv_latent"].shape[1], f[g + f"prefill/L{l}/k_pe"].shape[1]
-        return {"hidden": np.asarray(hidden), "positions": np.arange(len(prompt)),
+        return {"hidden": np.asarray(hidden), "positions": pos0 + np.arange(len(prompt)),
                 "c_kv": np.zeros((0, C), np.float32), "k_pe": np.zeros((0, R), np.float32)}
     s = div.step
     hidden = embed[tokens[s:s + 1]] if l == 0 else src[g + f"ar/L{l - 1}/resid_out"][s:s + 1]
     cat = lambda t: np.concatenate([src[g + f"prefill/L{l}/{t}"], src[g + f"ar/L{l}/{t}"][:s]])  # noqa: E731
-    return {"hidden": np.asarray(hidden), "positions": np.array([len(prompt) + s]),
+    return {"hidden": np.asarray(hidden), "positions": np.array([pos0 + len(prompt) + s]),
             "c_kv": cat("kv_latent"), "k_pe": cat("k_pe")}
 
 

@@ -167,14 +167,14 @@ def derive_profile(errors: list[dict], quant: str, floor_ulps: int = DEFAULT_FLO
 
 
 def bf16_profile(cfg, W64: dict, goldens: list[tuple], quant: str) -> dict:
-    """Run the bf16 reference on every (prompt, golden tokens, float64 goldens), routing held to the
-    golden expert sets, and derive the profile."""
-    from conformance.gen import baseline_errors, run_reference   # gen calls this: import when called
+    """Run the bf16 reference on every (prompt, golden tokens, float64 goldens, first position), routing
+    held to the golden expert sets, and derive the profile."""
+    from conformance.goldens import baseline_errors, run_reference   # gen calls this: import when called
 
     Wb = bf16_weights(W64)
     errors = []
-    for prompt, tokens, g64 in goldens:
-        gb, _, _, _ = run_reference(cfg, Wb, prompt, len(tokens), tokens=tokens, routing=g64)
+    for prompt, tokens, g64, pos0 in goldens:
+        gb, _, _, _ = run_reference(cfg, Wb, prompt, len(tokens), tokens=tokens, pos0=pos0, routing=g64)
         errors.append(reference_errors(g64, {k: np.asarray(v) for k, v in gb.items()}, baseline_errors))
     return derive_profile(errors, quant)
 

@@ -34,7 +34,9 @@ class Engine(Protocol):
         the metadata). Leaves an empty cache."""
 
     def reset(self) -> None:
-        """Drop the KV cache; the next call starts a new sequence at position 0."""
+        """Drop the KV cache; the next call starts a new sequence. Its positions are the ones passed to
+        prefill/decode/verify_tree, never derived from the cache length: a bundle's long-position prompt
+        starts at a large position with an empty cache (docs/golden-bundles.md)."""
 
     def prefill(self, ids: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, Taps]:
         """Run ids [T] at positions [T] causally, appending T rows to the cache.

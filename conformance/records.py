@@ -10,7 +10,7 @@ from refmodel.config import ModelConfig
 from refmodel.ddtree import Tree, visibility
 from refmodel.model import tap_names
 
-BUNDLE_SCHEMA = "kdtr-bundle/1"
+BUNDLE_SCHEMA = "kdtr-bundle/2"     # /2: decode-step attn_out, position_offsets, the long-position prompt
 DUMP_SCHEMA = "kdtr-run-dump/1"
 
 
@@ -32,11 +32,22 @@ def check_schema(f, path: str) -> None:
         raise BundleSchemaError(f"{path}: metadata schema is {meta.get('schema')!r}, expected {BUNDLE_SCHEMA!r}: "
                                 f"not a golden bundle (or a newer one); regenerate it with the command in "
                                 f"bundles/MANIFEST.md")
-    for key in ("model_config", "tolerances", "taps", "ddtree"):
+    for key in ("model_config", "tolerances", "taps", "ddtree", "position_offsets"):
         if key not in meta:
             raise BundleSchemaError(f"{path}: metadata lacks {key!r}; regenerate the bundle with `kdtr gen`")
     if not prompts_of(f):
         raise BundleSchemaError(f"{path}: no golden/p{{i}}/prompt_ids tensor; regenerate the bundle with `kdtr gen`")
+    offs = meta["position_offsets"]
+    if not (isinstance(offs, list) and len(offs) > max(prompts_of(f))
+            and all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offs)):
+        raise BundleSchemaError(f"{path}: metadata position_offsets must list one integer >= 0 per prompt, got "
+                                f"{str(offs)[:80]}; regenerate the bundle with `kdtr gen`")
+
+
+def position_offset(f, i: int) -> int:
+    """Position of prompt i's first token: its prompt, decode and tree positions are this plus the cache
+    row (docs/golden-bundles.md). 0 for an ordinary prompt; large for the long-position prompt."""
+    return int(f.metadata["position_offsets"][i])
 
 
 def numeric_keys(cfg: ModelConfig, ar_taps) -> list[str]:

@@ -50,9 +50,15 @@ class ReferenceEngine:
     def reset(self) -> None:
         self.cache = KVCache(self.cfg, self.np_dtype)
 
+    def _cos_sin(self, positions):
+        """RoPE tables for `positions`: angles in float64, then cast (float32 angles are a fault at
+        long positions: docs/golden-bundles.md, the long-position prompt)."""
+        return rope_cos_sin(self.cfg, np.asarray(positions, np.int64), self.np_dtype)
+
     def _forward(self, ids, positions, mask=None):
         taps = {}
-        logits, _ = forward(self.cfg, self.W, ids, positions, self.cache, mask, taps=taps)
+        logits, _ = forward(self.cfg, self.W, ids, positions, self.cache, mask, taps=taps,
+                            cos_sin=self._cos_sin(positions))
         return logits, taps
 
     def prefill(self, ids, positions):
@@ -76,7 +82,7 @@ class ReferenceEngine:
         h = np.asarray(inputs["hidden"], dt)
         positions = np.asarray(inputs["positions"], np.int64)
         mask = causal_mask(h.shape[0], cache.c_kv[layer].shape[0]).astype(dt)   # [T, S + T]
-        cos, sin = rope_cos_sin(cfg, positions, dt)
+        cos, sin = self._cos_sin(positions)
         taps = {}
         block(cfg, self.W, layer, h, cos, sin, cache, mask, False, taps)
         return taps

@@ -3,6 +3,11 @@ the greedy acceptance walk, and one generation loop that runs DDTree, the DFlash
 
 Legend: V vocab, L draft depth (= block_size - 1), N node budget (non-root nodes), n built nodes,
 S committed context length (= start), T rows in one target forward.
+
+Positions: cache row j holds position pos0 + j, where pos0 is the position of the prompt's first token (0
+for an ordinary prompt; a golden bundle's long-position prompt starts at a large pos0 with a cache holding
+only its own rows). Everything that indexes the cache uses rows (start); everything that rotates uses
+positions (pos0 + start + depth).
 """
 import heapq
 from dataclasses import dataclass, field
@@ -99,12 +104,12 @@ def visibility(parents) -> np.ndarray:
 # Verification (docs/ddtree.md §4, §5): compile, one target forward, greedy walk, in-order compaction
 
 
-def compile_tree(tree: Tree, root: int, start: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Target inputs for one verify forward: ids [T] = [root, tokens], positions [T] = start + depth
+def compile_tree(tree: Tree, root: int, start: int, pos0: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Target inputs for one verify forward: ids [T] = [root, tokens], positions [T] = pos0 + start + depth
     (depth-based, not sequential), additive mask [T, start + T]: the committed context is visible to every
     row, inside the tree only ancestors and self (docs/ddtree.md §4)."""
     ids = np.concatenate([[root], tree.tokens]).astype(np.int64)               # [T]
-    positions = start + np.concatenate([[0], tree.depths]).astype(np.int64)   # [T]
+    positions = pos0 + start + np.concatenate([[0], tree.depths]).astype(np.int64)   # [T]
     mask = np.zeros((tree.size, start + tree.size))                           # [T, S+T]
     mask[:, start:] = np.where(tree.visibility, 0.0, -np.inf)
     return ids, positions, mask
@@ -129,7 +134,7 @@ def walk(child_maps: list, post: np.ndarray) -> tuple[list, int]:
 @dataclass
 class Round:
     """One draft-verify round, recorded for golden bundles and engine comparison."""
-    start: int                  # committed length before the round; the root sits at position start
+    start: int                  # committed length before the round; the root sits at position pos0 + start
     tree_tokens: np.ndarray     # [n] node tokens (verify ids = [root, tree_tokens])
     parents: np.ndarray         # [n+1]
     depths: np.ndarray          # [n]
@@ -159,26 +164,28 @@ class GenResult:
 class Decoder:
     """Between rounds: out[:start] is committed and in `cache`; out[start] is the pending bonus (next root);
     ctx holds the fused target features of the rows committed since the last drafter call; the drafter
-    cache holds context positions [0, start - len(ctx))."""
+    cache holds context rows [0, start - len(ctx)). Row j is at position pos0 + j."""
     out: list
     start: int
     cache: KVCache
     dcache: DrafterCache | None
     ctx: np.ndarray | None
     counters: Counters
+    pos0: int = 0
 
 
-def prefill(cfg, W, prompt, dcfg: DrafterConfig | None = None) -> Decoder:
-    """Causal forward over the prompt; its argmax is the first bonus and its features the first context."""
+def prefill(cfg, W, prompt, dcfg: DrafterConfig | None = None, pos0: int = 0) -> Decoder:
+    """Causal forward over the prompt at positions pos0..pos0+P-1; its argmax is the first bonus and its
+    features the first context."""
     P = len(prompt)
     if P < 1:
         raise ValueError("prompt must hold at least one token")
     cache = KVCache(cfg)
-    logits, hiddens = forward(cfg, W, np.asarray(prompt, dtype=np.int64), np.arange(P), cache)  # [P, V]
+    logits, hiddens = forward(cfg, W, np.asarray(prompt, dtype=np.int64), pos0 + np.arange(P), cache)  # [P, V]
     ctx = None if dcfg is None else target_features(dcfg, hiddens)                           # [P, F]
     dcache = None if dcfg is None else DrafterCache(dcfg)
     out = [int(t) for t in prompt] + [int(np.argmax(logits[-1]))]
-    return Decoder(out, P, cache, dcache, ctx, Counters(target_forwards=1))
+    return Decoder(out, P, cache, dcache, ctx, Counters(target_forwards=1), pos0)
 
 
 def draft_tree(W, dcfg, DW, dec: Decoder, budget: int, topk: int | None) -> Tree:
@@ -186,7 +193,7 @@ def draft_tree(W, dcfg, DW, dec: Decoder, budget: int, topk: int | None) -> Tree
     if budget <= 0:
         return _root_only()
     block = [dec.out[dec.start]] + [dcfg.mask_token_id] * (dcfg.block_size - 1)
-    q_logits = drafter_forward(dcfg, DW, W, block, dec.ctx, dec.dcache, dec.start)   # [B-1, V]
+    q_logits = drafter_forward(dcfg, DW, W, block, dec.ctx, dec.dcache, dec.start, dec.pos0)   # [B-1, V]
     dec.counters.drafter_forwards += 1
     dec.ctx = None                       # consumed: those rows now live in the drafter cache
     return build_ddtree(q_logits, budget, topk)
@@ -195,7 +202,7 @@ def draft_tree(W, dcfg, DW, dec: Decoder, budget: int, topk: int | None) -> Tree
 def verify_round(cfg, W, dcfg, dec: Decoder, tree: Tree) -> Round:
     """One target forward over the compiled tree, greedy walk, commit and in-order KV compaction."""
     start = dec.start
-    ids, positions, mask = compile_tree(tree, dec.out[start], start)
+    ids, positions, mask = compile_tree(tree, dec.out[start], start, dec.pos0)
     logits, hiddens = forward(cfg, W, ids, positions, dec.cache, mask)   # appends T rows at [start, start+T)
     dec.counters.target_forwards += 1
     post = np.argmax(logits, axis=-1)                                  # [T]
@@ -211,11 +218,12 @@ def verify_round(cfg, W, dcfg, dec: Decoder, tree: Tree) -> Round:
 
 
 def generate(cfg, W, prompt, max_new_tokens: int, dcfg=None, DW=None, budget: int = 0,
-             topk: int | None = None, record: bool = True) -> GenResult:
-    """Greedy speculative generation; budget 0 is plain AR and needs no drafter."""
+             topk: int | None = None, record: bool = True, pos0: int = 0) -> GenResult:
+    """Greedy speculative generation; budget 0 is plain AR and needs no drafter. The prompt sits at
+    positions pos0.. (module docstring)."""
     if budget > 0 and (dcfg is None or DW is None):
         raise ValueError(f"budget {budget} needs a drafter (dcfg and DW); budget 0 runs plain AR")
-    dec = prefill(cfg, W, prompt, dcfg if budget > 0 else None)
+    dec = prefill(cfg, W, prompt, dcfg if budget > 0 else None, pos0)
     rounds, P = [], len(prompt)
     while len(dec.out) - P < max_new_tokens:
         tree = draft_tree(W, dcfg, DW, dec, budget, topk)
@@ -226,8 +234,8 @@ def generate(cfg, W, prompt, max_new_tokens: int, dcfg=None, DW=None, budget: in
 
 
 def ddtree_generate(cfg, W, dcfg, DW, prompt, max_new_tokens: int, budget: int = 32, topk: int | None = None,
-                    record: bool = True) -> GenResult:
-    return generate(cfg, W, prompt, max_new_tokens, dcfg, DW, budget, topk, record)
+                    record: bool = True, pos0: int = 0) -> GenResult:
+    return generate(cfg, W, prompt, max_new_tokens, dcfg, DW, budget, topk, record, pos0)
 
 
 def chain_generate(cfg, W, dcfg, DW, prompt, max_new_tokens: int, record: bool = True) -> GenResult:

@@ -19,9 +19,9 @@ Deviations from DFlash (docs/ddtree.md §8; both exist identically here and in r
   every other config, and then the tensor does not exist.
 * `tiny`'s MLP width is 1024 (the target's is 384): more lookup capacity. Measured at the old settings:
   1024 -> 3.77, 2048 -> 4.20, 4096 -> 4.57 (ratio, 4 golden prompts); with the final settings 2048 x 500
-  steps gave 6.40 / 6.32 (4 golden / 8 other prompts) and 1024 x 650 steps 6.40 / 5.89. 1024 x 650 is the
-  choice: it keeps the FP32 bundle under 20 MB (the drafter is its largest part after the target) and
-  training near 4 minutes on 2 loaded cores.
+  steps gave 6.40 / 6.32 (4 golden / 8 other prompts) and 1024 x 650 steps 6.40 / 5.89. 1024 is the choice:
+  with decode-step attn_out and the long-position prompt the two bundles fill 31.7 of their 32 MiB, so the
+  drafter (2.9 MiB in each) cannot grow; the distillation settings (refmodel/distill.py) do the rest.
 
 Legend: T block rows (= block_size B), C new context rows, S cached context rows, D hidden,
 F = len(target_layer_ids) * D fused feature width, H query heads, G kv heads, Dh head dim, I MLP width, V vocab.
@@ -194,7 +194,7 @@ def _layer(dcfg, DW, l, h, c, pos_blk, pos_ctx, cache):
 
 
 def drafter_forward(dcfg: DrafterConfig, DW: dict, W: dict, block_ids, ctx_features: np.ndarray,
-                    cache: DrafterCache, start: int) -> np.ndarray:
+                    cache: DrafterCache, start: int, pos0: int = 0) -> np.ndarray:
     """Draft one block. block_ids [B] = [bonus, MASK...] at positions start..start+B-1; ctx_features [C, F]
     are the fused-layer target features of positions start-C..start-1 (the rows committed since the last
     call). Appends their K/V to cache (which must hold exactly [0, start-C) before, [0, start) after) and
@@ -207,7 +207,7 @@ def drafter_forward(dcfg: DrafterConfig, DW: dict, W: dict, block_ids, ctx_featu
     h = W["model.embed_tokens.weight"][np.asarray(block_ids)]           # [B, D], the target's embedding
     if dcfg.block_pos_embed:
         h = h + DW["drafter.block_pos_embed"][:B]                       # [B, D], row k: block offset k
-    pos_ctx, pos_blk = np.arange(start - C, start), np.arange(start, start + B)
+    pos_ctx, pos_blk = pos0 + np.arange(start - C, start), pos0 + np.arange(start, start + B)  # cache row j: pos0 + j
     for l in range(dcfg.num_hidden_layers):
         h = _layer(dcfg, DW, l, h, c, pos_blk, pos_ctx, cache)
     out = rms_norm(h[1:], DW["drafter.norm.weight"], eps)              # [B-1, D]; block row 0 is dropped

@@ -25,38 +25,41 @@ def top2_margin(logits: np.ndarray) -> float:
 
 
 def prefill(cfg: ModelConfig, W: dict, prompt_ids, cache: KVCache, absorbed: bool = False,
-            taps: dict | None = None, forced_ids: dict | None = None) -> np.ndarray:
-    """Run the prompt at positions 0..P-1 into the cache; returns the last position's logits [V]."""
+            taps: dict | None = None, pos0: int = 0, forced_ids: dict | None = None) -> np.ndarray:
+    """Run the prompt into the cache, cache row j at position pos0 + j (an empty cache: positions
+    pos0..pos0+P-1); returns the last position's logits [V]. forced_ids: model.forward."""
     prompt_ids = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
-    logits, _ = forward(cfg, W, prompt_ids, np.arange(cache.length, cache.length + len(prompt_ids)), cache=cache,
-                        absorbed=absorbed, taps=taps, forced_ids=forced_ids)
+    rows = np.arange(cache.length, cache.length + len(prompt_ids))
+    logits, _ = forward(cfg, W, prompt_ids, pos0 + rows, cache=cache, absorbed=absorbed, taps=taps,
+                        forced_ids=forced_ids)
     return logits[-1]
 
 
 def decode_one_token(cfg: ModelConfig, W: dict, token: int, cache: KVCache, absorbed: bool = False,
-                     taps: dict | None = None, forced_ids: dict | None = None) -> np.ndarray:
-    """Append one token at position cache.length; returns its logits [V]."""
-    logits, _ = forward(cfg, W, [token], [cache.length], cache=cache, absorbed=absorbed, taps=taps,
+                     taps: dict | None = None, pos0: int = 0, forced_ids: dict | None = None) -> np.ndarray:
+    """Append one token at position pos0 + cache.length; returns its logits [V]."""
+    logits, _ = forward(cfg, W, [token], [pos0 + cache.length], cache=cache, absorbed=absorbed, taps=taps,
                         forced_ids=forced_ids)
     return logits[0]
 
 
 def greedy_generate(cfg: ModelConfig, W: dict, prompt_ids, max_new_tokens: int, absorbed: bool = False,
-                    collect_taps: bool = False) -> GenerateResult:
-    """Greedy decoding (argmax, ties to the lower id); stops by length only, never by token value."""
+                    collect_taps: bool = False, pos0: int = 0) -> GenerateResult:
+    """Greedy decoding (argmax, ties to the lower id); stops by length only, never by token value.
+    The prompt sits at positions pos0.. (cache row j at position pos0 + j)."""
     if len(prompt_ids) < 1 or max_new_tokens < 1:
         raise ValueError(f"greedy_generate: need a prompt of >= 1 token and max_new_tokens >= 1, got "
                          f"{len(prompt_ids)} and {max_new_tokens}")
     cache, taps = KVCache(cfg, W["model.embed_tokens.weight"].dtype), []
     step_taps = {} if collect_taps else None
-    logits = prefill(cfg, W, prompt_ids, cache, absorbed, step_taps)
+    logits = prefill(cfg, W, prompt_ids, cache, absorbed, step_taps, pos0)
     all_logits, tokens = [logits], [int(np.argmax(logits))]
     forwards = 1
     if collect_taps:
         taps.append(step_taps)
     while len(tokens) < max_new_tokens:
         step_taps = {} if collect_taps else None
-        logits = decode_one_token(cfg, W, tokens[-1], cache, absorbed, step_taps)
+        logits = decode_one_token(cfg, W, tokens[-1], cache, absorbed, step_taps, pos0)
         forwards += 1
         if collect_taps:
             taps.append(step_taps)

@@ -184,14 +184,13 @@ def mla(cfg: ModelConfig, W: dict, l: int, x: np.ndarray, cos: np.ndarray, sin: 
         probs = softmax(scores * cfg.softmax_scale + mask)               # [H, T, S]
         o_lat = np.einsum("hts,sc->thc", probs, c_kv)                    # [H, T, S] -> [T, H, C]
         o = np.einsum("thc,huc->thu", o_lat, w_uv)                       # [T, H, C] -> [T, H, U]
-    else:
-        k_nope = np.einsum("sc,hnc->shn", c_kv, w_uk)                    # [S, C] -> [S, H, N]
-        v = np.einsum("sc,huc->shu", c_kv, w_uv)                         # [S, C] -> [S, H, U]
+    else:  # kv_b_proj as the Linear it is (BLAS; c_einsum is ~5x slower on the long expansion)
+        kv = linear(c_kv, W[p + "kv_b_proj.weight"]).reshape(-1, H, N + U)  # [S, C] -> [S, H, N+U]
+        k_nope, v = kv[..., :N], kv[..., N:]                             # [S, H, N], [S, H, U]
         scores = np.einsum("thn,shn->hts", q_nope, k_nope) + rope_scores  # [H, T, S]
         probs = softmax(scores * cfg.softmax_scale + mask)               # [H, T, S]
         o = np.einsum("hts,shu->thu", probs, v)                          # [H, T, S] -> [T, H, U]
-    w_o = W[p + "o_proj.weight"].reshape(cfg.hidden_size, H, U)          # [D, HU] -> [D, H, U]
-    return np.einsum("thu,dhu->td", o, w_o)                              # [T, H, U] -> [T, D]
+    return linear(o.reshape(T, H * U), W[p + "o_proj.weight"])           # [T, H, U] -> [T, HU] -> [T, D]
 
 
 # ---------------------------------------------------------------- MoE [5.1, 5.2]
@@ -273,15 +272,17 @@ def block(cfg: ModelConfig, W: dict, l: int, h: np.ndarray, cos: np.ndarray, sin
 
 
 def forward(cfg: ModelConfig, W: dict, ids, positions, cache: KVCache | None = None, mask=None,
-            absorbed: bool = False, taps: dict | None = None,
+            absorbed: bool = False, taps: dict | None = None, cos_sin=None,
             forced_ids: dict | None = None) -> tuple[np.ndarray, list[np.ndarray]]:
     """Logits [T, V] and hiddens (L+1 arrays [T, D]: embeddings, then each layer's output) for T new tokens.
     Computes in the dtype of the weights: float64 is the oracle, float32 the same-precision baseline.
 
     cache: the new tokens' rows are appended to it. mask: None = causal over cache + new tokens; else an
     additive float [T, S_cache + T] (0 visible, -inf hidden). taps: a dict filled with "L{l}/{tap}",
-    "final_hidden", "logits" (names and order in docs/golden-bundles.md). forced_ids: {layer: [T, K]}
-    expert ids to run instead of the router's choice (profiles.py measures arithmetic noise with it).
+    "final_hidden", "logits" (names and order in docs/golden-bundles.md). cos_sin: the RoPE tables
+    [T, R/2] for `positions` when the caller computes them (an engine under test); default rope_cos_sin.
+    forced_ids: {layer: [T, K]} expert ids to run instead of the router's choice (profiles.py measures
+    arithmetic noise with it).
     """
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)
     positions = np.asarray(positions, dtype=np.int64).reshape(-1)
@@ -296,7 +297,7 @@ def forward(cfg: ModelConfig, W: dict, ids, positions, cache: KVCache | None = N
     mask = np.asarray(mask, dtype=dtype)
     if mask.shape != (T, S_cache + T):
         raise ValueError(f"forward: mask shape {mask.shape} must be [T, S_cache + T] = {(T, S_cache + T)}")
-    cos, sin = rope_cos_sin(cfg, positions, dtype)                       # [T, R/2] each
+    cos, sin = rope_cos_sin(cfg, positions, dtype) if cos_sin is None else cos_sin   # [T, R/2] each
     h = W["model.embed_tokens.weight"][ids]                              # [T] -> [T, D]
     hiddens = [h]
     for l in range(cfg.num_hidden_layers):

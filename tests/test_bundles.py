@@ -19,6 +19,7 @@ from kdtr_format import open_kdtr
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLES = ["bundles/model_tiny.kdtr", "bundles/model_int4_tiny.kdtr"]
 MB = 1 << 20
+FULL_DEPTH_ROUNDS = {"bundles/model_tiny.kdtr": 2, "bundles/model_int4_tiny.kdtr": 3}   # MANIFEST.md figures
 
 
 def manifest_commands() -> dict[str, list[str]]:
@@ -53,7 +54,7 @@ def test_bundle_records(bundle):
     with open_kdtr(ROOT / bundle, verify=True) as f:
         meta = f.metadata
         lengths = [len(f[f"golden/p{i}/prompt_ids"]) for i in range(meta["prompts"])]
-        assert meta["prompts"] >= 4 and 1 in lengths and len(set(lengths)) == len(lengths)
+        assert meta["prompts"] >= 5 and 1 in lengths and len(set(lengths)) == len(lengths)
         assert meta["max_new_tokens"] >= 64
         for i in range(meta["prompts"]):
             assert np.array_equal(f[f"golden/p{i}/ddtree/tokens"], f[f"golden/p{i}/ar/tokens"])
@@ -62,13 +63,28 @@ def test_bundle_records(bundle):
               f"accepted depths {fig['accepted_depth_histogram']}, off-spine rounds {fig['off_spine_rounds']}, "
               f"min margin {fig['min_margin']:.3g}")
         assert fig["forward_ratio"] == round(fig["ar_target_forwards"] / fig["ddtree_target_forwards"], 4)
-        # coverage for engines: bonus-only rounds and rounds that leave the top-1 spine; full-depth rounds
-        # (15 draft tokens) in the FP32 bundle (its INT4 twin's deepest round is 13: MANIFEST.md)
+        # coverage for engines: bonus-only rounds and full-depth rounds (15 draft tokens, the deepest
+        # compaction), as MANIFEST.md reports them; off-spine rounds: test_off_spine_rounds_are_covered
         hist = fig["accepted_depth_histogram"]
         assert hist[0] > 0
-        assert fig["off_spine_rounds"] > 0
-        if bundle == "bundles/model_tiny.kdtr":
-            assert len(hist) == 16 and hist[15] > 0
+        assert len(hist) == 16 and hist[15] == fig["full_depth_rounds"] >= FULL_DEPTH_ROUNDS[bundle]
+        # one long-position prompt (docs/golden-bundles.md), with DDTree rounds there; decode attn_out
+        offs = meta["position_offsets"]
+        long = [i for i, o in enumerate(offs) if o]
+        assert len(long) == 1 and offs[long[0]] >= 2**17, offs
+        assert fig["long_position"]["prompt"] == long[0] and fig["long_position"]["rounds"] >= 2
+        assert "attn_out" in meta["taps"]["ar"]
+
+
+def test_off_spine_rounds_are_covered():
+    """A round that accepts a node of draft rank >= 1 (the walk leaves the drafter's top-1 spine) is in the
+    committed pair: the INT4 bundle has one; the FP32 bundle's drafter held its spine in every round
+    (MANIFEST.md)."""
+    off = {}
+    for b in BUNDLES:
+        with open_kdtr(ROOT / b) as f:
+            off[b] = f.metadata["figures"]["off_spine_rounds"]
+    assert sum(off.values()) > 0, off
 
 
 @pytest.mark.parametrize("bundle", BUNDLES)

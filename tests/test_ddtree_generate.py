@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from refmodel.config import PRESETS
-from refmodel.ddtree import ar_generate, chain_generate, ddtree_generate
+from refmodel.ddtree import ar_generate, chain_generate, ddtree_generate, generate
 from refmodel.drafter import DrafterConfig, init_drafter
 from refmodel.generate import greedy_generate
+from refmodel.model import KVCache, forward
 from refmodel.weights import init_weights
 from test_ddtree_verify import MICRO, MICRO_DRAFTER
 
@@ -103,3 +104,38 @@ def test_distilled_micro_drafter_beats_ar(micro):
         ar += ar_generate(MICRO, W, prompt, 40, record=False).counters.target_forwards
         dd += ddtree_generate(MICRO, W, MICRO_DRAFTER, DW, prompt, 40, record=False).counters.target_forwards
     assert ar / dd >= 2.0, (ar, dd)   # an untrained drafter gives ~1.0
+
+
+def test_a_long_position_run_decides_like_a_position_zero_run(micro):
+    """RoPE is relative: with the prompt at position 2^17 + 3 (cache row j at pos0 + j, for target and
+    drafter alike) every float64 decision equals the position-0 run's, DDTree == AR there too, and the
+    rounds are the same (the drafter's logits move by rounding only)."""
+    W, DW = micro
+    pos0 = 2**17 + 3
+    for prompt, n in [([5], 30), ([1, 9, 30, 2], 25)]:
+        ar0 = ar_generate(MICRO, W, prompt, n)
+        ar = generate(MICRO, W, prompt, n, pos0=pos0)
+        dd0 = ddtree_generate(MICRO, W, MICRO_DRAFTER, DW, prompt, n)
+        dd = ddtree_generate(MICRO, W, MICRO_DRAFTER, DW, prompt, n, pos0=pos0)
+        assert ar.tokens == ar0.tokens == dd.tokens == greedy_generate(MICRO, W, prompt, n, pos0=pos0).tokens
+        assert [r.accepted for r in dd.rounds] == [r.accepted for r in dd0.rounds], prompt
+        assert [r.start for r in dd.rounds] == [r.start for r in dd0.rounds]   # starts are cache rows
+        g0, g = greedy_generate(MICRO, W, prompt, n), greedy_generate(MICRO, W, prompt, n, pos0=pos0)
+        rows = prompt + g.tokens[:-1]                                          # what the cache holds
+        want = KVCache(MICRO)
+        forward(MICRO, W, rows, pos0 + np.arange(len(rows)), want)
+        assert np.array_equal(g.cache.k_pe[0], want.k_pe[0])                  # rotated at pos0 + row
+        assert not np.allclose(g.cache.k_pe[0], g0.cache.k_pe[0])
+
+
+def test_the_drafter_rotates_at_pos0_plus_row(micro):
+    from refmodel.drafter import DrafterCache, drafter_forward, target_features
+    W, DW = micro
+    prompt = np.array([3, 8, 13, 21])
+    feats = target_features(MICRO_DRAFTER, forward(MICRO, W, prompt, np.arange(4))[1])     # [4, F]
+    block = [5] + [MICRO_DRAFTER.mask_token_id] * (MICRO_DRAFTER.block_size - 1)
+    c0, c1 = DrafterCache(MICRO_DRAFTER), DrafterCache(MICRO_DRAFTER)
+    q0 = drafter_forward(MICRO_DRAFTER, DW, W, block, feats, c0, start=4)
+    q1 = drafter_forward(MICRO_DRAFTER, DW, W, block, feats, c1, start=4, pos0=2**17 + 3)
+    assert np.abs(q1 - q0).max() <= 1e-9                  # relative positions unchanged
+    assert not np.allclose(c1.k[0], c0.k[0])              # absolute rotation of the cached keys moved

@@ -71,6 +71,9 @@ def test_compile_tree_positions_and_mask():
     assert ids.tolist() == [5, 7, 8, 9] and pos.tolist() == [10, 11, 11, 12]
     assert mask.shape == (4, 14) and np.all(mask[:, :10] == 0)
     assert np.array_equal(mask[:, 10:] == 0, vis) and np.all(np.isneginf(mask[:, 10:][~vis]))
+    ids2, pos2, mask2 = compile_tree(tree, root=5, start=10, pos0=2**17)   # positions move, the mask stays
+    assert np.array_equal(ids2, ids) and pos2.tolist() == [2**17 + p for p in pos.tolist()]
+    assert np.array_equal(mask2, mask)
 
 
 def test_walk_follows_argmax_and_returns_bonus():

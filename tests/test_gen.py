@@ -8,6 +8,7 @@ import torch
 from click.testing import CliRunner
 
 import conformance.gen as gen
+import conformance.goldens as goldens
 from cli.main import main
 from conformance.gen import GenSettings, apply_quant, generate_bundle, model_from_preset
 from conformance.records import numeric_keys
@@ -59,7 +60,7 @@ def test_bundle_records_are_consistent(bundle, request):
             g = f"golden/p{i}/"
             assert np.array_equal(f[g + "ddtree/tokens"], f[g + "ar/tokens"])
             assert np.array_equal(f[g + "ar/tokens"], np.argmax(f[g + "ar/logits"], axis=-1))
-            assert f[g + "ar/margins"].min() >= gen.MARGIN_SAFETY * max(atol("prefill/logits"), atol("ar/logits"))
+            assert f[g + "ar/margins"].min() >= goldens.MARGIN_SAFETY * max(atol("prefill/logits"), atol("ar/logits"))
             for key in numeric_keys(cfg, set(meta["taps"]["ar"])):
                 assert g + key in f, key
                 assert key in man, key
@@ -70,7 +71,7 @@ def test_bundle_records_are_consistent(bundle, request):
 
 
 def test_undecisive_prompt_is_rejected(monkeypatch, tmp_path):
-    monkeypatch.setattr(gen, "MARGIN_SAFETY", 1e9)                  # no margin can be that decisive
+    monkeypatch.setattr(goldens, "MARGIN_SAFETY", 1e9)                  # no margin can be that decisive
     r = CliRunner().invoke(main, ["gen", "--prompt-ids", "5,6,7", "--max-new-tokens", "3",
                                   "--distill-steps", "0", "--out", str(tmp_path / "x.kdtr")])
     assert r.exit_code == 2
@@ -82,6 +83,8 @@ def test_undecisive_prompt_is_rejected(monkeypatch, tmp_path):
     (["--prompt-ids", "5,x"], "write prompts as comma-separated ids"),
     (["--prompt-ids", "399"], "prompt token 399 is outside [0, 399)"),
     (["--preset", "k26"], "cannot be generated whole"),
+    (["--long-position", "262140"], "--long-position 262140: the long-position prompt's positions must lie in "
+                                    "[0, max_position_embeddings = 262144)"),
 ])
 def test_bad_gen_options_are_clear(args, message, tmp_path):
     r = CliRunner().invoke(main, ["gen", "--distill-steps", "0", "--max-new-tokens", "2", *args,
@@ -118,3 +121,49 @@ def test_undecisive_random_prompt_is_redrawn(monkeypatch, tmp_path):
     with open_kdtr(out) as f:
         assert np.array_equal(f["golden/p1/prompt_ids"], gen.random_prompt(cfg, 0, 1, 1))
         assert np.array_equal(f["golden/p0/prompt_ids"], gen.random_prompt(cfg, 0, 0, 0))
+
+
+def test_gen_without_torch_says_how_to_install_it(monkeypatch, tmp_path):
+    import sys
+    monkeypatch.setitem(sys.modules, "torch", None)                  # `import torch` now fails, as uninstalled
+    monkeypatch.delitem(sys.modules, "refmodel.distill", raising=False)
+    r = CliRunner().invoke(main, ["gen", "--prompt-ids", "5", "--max-new-tokens", "2", "--distill-steps", "1",
+                                  "--out", str(tmp_path / "x.kdtr")])
+    assert r.exit_code == 2, r.output
+    assert "distilling the drafter needs torch, which is not installed here: pip install torch==2.13.0" in r.output
+    assert "Traceback" not in r.output and not (tmp_path / "x.kdtr").exists()
+    r = CliRunner().invoke(main, ["gen", "--prompt-ids", "5", "--max-new-tokens", "2", "--distill-steps", "0",
+                                  "--out", str(tmp_path / "x.kdtr")])
+    assert r.exit_code == 0, r.output                                  # an untrained drafter needs no torch
+
+
+def test_verify_needs_no_torch(small_bundle, monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "torch", None)                  # as if uninstalled (README's main job)
+    r = CliRunner().invoke(main, ["verify", str(small_bundle), "--engine", "reference"])
+    assert r.exit_code == 0, r.output
+
+
+def test_gen_from_an_int4_model_keeps_its_quantization(small_int4_bundle, tmp_path):
+    out = tmp_path / "again.kdtr"
+    r = CliRunner().invoke(main, ["gen", "--model", str(small_int4_bundle), "--prompt-ids", "5",
+                                  "--max-new-tokens", "2", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    with open_kdtr(out) as f, open_kdtr(small_int4_bundle) as src:
+        assert f.metadata["quantization"] == src.metadata["quantization"]
+        assert f.metadata["tolerances"]["multiplier"] == src.metadata["tolerances"]["multiplier"]
+        qw = [n for n in src.names if n.endswith(".qw")]
+        assert qw and all(f.info(n).checksum == src.info(n).checksum for n in qw)
+    r = CliRunner().invoke(main, ["gen", "--model", str(small_int4_bundle), "--quant", "fp32", "--prompt-ids",
+                                  "5", "--max-new-tokens", "2", "--out", str(tmp_path / "y.kdtr")])
+    assert r.exit_code == 2 and "the model is INT4 already" in r.output
+
+
+def test_a_missing_manifest_entry_is_an_error_not_a_zero_tolerance(small_bundle):
+    with open_kdtr(small_bundle) as f:
+        man = f.metadata["tolerances"]
+    assert goldens.atol(man, "prefill/L0/q") == pytest.approx(
+        man["taps"]["prefill/L0/q"]["multiplier"] * man["taps"]["prefill/L0/q"]["baseline_max_abs"]
+        + man["taps"]["prefill/L0/q"]["abs_floor"], rel=1e-12)
+    with pytest.raises(KeyError, match="tolerance manifest has no entry 'prefill/L0/nope'"):
+        goldens.atol(man, "prefill/L0/nope")

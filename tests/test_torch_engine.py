@@ -1,6 +1,9 @@
 """`--engine torch`: transformers' DeepseekV3 (or a user's port) judged against the golden bundles on CPU.
 
-- float32 on both committed bundles passes every check, and observes every tap (nothing skipped);
+- float32 on both committed bundles passes every check but the long-position prompt's, and observes every
+  tap (nothing skipped): transformers forms RoPE angles in float32 (position x inv_freq), off by up to
+  4e-3 rad at position 196608, so the bundles' long-position prompt fails it by design, at L0/q, and its
+  named check says so (docs/golden-bundles.md);
 - bfloat16 under the bundle's derived bf16 profile fails only by its own routing flips and their
   consequences (the tiny model's routing gaps are below bf16 noise), and fails the fp32 profile at once;
 - a planted bug in a user module (k's RoPE pairs de-interleaved, q's right) is caught at layer 0's k_pe,
@@ -47,15 +50,28 @@ def not_passed(v) -> list:
     return [(c.name, c.status, c.message) for c in v.checks if c.status != "pass"]
 
 
+def only_the_long_position_prompt_fails(v, first_tap="q"):
+    """transformers' float32 RoPE angles: every failure is the long-position prompt's, starting at the
+    first rotated tap the engine reports (L0/q; L0/k_pe when q is unobservable)."""
+    with open_kdtr(v.bundle) as f:
+        i = next(k for k, o in enumerate(f.metadata["position_offsets"]) if o)
+    failed = [c for c in v.checks if c.status in ("fail", "error")]
+    assert v.exit_code == ExitCode.NUMERIC and failed, not_passed(v)[:5]
+    assert all(c.name.startswith(f"p{i}/") for c in failed), [c.name for c in failed][:5]
+    assert v.first_divergence.name == f"p{i}/prefill/L0/{first_tap}", v.first_divergence
+    named = next(c for c in failed if c.name == f"p{i}/long_position")
+    assert "forms RoPE angles in float32" in named.message
+
+
 @pytest.mark.parametrize("bundle", BUNDLES)
-def test_transformers_float32_passes_every_check(bundle):
+def test_transformers_float32_passes_every_check_but_the_long_position_prompt(bundle):
     v = verify(bundle, engine=TorchEngine("float32"))
     worst = worst_ratios(v)
     print(f"\n{bundle}: torch float32, worst error/bound per group:")
     for k in sorted(worst):
         print(f"  {'/'.join(k):32s} {worst[k]:.3f}")
-    assert v.exit_code == ExitCode.OK, not_passed(v)[:5]
-    assert not not_passed(v), not_passed(v)[:5]                         # every tap observed, nothing skipped
+    only_the_long_position_prompt_fails(v)
+    assert not [c for c in v.checks if c.status == "skip"]              # every tap observed, nothing skipped
     assert v.info["profile"] == "fp32"
 
 
@@ -133,15 +149,16 @@ def test_planted_k_rope_bug_is_caught_at_layer0_k_pe(small_bundle, dtype):
     assert "p0/prefill/L0/k_pe" in unexplained_failures(v)              # no routing flip explains it
 
 
-def test_a_faithful_user_port_passes(small_bundle):
+def test_a_faithful_user_port_passes_but_for_float32_rope_angles(small_bundle):
     v = verify(small_bundle, engine=TorchEngine("float32", module=USER + "PortForCausalLM"))
-    assert v.exit_code == ExitCode.OK and not not_passed(v), not_passed(v)[:5]
+    only_the_long_position_prompt_fails(v)                              # it uses transformers' rotary embedding
+    assert not [c for c in v.checks if c.status == "skip"]
 
 
 def test_an_unobservable_tap_is_skipped_with_the_reason(small_bundle):
     v = verify(small_bundle, engine=TorchEngine("float32", module=USER + "OwnAttentionForCausalLM"))
     skipped = [c for c in v.checks if c.status == "skip"]
-    assert v.exit_code == ExitCode.OK
+    only_the_long_position_prompt_fails(v, first_tap="k_pe")
     assert skipped and {c.name.rsplit("/", 1)[-1] for c in skipped} == {"q"}
     assert "does not call transformers' attention interface" in skipped[0].message
 

@@ -115,6 +115,11 @@ def test_a_live_engine_with_wrong_dtypes_is_an_engine_error(small_bundle):
 
 # ---------------------------------------------------------------- coverage
 
+def prompts(bundle) -> int:
+    with open_kdtr(bundle) as f:
+        return f.metadata["prompts"]
+
+
 def _taps_dropped(out):
     return {k: v for k, v in out.items() if "/L" not in k}            # only the required records
 
@@ -122,15 +127,16 @@ def _taps_dropped(out):
 def test_coverage_is_carried_and_skips_are_reported(small_bundle, dump, tmp_path):
     out, meta = dump
     v = judged(small_bundle, tmp_path, _taps_dropped(out), meta)
+    n = prompts(small_bundle)                                            # 2 + the long-position prompt
     assert v.exit_code == ExitCode.OK, where(v)                          # skips allowed by default...
-    assert v.coverage["prefill"]["run"] == 2 * 2 < v.coverage["prefill"]["defined"]   # final_hidden, logits
-    assert v.coverage["decode"] == {"run": 2, "defined": 2 * (1 + 3 + 5 * 4)}   # logits; L0 3 taps, L1-5 4
-    assert v.coverage["tokens"] == {"run": 2, "defined": 2}
+    assert v.coverage["prefill"]["run"] == n * 2 < v.coverage["prefill"]["defined"]   # final_hidden, logits
+    assert v.coverage["decode"] == {"run": n, "defined": n * (1 + 4 + 5 * 5)}   # logits; L0 4 taps, L1-5 5
+    assert v.coverage["tokens"] == {"run": n, "defined": n}
     buf = io.StringIO()
     print_console(v, Console(file=buf, width=100, color_system=None))
     text = buf.getvalue()                                                 # ...but never silent
     assert "checks skipped:" in text and "p0/prefill/L0/attn_in (the engine did not report this tap)" in text
-    assert f"prefill 4/{v.coverage['prefill']['defined']}" in text
+    assert f"prefill {2 * n}/{v.coverage['prefill']['defined']}" in text
 
 
 @pytest.mark.parametrize("required, code", [(1.0, ExitCode.COVERAGE), (0.02, ExitCode.OK), (0.0, ExitCode.OK)])
@@ -157,10 +163,11 @@ def test_cli_require_coverage_exit_7_and_reports_show_coverage(small_bundle, dum
                                   "--require-coverage", "full", "--json", str(tmp_path / "r.json"),
                                   "--junit", str(tmp_path / "r.xml"), "--html", str(tmp_path / "r.html")])
     assert r.exit_code == ExitCode.COVERAGE, r.output
+    n = prompts(small_bundle)
     rep = json.loads((tmp_path / "r.json").read_text())
-    assert rep["coverage"]["tokens"] == {"run": 2, "defined": 2} and rep["exit_name"] == "COVERAGE"
-    assert 'name="coverage" value="prefill 4/' in (tmp_path / "r.xml").read_text()
-    assert "coverage (checks run / checks the bundle defines): prefill 4/" in (tmp_path / "r.html").read_text()
+    assert rep["coverage"]["tokens"] == {"run": n, "defined": n} and rep["exit_name"] == "COVERAGE"
+    assert f'name="coverage" value="prefill {2 * n}/' in (tmp_path / "r.xml").read_text()
+    assert f"coverage (checks run / checks the bundle defines): prefill {2 * n}/" in (tmp_path / "r.html").read_text()
     r = CliRunner().invoke(main, ["verify", str(small_bundle), "--dump", str(tmp_path / "few.kdtr"),
                                   "--require-coverage", "most"])
     assert r.exit_code == ExitCode.USAGE and "neither `full` nor a fraction" in r.output
@@ -220,7 +227,7 @@ def test_a_failing_run_prints_a_screenful_not_a_flood():
     lines = text.count("\n")
     assert lines <= 100, text
     assert "first divergence: p0/prefill/L2/mlp_out" in text and "cause: local" in text
-    assert "p0  L2     ..........XX  ...X" in text and "p0  L0-L1  all pass" in text
+    assert "p0  L2     ..........XX  ....X" in text and "p0  L0-L1  all pass" in text   # decode: c k o i h
     assert text.count("\n  p") >= 10 and "numeric failures, worst first (10 of" in text
     assert "tokens FAIL p0/ar/tokens: step" in text and "ddtree FAIL p0/ddtree/rounds" in text
     assert text.rstrip().endswith("exit code 3 (TOKENS)")

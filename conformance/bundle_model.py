@@ -1,0 +1,168 @@
+"""Where a golden bundle's model comes from (`kdtr gen --preset / --model / --from-checkpoint`): the target
+weights as they will be stored (float32, or INT4 `.qw`/`.sc`), the drafter (distilled with torch, or read
+from the model file), and INT4 quantization of a float32 target. Also the generator's settings and its
+user-facing error, shared by conformance.goldens and conformance.gen.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kdtr_format import bfloat16_to_float32, float32_to_bfloat16, open_kdtr
+from refmodel.config import PRESETS, ModelConfig
+from refmodel.drafter import DrafterConfig, drafter_preset, init_drafter
+from refmodel.quant import dequantize_model, quant_config, quantize_model
+from refmodel.weights import construction_info, init_weights, mask_token_id
+
+# The long-position prompt's first position (docs/golden-bundles.md, "The long-position prompt": why 1.5 * 2^17).
+LONG_POSITION_OFFSET = 196_608
+
+
+class GenError(ValueError):
+    """A user-facing generation problem (bad prompt, undecisive prompt, bad option)."""
+
+
+@dataclass
+class GenSettings:
+    preset: str = "tiny"
+    quant: str | None = "fp32"            # fp32 | int4 | None: the --model's own quantization
+    int4_scope: str = "experts"
+    seed: int = 0
+    prompts: list | None = None           # explicit prompt id lists; else num_prompts random ones
+    num_prompts: int = 4
+    max_new_tokens: int = 64
+    budget: int = 32                      # DDTree node budget
+    distill_steps: int = 1000
+    long_position: int = LONG_POSITION_OFFSET   # first position of the long-position prompt; 0: no such prompt
+    command: str = ""                     # provenance: the command line that made the bundle
+
+
+@dataclass
+class Model:
+    cfg: ModelConfig
+    W: dict                               # as stored: float32 arrays (+ int32 .qw, float32 .sc for INT4)
+    dcfg: DrafterConfig
+    DW: dict                              # float32 drafter weights, bfloat16-representable (stored bf16)
+    meta: dict = field(default_factory=dict)   # construction, quantization, provenance of the weights
+
+
+# ---------------------------------------------------------------- the model
+
+def _f32(W: dict) -> dict:
+    return {k: (v.astype(np.float32) if v.dtype.kind == "f" else v) for k, v in W.items()}
+
+
+def model_from_preset(s: GenSettings, progress=None) -> Model:
+    """The preset target (float32-rounded), its drafter distilled on the target's own greedy streams."""
+    if s.preset not in PRESETS:
+        raise GenError(f"unknown preset {s.preset!r}; choose one of {sorted(PRESETS)}")
+    if s.preset == "k26":
+        raise GenError("preset 'k26' has the real K2.6 dimensions (1T parameters) and cannot be generated "
+                       "whole; use --preset tiny or --from-checkpoint")
+    cfg = PRESETS[s.preset]
+    W = _f32(init_weights(cfg, s.seed))
+    dcfg = drafter_preset(s.preset)
+    DW = _distill(cfg, W, dcfg, s, progress)
+    return Model(cfg, W, dcfg, DW, {"construction": construction_info(cfg, s.seed)})
+
+
+def model_from_kdtr(path: str, s: GenSettings, progress=None) -> Model:
+    """Target and drafter from an existing bundle or model file (`kdtr gen --model`); a model from
+    `kdtr import` has no drafter yet, so one is distilled for it."""
+    with open_kdtr(path, verify=True) as f:
+        meta = f.metadata
+        conf = meta.get("model_config", meta.get("config"))
+        if conf is None:
+            raise GenError(f"{path} has no model_config in its metadata: it is not a kdtr model or bundle; "
+                           f"make one with `kdtr gen --preset tiny --out MODEL.kdtr` or `kdtr import`")
+        cfg = ModelConfig.from_dict(conf)
+        W = {n: _read(f, n) for n in f.names if not n.startswith(("golden/", "drafter."))}
+        DW = _bf16_round({n: np.array(f.get(n)) for n in f.names if n.startswith("drafter.")})  # as stored
+    keep = {k: meta[k] for k in ("construction", "quantization", "source", "provenance_of_weights")
+            if meta.get(k)}
+    if "drafter_config" in meta:
+        return Model(cfg, W, DrafterConfig.from_dict(meta["drafter_config"]), DW, keep)
+    dcfg = default_drafter(cfg)
+    return Model(cfg, W, dcfg, _distill(cfg, W, dcfg, s, progress), keep)
+
+
+def _read(f, name: str) -> np.ndarray:
+    """Stored weights as the generator keeps them: int32 .qw as is, everything else float32."""
+    if f.info(name).int4_shape is not None:
+        return np.array(f[name])
+    return np.array(f.get(name), dtype=np.float32)
+
+
+def model_from_checkpoint(path: str, s: GenSettings, progress=None) -> Model:
+    """An HF-layout checkpoint (bf16/fp16/fp32, compressed-tensors INT4 experts), via `kdtr import`."""
+    import os
+    import tempfile
+
+    from refmodel.checkpoint import import_checkpoint
+
+    with tempfile.TemporaryDirectory() as d:
+        tmp = os.path.join(d, "model.kdtr")
+        import_checkpoint(path, tmp)
+        m = model_from_kdtr(tmp, s, progress)
+    m.meta["source"] = {"checkpoint": os.path.basename(os.path.abspath(path))}
+    return m
+
+
+def default_drafter(cfg: ModelConfig) -> DrafterConfig:
+    """The tiny drafter for the tiny target; otherwise a one-layer drafter sized from the target."""
+    if cfg == PRESETS["tiny"]:
+        return drafter_preset("tiny")
+    heads = max(1, cfg.hidden_size // 64)
+    return DrafterConfig(hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, num_hidden_layers=1,
+                         num_attention_heads=heads, num_key_value_heads=1,
+                         head_dim=max(2, cfg.hidden_size // heads // 2 * 2), intermediate_size=2 * cfg.hidden_size,
+                         block_size=16, mask_token_id=mask_token_id(cfg),
+                         target_layer_ids=sorted({0, cfg.num_hidden_layers - 1}),
+                         num_target_layers=cfg.num_hidden_layers, rms_norm_eps=1e-6, rope_theta=10000.0)
+
+
+def _bf16_round(W: dict) -> dict:
+    """Round to bfloat16 (RNE), kept as float32. The drafter ships bf16, as real drafters do: it halves
+    the bundle's largest part and only moves its proposals, never the target's goldens."""
+    return {k: bfloat16_to_float32(float32_to_bfloat16(v.astype(np.float32))) for k, v in W.items()}
+
+
+TORCH_NEEDED = ("distilling the drafter needs torch, which is not installed here: pip install torch==2.13.0 "
+                "(the CPU wheel; an unpinned torch pulls a CUDA build). Without torch: --distill-steps 0 "
+                "(an untrained drafter) or --model with a bundle that already has a drafter")
+
+
+def _distill(cfg, W, dcfg, s: GenSettings, progress) -> dict:
+    if s.distill_steps <= 0:
+        return _bf16_round(init_drafter(dcfg, s.seed))
+    try:
+        from refmodel.distill import distill_drafter  # torch: only when a drafter is trained
+    except ModuleNotFoundError as e:
+        if e.name != "torch":
+            raise
+        raise GenError(TORCH_NEEDED) from None
+    return _bf16_round(distill_drafter(cfg, dequantize_model(W), dcfg, s.seed, s.distill_steps, progress))
+
+
+def apply_quant(m: Model, s: GenSettings) -> Model:
+    """INT4 bundles quantize the float32 target (scope experts or mlp); the drafter is kept. quant None:
+    the model's own quantization (an INT4 model stays INT4, a float32 one float32)."""
+    if s.quant is None:
+        return m
+    if s.quant == "fp32":
+        if any(k.endswith(".qw") for k in m.W):
+            raise GenError("the model is INT4 already; pass --quant int4 (or leave --quant out) to keep it so")
+        return m
+    if s.quant != "int4":
+        raise GenError(f"--quant {s.quant!r}: choose fp32 or int4")
+    if any(k.endswith(".qw") for k in m.W):
+        return m
+    W = quantize_model(dequantize_model(m.W), m.cfg, s.int4_scope)
+    W = {k: (v if k.endswith(".qw") else v.astype(np.float32)) for k, v in W.items()}
+    return Model(m.cfg, W, m.dcfg, m.DW, {**m.meta, "quantization": quant_config(s.int4_scope)})
+
+
+def quant_of(m: Model) -> str:
+    """"int4" when the target holds packed INT4 weights, else "fp32" (the tolerance multiplier's key)."""
+    return "int4" if any(k.endswith(".qw") for k in m.W) else "fp32"

@@ -1,0 +1,221 @@
+"""Golden runs, prompts and tolerances for `kdtr gen`: the float64 reference run of one prompt (prefill taps,
+the greedy AR stream with its decode-step taps, the DDTree rounds), the float32 run of the same weights and
+tokens whose error is each tap's same-precision baseline, the decisiveness rules that reject a prompt a
+correct fp32 engine could flip, the tolerance manifest, and the random prompts (docs/golden-bundles.md).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from conformance.bundle_model import GenError, Model, _f32
+from conformance.tolerance import DEFAULT_FLOOR_ULPS, DEFAULT_MULTIPLIER, DerivedTolerance, derive_tolerance
+from refmodel.config import ModelConfig
+from refmodel.ddtree import ddtree_generate
+from refmodel.generate import decode_one_token, prefill, top2_margin
+from refmodel.model import KVCache
+from refmodel.weights import mask_token_id
+
+# Decode steps keep the taps that pin down each layer's state and name the sublayer of a decode-only fault:
+# the cache rows an engine writes, the attention output, the routing decision and the layer output;
+# prefill keeps every tap. Sizes and the choice: docs/golden-bundles.md.
+AR_TAPS = ("kv_latent", "k_pe", "attn_out", "topk_ids", "resid_out")
+MARGIN_SAFETY = 4.0     # a greedy margin must exceed this many logits tolerances (a flip needs > 2)
+LONG_PROMPT_LENGTH = 6  # tokens of the long-position prompt
+LONG_NEW_TOKENS = 16    # its greedy stream: 3-4 DDTree rounds at long positions (bundle size: the doc)
+
+
+# ---------------------------------------------------------------- golden runs
+
+def routing_gap(cfg, W: dict, taps: dict) -> float:
+    """Smallest gap, over the forward's rows and MoE layers, between the K-th and (K+1)-th biased
+    choice score: how far the routing decision is from a tie (the bias is exact; the scores are not)."""
+    gaps = [np.inf]
+    for l in range(cfg.first_k_dense_replace, cfg.num_hidden_layers):
+        choice = taps[f"L{l}/router_scores"] + W[f"model.layers.{l}.mlp.gate.e_score_correction_bias"]  # [T, E]
+        top = -np.sort(-choice, axis=-1)                                 # [T, E] descending
+        K = cfg.num_experts_per_tok
+        if K < top.shape[-1]:
+            gaps.append(float(np.min(top[:, K - 1] - top[:, K])))
+    return min(gaps)
+
+
+def run_reference(cfg, W: dict, prompt, n: int, tokens=None, ar_taps=AR_TAPS, pos0: int = 0,
+                  routing: dict | None = None):
+    """Prefill at positions pos0.., then n-1 decode forwards: greedy (tokens=None) or fed the given tokens
+    (teacher forcing). Works in the dtype of W: float64 for the goldens, float32 for the baseline. Returns
+    (arrays keyed by bundle names relative to golden/p{i}/: prefill/..., ar/logits, ar/L{l}/{tap}; the
+    tokens; each decision's top-1/top-2 margin; the smallest routing gap of all forwards). `routing`:
+    goldens holding prefill/L{l}/topk_ids and ar/L{l}/topk_ids, whose expert sets every forward then
+    runs (the bf16 profile's noise measurement, conformance/profiles.py)."""
+    cache, taps = KVCache(cfg, dtype=W["model.embed_tokens.weight"].dtype), {}
+    rows = [prefill(cfg, W, prompt, cache, taps=taps, pos0=pos0, forced_ids=_forced(cfg, routing, "prefill", None))]
+    out = {f"prefill/{k}": v for k, v in taps.items()}
+    gap = routing_gap(cfg, W, taps)
+    toks = [int(np.argmax(rows[0]))] if tokens is None else [int(t) for t in tokens]
+    steps: dict[str, list] = {}
+    for s in range(n - 1):
+        taps = {}
+        rows.append(decode_one_token(cfg, W, toks[s], cache, taps=taps, pos0=pos0,
+                                     forced_ids=_forced(cfg, routing, "ar", s)))
+        gap = min(gap, routing_gap(cfg, W, taps))
+        if tokens is None:
+            toks.append(int(np.argmax(rows[-1])))
+        for l in range(cfg.num_hidden_layers):
+            for t in ar_taps:
+                if f"L{l}/{t}" in taps:
+                    steps.setdefault(f"ar/L{l}/{t}", []).append(taps[f"L{l}/{t}"][0])  # [1, ...] -> [...]
+    out["ar/logits"] = np.stack(rows)                                      # [n, V]
+    out.update({k: np.stack(v) for k, v in steps.items()})                 # [n-1, ...]
+    margins = np.array([top2_margin(r) for r in rows])                     # [n]
+    return out, np.array(toks[:n], dtype=np.int64), margins, gap
+
+
+def _forced(cfg, routing: dict | None, phase: str, step: int | None) -> dict | None:
+    """{layer: [T, K] expert ids} of one forward from golden topk_ids (None: the router decides)."""
+    if routing is None:
+        return None
+    forced = {}
+    for l in range(cfg.first_k_dense_replace, cfg.num_hidden_layers):
+        ids = np.asarray(routing[f"{phase}/L{l}/topk_ids"])
+        forced[l] = ids if step is None else ids[step:step + 1]                 # decode: [1, K]
+    return forced
+
+
+def baseline_errors(g64: dict, g32: dict) -> dict:
+    """Per golden key: max abs error and NMSE of float32 vs float64; integer keys: mismatch count."""
+    out = {}
+    for k, g in g64.items():
+        a = g32[k]
+        if g.dtype.kind in "iu":
+            out[k] = {"mismatches": int(np.count_nonzero(g != a))}
+            continue
+        err = a.astype(np.float64) - g
+        denom = float(np.sum(g * g))
+        out[k] = {"max_abs": float(np.max(np.abs(err))), "magnitude": float(np.max(np.abs(g))),
+                  "nmse": float(np.sum(err * err)) / denom if denom > 0 else 0.0}
+    return out
+
+
+@dataclass
+class PromptGoldens:
+    prompt: np.ndarray
+    tokens: np.ndarray
+    margins: np.ndarray
+    routing_gap: float      # smallest K-th vs (K+1)-th biased router score gap over all forwards
+    g64: dict
+    errors: dict
+    ddtree: object          # refmodel.ddtree.GenResult
+    pos0: int = 0           # position of the first prompt token (cache row j at pos0 + j)
+
+
+def golden_for_prompt(m: Model, W64: dict, prompt, n: int, budget: int, pos0: int = 0) -> PromptGoldens:
+    """W64: the model's weights dequantized to float64 (once per bundle, not per prompt)."""
+    g64, tokens, margins, gap = run_reference(m.cfg, W64, prompt, n, pos0=pos0)
+    g32, _, _, _ = run_reference(m.cfg, _f32(W64), prompt, n, tokens=tokens, pos0=pos0)
+    DW64 = {k: v.astype(np.float64) for k, v in m.DW.items()}
+    dd = ddtree_generate(m.cfg, W64, m.dcfg, DW64, prompt, n, budget=budget, pos0=pos0)
+    return PromptGoldens(np.asarray(prompt, np.int64), tokens, margins, gap, g64, baseline_errors(g64, g32), dd,
+                         pos0)
+
+
+def check_decisive(pg: PromptGoldens, logits_atol: float, router_atol: float) -> str | None:
+    """Why this prompt cannot be a golden (None if it can). A flip needs an error above half the gap on
+    two values, so a gap of MARGIN_SAFETY (4) tolerances leaves a correct engine a 2x reserve."""
+    need = MARGIN_SAFETY * logits_atol
+    if pg.margins.min() < need:
+        j = int(np.argmin(pg.margins))
+        return (f"greedy step {j} has top-1/top-2 margin {pg.margins[j]:.3g} < {need:.3g} "
+                f"({MARGIN_SAFETY:g} x the logits tolerance): a correct fp32 engine could flip it")
+    if pg.routing_gap < MARGIN_SAFETY * router_atol:
+        return (f"a routing decision is {pg.routing_gap:.3g} from a tie, under {MARGIN_SAFETY:g} x the "
+                f"router_scores tolerance ({MARGIN_SAFETY * router_atol:.3g}): a correct fp32 engine could "
+                f"pick another expert")
+    flips = [k for k, e in pg.errors.items() if e.get("mismatches")]
+    if flips:
+        return f"the float32 reference already picks other experts at {flips[0]}: routing too close to a tie"
+    if not np.array_equal(np.asarray(pg.ddtree.tokens), pg.tokens):
+        return "DDTree tokens differ from AR tokens (a reference bug: please report it)"
+    return None
+
+
+def manifest(pgs: list[PromptGoldens], quant: str) -> dict:
+    """Tolerance manifest: per tap key, the float32 baseline (the worst prompt's max abs error and NMSE,
+    as the runner judges each prompt on its own) and the derived tolerance; integer taps are exact."""
+    agg: dict[str, dict] = {}
+    for pg in pgs:
+        for k, e in pg.errors.items():
+            a = agg.setdefault(k, {})
+            for key, v in e.items():
+                a[key] = max(a.get(key, 0), v)
+    taps = {}
+    for k, a in sorted(agg.items()):
+        if "mismatches" in a:
+            taps[k] = {"exact": True}
+        else:
+            taps[k] = derive_tolerance(a["max_abs"], a["nmse"], magnitude=a["magnitude"], quant=quant).to_dict()
+    return {
+        "rule": ("fp32 engine passes a tap if max|a - g| <= multiplier * baseline_max_abs + abs_floor and "
+                 "NMSE <= multiplier * baseline_nmse + nmse_floor, where the baseline is the float32 "
+                 "reference vs the float64 golden on the same weights and tokens, worst prompt; "
+                 "abs_floor = floor_ulps float32 ULPs of the tap's largest golden value. Integer taps "
+                 "(topk_ids) and tokens are exact. INT4 bundles use the same rule: their golden is the "
+                 "exact output of the dequantized model."),
+        "multiplier": DEFAULT_MULTIPLIER[quant],
+        "floor_ulps": DEFAULT_FLOOR_ULPS,
+        "margin_rule": (f"every golden greedy margin >= {MARGIN_SAFETY:g} x the logits atol, every routing gap "
+                        f"(K-th vs (K+1)-th biased router score) >= {MARGIN_SAFETY:g} x the router_scores atol"),
+        "taps": taps,
+    }
+
+
+def atol(man: dict, key: str) -> float:
+    """The derived absolute tolerance of tap `key` (the same rule the judge applies); a key the manifest
+    lacks is a generator bug, never a tolerance of 0."""
+    entry = man["taps"].get(key)
+    if entry is None:
+        raise KeyError(f"tolerance manifest has no entry {key!r} (taps: {len(man['taps'])}): a generator bug")
+    return DerivedTolerance.from_dict(entry).rule().atol
+
+
+def decisive_atols(man: dict) -> tuple[float, float]:
+    """(logits atol, router_scores atol) that check_decisive measures margins and routing gaps against."""
+    logits = max(atol(man, "prefill/logits"), atol(man, "ar/logits"))
+    router = max([atol(man, k) for k in man["taps"] if k.endswith("/router_scores")], default=0.0)
+    return logits, router
+
+
+# ---------------------------------------------------------------- prompts
+
+MAX_REDRAWS = 8         # random prompts: candidates tried per length before giving up
+
+
+def prompt_length(i: int) -> int:
+    """Length of random prompt i: 1, 5, 10, 18, 33, 63, 118, 224."""
+    return 1 if i == 0 else int(round(5 * 1.9 ** (i - 1)))
+
+
+def random_prompt(cfg: ModelConfig, seed: int, i: int, draw: int) -> np.ndarray:
+    """Candidate `draw` for random prompt i: ids from (seed, i, draw), never the mask id."""
+    rng = np.random.Generator(np.random.PCG64([seed, 1_000_003, i, draw]))
+    return rng.integers(0, mask_token_id(cfg), size=prompt_length(i)).astype(np.int64)
+
+
+def long_prompt(cfg: ModelConfig, seed: int, draw: int) -> np.ndarray:
+    """Candidate `draw` for the long-position prompt: LONG_PROMPT_LENGTH ids from (seed, draw)."""
+    rng = np.random.Generator(np.random.PCG64([seed, 1_000_003, 1_000_000, draw]))
+    return rng.integers(0, mask_token_id(cfg), size=LONG_PROMPT_LENGTH).astype(np.int64)
+
+
+def check_prompt(cfg: ModelConfig, prompt) -> np.ndarray:
+    if not isinstance(prompt, (list, tuple, np.ndarray)) or not all(
+            isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt) or len(prompt) == 0:
+        raise GenError(f"a prompt must be a non-empty list of token ids, got {prompt!r}")
+    p = np.asarray(prompt, dtype=np.int64)
+    bad = p[(p < 0) | (p >= cfg.vocab_size) | (p == mask_token_id(cfg))]
+    if bad.size:
+        raise GenError(f"prompt token {int(bad[0])} is outside [0, {cfg.vocab_size - 1}) (id "
+                       f"{mask_token_id(cfg)} is the drafter's reserved mask token)")
+    return p.astype(np.int64)
+

@@ -1,0 +1,27 @@
+"""Decode steps record attn_out (docs/golden-bundles.md, "What decode steps keep"), so a fault that lives
+only in the decode path is localised to its sublayer, not to the layer's resid_out."""
+import pytest
+
+from conformance.exit_codes import ExitCode
+from conformance.faults import FaultyEngine
+from conformance.runner import verify
+from kdtr_format import open_kdtr
+
+
+def test_bundles_record_decode_attn_out(small_bundle):
+    with open_kdtr(small_bundle) as f:
+        assert "attn_out" in f.metadata["taps"]["ar"]
+        n = len(f["golden/p0/ar/tokens"])
+        assert f["golden/p0/ar/L3/attn_out"].shape == (n - 1, f.metadata["model_config"]["hidden_size"])
+        assert "ar/L3/attn_out" in f.metadata["tolerances"]["taps"]
+
+
+@pytest.mark.parametrize("layer", [1, 4])
+def test_a_decode_only_attention_fault_is_localised_to_attn_out(small_bundle, layer):
+    v = verify(str(small_bundle), engine=FaultyEngine("decode_attn_scale", layer=layer))
+    bad = [c.name for c in v.checks if c.status in ("fail", "error")]
+    assert v.exit_code == ExitCode.NUMERIC, bad
+    assert not any("/prefill/" in n for n in bad), bad                   # prefill is untouched
+    d = v.first_divergence
+    assert (d.name, d.layer, d.tap, d.phase, d.step, d.cause) == (f"p0/ar/L{layer}/attn_out", layer, "attn_out",
+                                                                  "ar", 0, "local"), d
