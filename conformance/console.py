@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from conformance.coverage import coverage_text, skipped
+from conformance.coverage import coverage_text, skip_reasons, skipped
 from conformance.exit_codes import ExitCode
 from conformance.report import KINDS, Verdict, counts, error_ratio, fmt_value, metric_summary
 
@@ -54,8 +54,11 @@ def print_console(v: Verdict, console: Console | None = None, verbose: bool = Fa
     _worst(v, say, None if verbose else WORST)
     names = skipped(v.checks)
     if names:
-        say(f"{len(names)} checks skipped (taps the engine did not report): {', '.join(names[:5])}"
-            + (", ..." if len(names) > 5 else ""), "yellow")
+        say(f"{len(names)} checks skipped:", "yellow")
+        for line in skip_reasons(v.checks, 5):
+            say(f"  {line}", "yellow")
+        if len(names) > 5:
+            say(f"  ... and {len(names) - 5} more", "yellow")
     if verbose:
         _tables(v, console)
     n = counts(v.checks)

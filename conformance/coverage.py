@@ -51,3 +51,9 @@ def coverage_text(cov: dict) -> str:
 
 def skipped(checks) -> list[str]:
     return [c.name for c in checks if c.status == "skip" and check_group(c)]
+
+
+def skip_reasons(checks, limit: int) -> list[str]:
+    """"name (its own message)" for the first `limit` skipped checks: a tap the engine did not report,
+    a DDTree round past a near-tie and a tolerance that judges nothing are different gaps."""
+    return [f"{c.name} ({c.message or 'skipped'})" for c in checks if c.status == "skip" and check_group(c)][:limit]

@@ -41,20 +41,24 @@ def routing_gap(cfg, W: dict, taps: dict) -> float:
     return min(gaps)
 
 
-def run_reference(cfg, W: dict, prompt, n: int, tokens=None, ar_taps=AR_TAPS, pos0: int = 0):
+def run_reference(cfg, W: dict, prompt, n: int, tokens=None, ar_taps=AR_TAPS, pos0: int = 0,
+                  routing: dict | None = None):
     """Prefill at positions pos0.., then n-1 decode forwards: greedy (tokens=None) or fed the given tokens
     (teacher forcing). Works in the dtype of W: float64 for the goldens, float32 for the baseline. Returns
     (arrays keyed by bundle names relative to golden/p{i}/: prefill/..., ar/logits, ar/L{l}/{tap}; the
-    tokens; each decision's top-1/top-2 margin; the smallest routing gap of all forwards)."""
+    tokens; each decision's top-1/top-2 margin; the smallest routing gap of all forwards). `routing`:
+    goldens holding prefill/L{l}/topk_ids and ar/L{l}/topk_ids, whose expert sets every forward then
+    runs (the bf16 profile's noise measurement, conformance/profiles.py)."""
     cache, taps = KVCache(cfg, dtype=W["model.embed_tokens.weight"].dtype), {}
-    rows = [prefill(cfg, W, prompt, cache, taps=taps, pos0=pos0)]
+    rows = [prefill(cfg, W, prompt, cache, taps=taps, pos0=pos0, forced_ids=_forced(cfg, routing, "prefill", None))]
     out = {f"prefill/{k}": v for k, v in taps.items()}
     gap = routing_gap(cfg, W, taps)
     toks = [int(np.argmax(rows[0]))] if tokens is None else [int(t) for t in tokens]
     steps: dict[str, list] = {}
     for s in range(n - 1):
         taps = {}
-        rows.append(decode_one_token(cfg, W, toks[s], cache, taps=taps, pos0=pos0))
+        rows.append(decode_one_token(cfg, W, toks[s], cache, taps=taps, pos0=pos0,
+                                     forced_ids=_forced(cfg, routing, "ar", s)))
         gap = min(gap, routing_gap(cfg, W, taps))
         if tokens is None:
             toks.append(int(np.argmax(rows[-1])))
@@ -66,6 +70,17 @@ def run_reference(cfg, W: dict, prompt, n: int, tokens=None, ar_taps=AR_TAPS, po
     out.update({k: np.stack(v) for k, v in steps.items()})                 # [n-1, ...]
     margins = np.array([top2_margin(r) for r in rows])                     # [n]
     return out, np.array(toks[:n], dtype=np.int64), margins, gap
+
+
+def _forced(cfg, routing: dict | None, phase: str, step: int | None) -> dict | None:
+    """{layer: [T, K] expert ids} of one forward from golden topk_ids (None: the router decides)."""
+    if routing is None:
+        return None
+    forced = {}
+    for l in range(cfg.first_k_dense_replace, cfg.num_hidden_layers):
+        ids = np.asarray(routing[f"{phase}/L{l}/topk_ids"])
+        forced[l] = ids if step is None else ids[step:step + 1]                 # decode: [1, K]
+    return forced
 
 
 def baseline_errors(g64: dict, g32: dict) -> dict:

@@ -9,8 +9,9 @@
    round's verify argmax, accepted path and bonus equal the golden ones, target-forward counts equal;
    for an engine that ran its own DDTree loop too, conformance/judge_live.py (trees vs golden, near-ties).
 
-Tokens and expert choices at near-ties of the profile (conformance/near_ties.py) are reported, not failed;
-under the fp32 profile there are none.
+Tokens and expert choices at near-ties of the profile that the engine's own reported numbers explain
+(conformance/near_ties.py) are reported, not failed; under the fp32 profile there are none. A check whose
+tolerance would pass an all-zero output judges nothing: it is skipped with that reason, never passed.
 
 The first numeric failure in execution order is the first divergence (conformance/localize.py then
 tells a local fault from inherited error).
@@ -19,15 +20,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from conformance.coverage import coverage, coverage_text, skipped
+from conformance.coverage import coverage, coverage_text, skip_reasons, skipped
 from conformance.metrics import logits_metrics
 from conformance.judge_live import live_checks
-from conformance.near_ties import logits_atol, routing_near_ties, stream_near_tie, token_near_ties
+from conformance.near_ties import (explains_flip, logits_atol, own_choice, routing_near_ties, stream_near_tie,
+                                   token_near_ties)
 from conformance.outputs import LIVE, InvalidOutputs, has_live, tree_offsets, validate_outputs, widened
 from conformance.profiles import profile_taps
 from conformance.records import numeric_keys, position_offset, prompts_of
 from conformance.report import CheckResult, Divergence
-from conformance.tolerance import DerivedTolerance, Rule, check_tap, resolve_rule
+from conformance.tolerance import DerivedTolerance, Rule, check_tap, judges_nothing, resolve_rule
 from conformance.tree_ties import GoldenDrafts
 from refmodel.config import ModelConfig
 
@@ -78,14 +80,16 @@ def judge(f, out: dict, overrides=(), dtype: str = "float32",
     checks, first, drafts = [], None, GoldenDrafts(f)                  # drafts: computed only if a tree differs
     for i in prompts_of(f):
         g = f"golden/p{i}/"
-        near = token_near_ties(f[g + "ar/margins"], man)
+        vacuous = _vacuous(f, g, "ar/logits", man, overrides, dtype, f"p{i}/ar/logits")
+        near = token_near_ties(f[g + "ar/margins"], man, vacuous is not None)
         failed_here = []
         for order, key in enumerate(keys):
             name = f"p{i}/{key}"
             if g + key not in f:
                 continue
             golden, actual = _routing_views(f, g, key, out, name)
-            actual, tie_rows = _routing_near_ties(f, g, key, name, man, out, golden, actual)
+            actual, tie_rows = _routing_near_ties(f, g, key, name, man, out, golden, actual, cfg, overrides,
+                                                  dtype)
             c, failed = _numeric_check(name, golden, actual, man.get(key), overrides, dtype)
             if tie_rows:
                 c.metrics["near_tie_rows"] = tie_rows
@@ -105,6 +109,13 @@ def judge(f, out: dict, overrides=(), dtype: str = "float32",
                                              "ddtree" if ar_ok else "numeric", man))
     checks += long_position_checks(f, checks)
     return checks, first
+
+
+def _vacuous(f, g: str, key: str, man: dict, overrides, dtype: str, name: str) -> str | None:
+    """Why the rule for tap `key` would pass an all-zero output (conformance/tolerance.judges_nothing)."""
+    if g + key not in f:
+        return None
+    return judges_nothing(np.asarray(f[g + key]), resolve_rule(name, manifest_rule(man.get(key)), overrides), dtype)
 
 
 def long_position_checks(f, checks: list[CheckResult]) -> list[CheckResult]:
@@ -132,16 +143,22 @@ def long_position_checks(f, checks: list[CheckResult]) -> list[CheckResult]:
     return out
 
 
-def _routing_near_ties(f, g: str, key: str, name: str, man: dict, out: dict, golden, actual):
+def _routing_near_ties(f, g: str, key: str, name: str, man: dict, out: dict, golden, actual, cfg,
+                       overrides, dtype):
     """For topk_ids / topk_weights: the engine's rows whose expert set differs from the golden one at a
     near-tie (conformance/near_ties.py) take the golden values, so the check judges every other row
-    exactly and keeps row numbers; returns (actual, those rows). Other taps pass through."""
+    exactly and keeps row numbers; returns (actual, those rows). Other taps pass through. The engine's
+    own router_scores must be reported and judged by a tolerance that judges something."""
     tap = key.rsplit("/", 1)[-1]
     ids_name = name[: -len(tap)] + "topk_ids"
     if tap not in ("topk_ids", "topk_weights") or actual is None or ids_name not in out:
         return actual, []
     gi, ai = np.asarray(f[g + key[: -len(tap)] + "topk_ids"]), np.asarray(out[ids_name])
-    _, near = routing_near_ties(f, g, key[: -len(tap)] + "topk_ids", man, gi, ai)   # shapes: validated
+    scores_key = key[: -len(tap)] + "router_scores"
+    scores = out.get(name[: -len(tap)] + "router_scores")
+    if scores is not None and _vacuous(f, g, scores_key, man, overrides, dtype, name[: -len(tap)] + "router_scores"):
+        scores = None
+    _, near = routing_near_ties(f, g, key[: -len(tap)] + "topk_ids", man, gi, ai, scores, cfg)  # validated
     if not near.size:
         return actual, []
     actual = np.array(actual)
@@ -166,6 +183,9 @@ def _numeric_check(name, golden, actual, entry, overrides, dtype) -> tuple[Check
     derived = manifest_rule(entry)
     rule = resolve_rule(name, derived, overrides)
     golden, actual = np.asarray(golden), np.asarray(actual)  # shapes equal: validated
+    why = judges_nothing(golden, rule, dtype)
+    if why:
+        return CheckResult(name, "skip", "numeric", tolerance=rule.to_dict(), message=why), False
     r = check_tap(golden, actual, rule, dtype, derived=derived if isinstance(derived, DerivedTolerance) else None)
     if not r.passed:
         r.metrics["first_bad_row"] = first_bad_row(golden, actual, rule)
@@ -216,30 +236,39 @@ def _divergence(c: CheckResult, P: int) -> Divergence:
 
 def _token_check(f, g: str, i: int, out: dict, near: np.ndarray, atol: float) -> CheckResult:
     """Exact, except that a flip at a near-tie step (`near`: golden margin <= 2 x the profile's logits
-    atol) is listed in `near_ties` and the message, not failed."""
+    atol) that the engine's own logits explain (near_ties.explains_flip: its row's error is between half
+    the margin and `atol`) is listed in `near_ties` and the message, not failed."""
     name = f"p{i}/ar/tokens"
     gold, got = np.asarray(f[g + "ar/tokens"]), np.asarray(out[name])      # both [n]: validated
     bad = np.nonzero(gold != got)[0]
     metrics = {"tokens": int(len(gold)), "matching_prefix": int(bad[0]) if bad.size else len(gold)}
     if not bad.size:
         return CheckResult(name, "pass", "tokens", metrics, {"exact": True})
-    ties = [int(s) for s in bad if near[s]]
-    real = [int(s) for s in bad if not near[s]]
+    gl, el, margins = f[g + "ar/logits"], out[f"p{i}/ar/logits"], np.asarray(f[g + "ar/margins"])
+    explained = [bool(near[s]) and explains_flip(gl[s], el[s], float(margins[s]), atol)
+                 for s in range(len(gold))]
+    ties = [int(s) for s in bad if explained[s]]
+    real = [int(s) for s in bad if not explained[s]]
     if ties:
         metrics["near_ties"] = ties
     if not real:
-        margins = np.asarray(f[g + "ar/margins"])[ties]
         return CheckResult(name, "pass", "tokens", metrics, {"exact": True},
-                           f"near-tie flips at steps {ties[:8]}: golden margins {np.round(margins[:8], 4).tolist()} "
-                           f"<= 2 x the profile's logits atol {atol:.4g}, within its noise")
+                           f"near-tie flips at steps {ties[:8]}: golden margins "
+                           f"{np.round(margins[ties][:8], 4).tolist()} "
+                           f"<= 2 x the profile's logits atol {atol:.4g}, and the engine's own logits there "
+                           f"choose its token with an error between half the margin and that atol")
     s = real[0]
-    margin = float(f[g + "ar/margins"][s])
+    margin = float(margins[s])
     err = float(np.max(np.abs(np.asarray(out[f"p{i}/ar/logits"][s], np.float64) - np.asarray(f[g + "ar/logits"][s]))))
     metrics.update(step=s, golden_token=int(gold[s]), engine_token=int(got[s]), margin=margin, logit_error=err)
-    why = ("its logit error exceeds half the margin: a numeric fault big enough to flip a decisive token"
-           if 2 * err >= margin else
-           "its logit error is under half the margin, so noise cannot explain the flip: "
-           "look at argmax / tie-breaking / the token fed back")
+    if 2 * err < margin:
+        why = ("its logit error is under half the margin, so noise cannot explain the flip: "
+               "look at argmax / tie-breaking / the token fed back")
+    elif near[s]:
+        why = (f"a near-tie of the profile, but its logit error exceeds the profile's logits atol {atol:.4g}: "
+               f"a numeric fault, not noise")
+    else:
+        why = "its logit error exceeds half the margin: a numeric fault big enough to flip a decisive token"
     msg = (f"step {s}: golden token {int(gold[s])}, engine {int(got[s])}; golden top-1/top-2 margin "
            f"{margin:.4g}, engine logit error there {err:.4g}: {why}")
     return CheckResult(name, "fail", "tokens", metrics, {"exact": True}, msg)
@@ -254,11 +283,13 @@ def _ddtree_checks(f, g: str, i: int, out: dict, overrides, dtype, ar_ok, man: d
     mine, gold = np.asarray(out[p + "tokens"]), np.asarray(f[g + "ddtree/tokens"])
     n = min(len(gold), len(mine))
     bad = np.nonzero(gold[:n] != mine[:n])[0]
-    tie = stream_near_tie(gold, mine, near)
+    ar, path = np.asarray(out[f"p{i}/ar/tokens"]), out[p + "path_logits"]
+    tie = stream_near_tie(gold, mine, near, ar, path)
     ok = (not bad.size and len(gold) == len(mine)) or tie is not None
     if tie is not None:
         msg = (f"left the golden DDTree stream at near-tie token {tie} (golden margin "
-               f"{float(f[g + 'ar/margins'][tie]):.4g}); later tokens are another stream, not compared")
+               f"{float(f[g + 'ar/margins'][tie]):.4g}; the engine's own logits chose its token there); later "
+               f"tokens are another stream, not compared")
     elif ok:
         msg = ""
     elif bad.size:
@@ -271,16 +302,17 @@ def _ddtree_checks(f, g: str, i: int, out: dict, overrides, dtype, ar_ok, man: d
                               {"exact": True}, msg))
     # The AR tokens are teacher-forced (context = the golden prefix), so DDTree token j is comparable
     # while the DDTree stream's own prefix [:j] is golden: up to and including its first deviation.
-    ar = np.asarray(out[f"p{i}/ar/tokens"])
     k = min(len(ar), len(mine), int(bad[0]) + 1 if bad.size else n)
-    # A tree row and a decode row compute the same logits differently, so they may split a near-tie.
-    diff = [int(d) for d in np.nonzero(ar[:k] != mine[:k])[0] if not near[d]]
+    # A tree row and a decode row compute the same logits differently, so they may split a near-tie,
+    # when the tree row's own argmax chose the DDTree token.
+    diff = [int(d) for d in np.nonzero(ar[:k] != mine[:k])[0]
+            if not (near[d] and own_choice(d, int(mine[d]), ar[:0], path))]
     msg = "" if not diff else (f"token {diff[0]}: DDTree emitted {int(mine[diff[0]])} where the "
                                f"engine's own AR argmax is {int(ar[diff[0]])}")
     checks.append(CheckResult(p + "tokens_vs_own_ar", "fail" if diff else "pass", "ddtree",
                               {"compared": int(k)}, {"exact": True}, msg))
-    checks.append(_rounds_check(f, g, i, out, _rounds_before(f, g, tie)))
-    checks.append(_path_logits_check(f, g, p, out, overrides, dtype, "ddtree" if ar_ok else "numeric", man))
+    checks.append(_rounds_check(f, g, i, out, _rounds_before(f, g, tie), tie))
+    checks.append(_path_logits_check(f, g, p, out, overrides, dtype, "ddtree" if ar_ok else "numeric", man, tie))
     fw, gfw = np.asarray(out[p + "counters"]), np.asarray(f[g + "ddtree/counters"])
     ok = int(fw[0]) == int(gfw[0])
     if tie is not None:
@@ -303,7 +335,8 @@ def _rounds_before(f, g: str, tie: int | None) -> int | None:
     return int(np.count_nonzero(starts - P + acc < tie))
 
 
-def _path_logits_check(f, g: str, p: str, out: dict, overrides, dtype, kind: str, man: dict) -> CheckResult:
+def _path_logits_check(f, g: str, p: str, out: dict, overrides, dtype, kind: str, man: dict,
+                       tie: int | None = None) -> CheckResult:
     """The tree forward's logits on the committed rows, against the golden AR logits with the AR logits
     tolerance. Committed row j sits at position P + j and predicts token j + 1: in exact arithmetic it is
     AR row j + 1 (docs/run-dump.md §4). Argmax checks alone would let a tree-only numeric bug smaller
@@ -318,6 +351,11 @@ def _path_logits_check(f, g: str, p: str, out: dict, overrides, dtype, kind: str
     k = min(len(got), len(gold_ar) - 1, int(bad[0]) if bad.size else n)
     derived = manifest_rule(man.get("ar/logits"))
     rule = resolve_rule(name, derived, overrides)
+    why = judges_nothing(np.asarray(gold_ar[1:1 + k]), rule, dtype) if k else (
+        f"not compared: no committed row while the engine's stream is golden"
+        + ("" if tie is None else f" (it left the golden stream at near-tie token {tie})"))
+    if why:
+        return CheckResult(name, "skip", kind, {"rows": k}, rule.to_dict(), why)
     r = check_tap(np.asarray(gold_ar[1:1 + k]), np.asarray(got[:k]), rule, dtype,
                   derived=derived if isinstance(derived, DerivedTolerance) else None)
     r.metrics["rows"] = k
@@ -325,7 +363,7 @@ def _path_logits_check(f, g: str, p: str, out: dict, overrides, dtype, kind: str
                        "; ".join(r.failures), r.min_passing)
 
 
-def _rounds_check(f, g: str, i: int, out: dict, upto: int | None = None) -> CheckResult:
+def _rounds_check(f, g: str, i: int, out: dict, upto: int | None = None, tie: int | None = None) -> CheckResult:
     """Round by round: the verified tree (an engine with its own drafter), the accepted node path, the
     target's argmax on it and the bonus equal the golden ones, and the engine ran as many rounds. Off-path
     rows are counted, not judged: their argmax changes no output and, unlike every decision on the path
@@ -337,6 +375,10 @@ def _rounds_check(f, g: str, i: int, out: dict, upto: int | None = None) -> Chec
     R, Re, off_path = len(go) - 1, len(eo) - 1, 0
     if upto is not None:                                                 # rounds after a near-tie: another
         R, Re = min(R, upto), min(Re, upto)                              # stream, not compared
+    if upto == 0:
+        return CheckResult(p + "rounds", "skip", "ddtree", {"rounds": 0}, {"exact": True},
+                           f"not compared: the stream left the golden one at near-tie token {tie} in the "
+                           f"first round, so no round committed only golden tokens")
     et = tree_offsets(f, g, out, f"p{i}/", Re)                          # the trees the engine verified
     fail = lambda r, msg: CheckResult(p + "rounds", "fail", "ddtree", {"rounds": R, "matching": r},  # noqa: E731
                                       {"exact": True}, f"round {r}: {msg}")
@@ -378,5 +420,5 @@ def coverage_check(checks: list[CheckResult], required: float) -> CheckResult:
     names = skipped(checks)
     want = "full" if required >= 1 else f"{required:g}"
     msg = (f"coverage {coverage_text(cov)} is below the required {want} in {', '.join(short)}; "
-           f"{len(names)} skipped, first: {', '.join(names[:3])} (the engine did not report these taps)")
+           f"{len(names)} skipped, first: {'; '.join(skip_reasons(checks, 3))}")
     return CheckResult("coverage", "fail", "coverage", metrics, tol, msg)

@@ -1,18 +1,24 @@
 """Near-ties: golden decisions so close that an engine inside the precision profile may decide otherwise.
 
 Tokens and expert choices are judged exactly, except where the golden decision is within reach of the
-profile's own noise (docs/conformance.md, section 3a):
+profile's own noise AND the engine's own reported numbers explain its decision (docs/conformance.md,
+section 3a). A profile's reach alone is no licence: where it is wider than the margins every flip would
+be "within reach", so a flip is granted only when the engine shows the values it decided on, and those
+values are themselves judged numerically.
 
-- **A token** at step s is a near-tie when its golden top-1/top-2 margin is at most twice the profile's
-  logits atol: a flip needs an error of half the margin on two logits.
-- **An expert set** of a prefill row is a near-tie when every swapped pair is: the golden biased routing
-  score of each expert the engine dropped exceeds that of each one it added by at most twice the
-  layer's `router_scores` atol. Decode steps keep no golden router scores, so there a differing set is
-  a near-tie when the profile's own reference changed expert sets at that tap too
-  (`reference_mismatches` > 0, recorded by `kdtr gen`): the precision itself flips routing there.
-  The count is not a bound: the engine's flips are a different sample of the same noise (measured on
-  the tiny bundle: 12 rows where the reference had 7). Their consequences (`resid_out`, logits) are
-  still judged numerically.
+- **A token** at step s is a near-tie candidate when its golden top-1/top-2 margin is at most twice the
+  profile's logits atol (a flip needs an error of half the margin on two logits) and that atol judges
+  something (a tolerance that would pass all-zero logits grants nothing). A flip there is a near-tie
+  when the engine's token is the argmax of its own `ar/logits` row (validated, conformance/outputs.py)
+  and its logit error on that row is at least half the golden margin and at most the logits atol
+  (`explains_flip`): the engine's own numbers, within the profile, chose its token. A DDTree
+  stream that leaves the golden one at a candidate j is a near-tie when its token j is the engine's own
+  AR token j or the argmax of its own `path_logits[j - 1]`.
+- **An expert set** that differs from the golden one is a near-tie when the engine reported that tap's
+  `router_scores`, the bundle holds golden ones to judge them against (prefill; decode steps keep none,
+  so decode routing stays exact), the engine's set is exactly the top-K of its own scores + the
+  correction bias (`refmodel.model.select_experts`, groups included), and every swapped pair's golden
+  biased scores are within twice the layer's `router_scores` atol.
 
 Under the fp32 profile `kdtr gen` keeps every margin above 4 atol and every routing gap above 4 router
 atol, so nothing is a near-tie and everything stays exact.
@@ -22,6 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from conformance.tolerance import DerivedTolerance
+from refmodel.model import select_experts
 
 
 def _atol(entry: dict | None) -> float:
@@ -36,41 +43,67 @@ def logits_atol(man: dict) -> float:
     return max(_atol(man.get("prefill/logits")), _atol(man.get("ar/logits")))
 
 
-def token_near_ties(margins: np.ndarray, man: dict) -> np.ndarray:
-    """[n] bool: which golden greedy decisions an engine within the profile may flip."""
-    return np.asarray(margins, np.float64) <= 2 * logits_atol(man)
+def token_near_ties(margins: np.ndarray, man: dict, vacuous: bool = False) -> np.ndarray:
+    """[n] bool: the golden greedy decisions an engine within the profile may flip (candidates: a flip
+    there still needs `explains_flip`). `vacuous`: the logits tolerance judges nothing (it would pass
+    all-zero logits), so it licenses no flip either."""
+    m = np.asarray(margins, np.float64)
+    if vacuous:
+        return np.zeros(m.shape, bool)
+    return m <= 2 * logits_atol(man)
 
 
-def routing_near_ties(f, g: str, key: str, man: dict, golden_ids: np.ndarray,
-                      actual_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def explains_flip(golden_row: np.ndarray, engine_row: np.ndarray, margin: float, atol: float) -> bool:
+    """Whether an engine's logits row accounts for its flip at a near-tie: its largest logit error there
+    is at least half the golden margin (what a flip takes; the engine's token is its row's argmax:
+    validated) and within the profile's logits atol `atol` (noise, not a fault)."""
+    err = np.max(np.abs(np.asarray(engine_row, np.float64) - np.asarray(golden_row, np.float64)))
+    return bool(margin <= 2 * err <= 2 * atol)
+
+
+def routing_near_ties(f, g: str, key: str, man: dict, golden_ids: np.ndarray, actual_ids: np.ndarray,
+                      engine_scores: np.ndarray | None, cfg) -> tuple[np.ndarray, np.ndarray]:
     """(rows whose expert sets differ, the subset of those that are near-ties) for topk_ids tap `key`
-    (relative to golden/p{i}/, e.g. "prefill/L3/topk_ids")."""
+    (relative to golden/p{i}/, e.g. "prefill/L3/topk_ids"); `engine_scores`: the engine's own
+    router_scores at that tap (None when not reported)."""
     g_sets = np.sort(golden_ids, axis=-1)
     a_sets = np.sort(actual_ids, axis=-1)
     differ = np.nonzero((g_sets != a_sets).any(axis=-1))[0]
-    if not differ.size:
-        return differ, differ
     phase, layer = key.split("/")[0], key.split("/")[1]
     scores_key = f"{phase}/{layer}/router_scores"
-    if phase != "prefill" or g + scores_key not in f:
-        flips = man.get(key, {}).get("reference_mismatches", 0) > 0
-        return differ, differ if flips else differ[:0]
+    if not differ.size or engine_scores is None or g + scores_key not in f:
+        return differ, differ[:0]
     bias = np.asarray(f.get(f"model.layers.{layer[1:]}.mlp.gate.e_score_correction_bias"), np.float64)
+    own = np.sort(select_experts(cfg, np.asarray(engine_scores, np.float64) + bias), axis=-1)  # [T, K]
     choice = np.asarray(f[g + scores_key], np.float64) + bias                       # [T, E] biased
     reach = 2 * _atol(man.get(scores_key))
     near = []
     for t in differ:
         dropped = np.setdiff1d(g_sets[t], a_sets[t])
         added = np.setdiff1d(a_sets[t], g_sets[t])
+        if not dropped.size or not added.size or not np.array_equal(own[t], a_sets[t]):
+            continue
         if choice[t, dropped].max() - choice[t, added].min() <= reach:
             near.append(t)
     return differ, np.asarray(near, np.int64)
 
 
-def stream_near_tie(gold: np.ndarray, mine: np.ndarray, near: np.ndarray) -> int | None:
-    """The index where an engine's token stream first leaves the golden one, if that is a near-tie."""
+def stream_near_tie(gold: np.ndarray, mine: np.ndarray, near: np.ndarray, own_ar: np.ndarray,
+                    path_logits: np.ndarray) -> int | None:
+    """The index j where an engine's DDTree stream first leaves the golden one, if that is a near-tie:
+    a candidate whose token j the engine's own logits chose (its AR token j, or the argmax of its
+    path_logits[j - 1], the committed tree row that predicted token j)."""
     n = min(len(gold), len(mine))
     bad = np.nonzero(np.asarray(gold[:n]) != np.asarray(mine[:n]))[0]
-    if bad.size and bad[0] < len(near) and near[bad[0]]:
-        return int(bad[0])
-    return None
+    if not bad.size or bad[0] >= len(near) or not near[bad[0]]:
+        return None
+    j = int(bad[0])
+    return j if own_choice(j, int(mine[j]), own_ar, path_logits) else None
+
+
+def own_choice(j: int, token: int, own_ar: np.ndarray, path_logits: np.ndarray) -> bool:
+    """Whether DDTree token j = `token` is what the engine's own logits chose: its AR token j, or the
+    argmax of path_logits[j - 1]."""
+    if j < len(own_ar) and int(own_ar[j]) == token:
+        return True
+    return 1 <= j <= len(path_logits) and int(np.argmax(np.asarray(path_logits[j - 1]))) == token

@@ -118,8 +118,10 @@ def _prompt_problems(f, i: int, out: dict, dtype: str, cfg: ModelConfig) -> list
     P, n, V = len(f[g + "prompt_ids"]), len(f[g + "ar/tokens"]), cfg.vocab_size
     c = _Checker(out, f"p{i}/", dtype)
     c.get("prefill/logits", "float", (P, V))
-    c.get("ar/logits", "float", (n, V))
-    c.in_range("ar/tokens", c.get("ar/tokens", "int", (n,)), 0, V, "token ids")
+    logits = c.get("ar/logits", "float", (n, V))
+    toks = c.get("ar/tokens", "int", (n,))
+    c.in_range("ar/tokens", toks, 0, V, "token ids")
+    _argmax_problems(c, toks, logits)
     c.in_range("ddtree/tokens", c.get("ddtree/tokens", "int", (None,)), 0, V, "token ids")
     toks = out.get(c.p + "ddtree/tokens")
     if toks is not None and np.ndim(toks) == 1 and len(toks) > n:
@@ -135,6 +137,32 @@ def _prompt_problems(f, i: int, out: dict, dtype: str, cfg: ModelConfig) -> list
     return c.problems
 
 
+def _argmax_problems(c: _Checker, toks, logits) -> None:
+    """`ar/tokens` is the argmax of each `ar/logits` row (lowest id on an exact tie, docs/run-dump.md):
+    a token its own logits do not choose is no greedy decision, and the judge's near-ties rely on it."""
+    if toks is None or logits is None:
+        return
+    rows = np.asarray(widened({"x": logits}, c.dtype)["x"], np.float64)     # [n, V]
+    own = np.argmax(rows, axis=-1)                                          # [n]
+    bad = np.nonzero(own != toks)[0]
+    if bad.size:
+        s = int(bad[0])
+        c.bad("ar/tokens", f"holds {int(toks[s])} at step {s}, but the argmax of ar/logits row {s} is "
+                           f"{int(own[s])}: each token is its own logits row's argmax ({bad.size} steps differ)")
+
+
+def _distinct_problems(c: _Checker, key: str, ids) -> None:
+    """A row of `topk_ids` names K distinct experts: a repeated id is no top-K choice."""
+    if ids is None or ids.size == 0:
+        return
+    srt = np.sort(ids.reshape(-1, ids.shape[-1]), axis=-1)                  # [rows, K]
+    rep = np.argwhere(np.diff(srt, axis=-1) == 0)
+    if len(rep):
+        r, k = (int(x) for x in rep[0])
+        c.bad(key, f"row {r} names expert {int(srt[r, k])} twice ({ids.reshape(-1, ids.shape[-1])[r].tolist()}): "
+                   f"a top-K row holds K distinct expert ids")
+
+
 def _tap_problems(f, g: str, c: _Checker, cfg: ModelConfig) -> None:
     """Optional taps: when present, the golden's shape, int64 topk_ids in [0, E), floats otherwise."""
     for key in numeric_keys(cfg, set(f.metadata["taps"]["ar"])):
@@ -142,7 +170,9 @@ def _tap_problems(f, g: str, c: _Checker, cfg: ModelConfig) -> None:
             continue
         shape = tuple(f.info(g + key).shape)
         if key.endswith("/topk_ids"):
-            c.in_range(key, c.get(key, "int", shape), 0, cfg.n_routed_experts, "expert ids")
+            ids = c.get(key, "int", shape)
+            c.in_range(key, ids, 0, cfg.n_routed_experts, "expert ids")
+            _distinct_problems(c, key, ids)
         else:
             c.get(key, "float", shape)
 

@@ -4,8 +4,16 @@ The bundle's own tolerances (`metadata.tolerances.taps`) are the `fp32` profile:
 reference's error against the float64 golden. A bf16 engine makes far larger errors, so it gets its own
 profile, derived the same way from a **bf16 reference run**: the refmodel on the bundle's weights rounded to
 bfloat16, every array operation's result rounded to bfloat16 (round to nearest even) while reductions and
-contractions accumulate in float32, teacher-forced with the golden tokens, measured against the float64
-golden on the same prompts. Each tap's rule is then `DerivedTolerance` with the same multiplier, and the
+contractions accumulate in float32, teacher-forced with the golden tokens and with routing held to the
+golden expert sets, measured against the float64 golden on the same prompts.
+
+Why routing is held: between near-equal routing scores bf16 noise flips expert choices, and a flip swaps
+a whole expert's output. A free-running reference folds those discrete jumps into every later tap's
+baseline, so 16 x that baseline grew as large as the signal (decode logits x 0.3 passed). Held to the
+golden sets, the run measures arithmetic noise only; an engine's own routing flips are judged by the
+routing rules (conformance/near_ties.py), not absorbed into every later bound. The topk_ids taps of
+the run still record the router's own choice, so `reference_mismatches` counts the rows where bf16
+would have flipped. Each tap's rule is then `DerivedTolerance` with the same multiplier, and the
 floor is the same number of ULPs, counted in bfloat16 (docs/conformance.md, section 3a).
 
 Rounding after every operation is stricter than a fused bf16 kernel (which keeps, say, an RMSNorm's
@@ -124,8 +132,8 @@ def derive_profile(errors: list[dict], quant: str, floor_ulps: int = DEFAULT_FLO
     """The bf16 profile from per-prompt errors of the bf16 reference (`reference_errors`): per float tap
     the worst prompt's max abs error and NMSE, the multiplier of the fp32 rule and a floor of `floor_ulps`
     bfloat16 ULPs of the tap's largest golden value. Integer taps (topk_ids) stay exact, with the worst
-    prompt's count of rows whose expert set the reference changed (the decode-step near-tie allowance,
-    conformance/near_ties.py)."""
+    prompt's count of rows where the reference's own router chose another expert set than the golden
+    (informative: the run itself ran the golden sets)."""
     agg: dict[str, dict] = {}
     for e in errors:
         for k, v in e.items():
@@ -147,10 +155,11 @@ def derive_profile(errors: list[dict], quant: str, floor_ulps: int = DEFAULT_FLO
         "rule": ("bf16 engine passes a tap if max|a - g| <= multiplier * baseline_max_abs + abs_floor and "
                  "NMSE <= multiplier * baseline_nmse + nmse_floor, where the baseline is the bf16 reference "
                  "(weights and every operation's result rounded to bfloat16, float32 accumulation, router "
-                 "gate float32) vs the float64 golden on the same weights and tokens, worst prompt; "
-                 "abs_floor = floor_ulps bfloat16 ULPs of the tap's largest golden value. Tokens and "
-                 "expert choices are exact except at near-ties: a golden margin within twice the profile's "
-                 "logits (router_scores) atol."),
+                 "gate float32, routing held to the golden expert sets) vs the float64 golden on the same "
+                 "weights and tokens, worst prompt; abs_floor = floor_ulps bfloat16 ULPs of the tap's "
+                 "largest golden value. Tokens and expert choices are exact except at near-ties: a golden "
+                 "margin within twice the profile's logits (router_scores) atol, and the engine's own "
+                 "reported logits (router_scores) choosing its decision."),
         "multiplier": multiplier,
         "floor_ulps": floor_ulps,
         "taps": taps,
@@ -158,14 +167,14 @@ def derive_profile(errors: list[dict], quant: str, floor_ulps: int = DEFAULT_FLO
 
 
 def bf16_profile(cfg, W64: dict, goldens: list[tuple], quant: str) -> dict:
-    """Run the bf16 reference on every (prompt, golden tokens, float64 goldens, first position) and derive
-    the profile."""
+    """Run the bf16 reference on every (prompt, golden tokens, float64 goldens, first position), routing
+    held to the golden expert sets, and derive the profile."""
     from conformance.goldens import baseline_errors, run_reference   # gen calls this: import when called
 
     Wb = bf16_weights(W64)
     errors = []
     for prompt, tokens, g64, pos0 in goldens:
-        gb, _, _, _ = run_reference(cfg, Wb, prompt, len(tokens), tokens=tokens, pos0=pos0)
+        gb, _, _, _ = run_reference(cfg, Wb, prompt, len(tokens), tokens=tokens, pos0=pos0, routing=g64)
         errors.append(reference_errors(g64, {k: np.asarray(v) for k, v in gb.items()}, baseline_errors))
     return derive_profile(errors, quant)
 

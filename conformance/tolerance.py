@@ -322,3 +322,19 @@ def min_passing_tolerance(metrics: dict, rule: Rule, derived: DerivedTolerance |
                 need.append(excess / base if base > 0 else math.inf)
         out["multiplier"] = max(need)
     return out
+
+
+def judges_nothing(golden: np.ndarray, rule: Rule, dtype: str = "float32") -> str | None:
+    """Why `rule` would pass an all-zero output against `golden`, or None. Such a tolerance is as wide as
+    the signal: the check it makes cannot fail on any output of the right scale, so the judge reports it
+    as skipped (counted in coverage), never as a pass. Exact rules, integer taps and all-zero goldens
+    (where zero is the right answer) always judge."""
+    g = np.asarray(golden)
+    if rule.mode == "exact" or g.dtype.kind in "iu" or g.size == 0:
+        return None
+    big = float(np.max(np.abs(g.astype(np.float64))))
+    if not (big > 0 and math.isfinite(big)) or not check_tap(g, np.zeros_like(g), rule, dtype).passed:
+        return None
+    nmse = "none" if rule.nmse is None else f"{rule.nmse:.3g}"
+    return (f"not judged: its tolerance (atol {rule.atol:.3g}, NMSE {nmse}) would pass an all-zero output "
+            f"(max |golden| {big:.3g}), so it judges nothing here")

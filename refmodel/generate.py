@@ -25,19 +25,21 @@ def top2_margin(logits: np.ndarray) -> float:
 
 
 def prefill(cfg: ModelConfig, W: dict, prompt_ids, cache: KVCache, absorbed: bool = False,
-            taps: dict | None = None, pos0: int = 0) -> np.ndarray:
+            taps: dict | None = None, pos0: int = 0, forced_ids: dict | None = None) -> np.ndarray:
     """Run the prompt into the cache, cache row j at position pos0 + j (an empty cache: positions
-    pos0..pos0+P-1); returns the last position's logits [V]."""
+    pos0..pos0+P-1); returns the last position's logits [V]. forced_ids: model.forward."""
     prompt_ids = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
     rows = np.arange(cache.length, cache.length + len(prompt_ids))
-    logits, _ = forward(cfg, W, prompt_ids, pos0 + rows, cache=cache, absorbed=absorbed, taps=taps)
+    logits, _ = forward(cfg, W, prompt_ids, pos0 + rows, cache=cache, absorbed=absorbed, taps=taps,
+                        forced_ids=forced_ids)
     return logits[-1]
 
 
 def decode_one_token(cfg: ModelConfig, W: dict, token: int, cache: KVCache, absorbed: bool = False,
-                     taps: dict | None = None, pos0: int = 0) -> np.ndarray:
+                     taps: dict | None = None, pos0: int = 0, forced_ids: dict | None = None) -> np.ndarray:
     """Append one token at position pos0 + cache.length; returns its logits [V]."""
-    logits, _ = forward(cfg, W, [token], [pos0 + cache.length], cache=cache, absorbed=absorbed, taps=taps)
+    logits, _ = forward(cfg, W, [token], [pos0 + cache.length], cache=cache, absorbed=absorbed, taps=taps,
+                        forced_ids=forced_ids)
     return logits[0]
 
 

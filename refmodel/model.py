@@ -200,12 +200,10 @@ def _topk_stable(scores: np.ndarray, k: int) -> np.ndarray:
     return np.argsort(-scores, axis=-1, kind="stable")[:, :k]            # [T, X] -> [T, k]
 
 
-def route(cfg: ModelConfig, W: dict, l: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Sigmoid noaux_tc router: (scores [T, E] unbiased, ids [T, K], weights [T, K])."""
-    p = f"model.layers.{l}.mlp.gate."
-    T, E, G = x.shape[0], cfg.n_routed_experts, cfg.n_group
-    scores = sigmoid(linear(x, W[p + "weight"]))                         # [T, D] -> [T, E]
-    choice = scores + W[p + "e_score_correction_bias"]                   # bias chooses experts, never weighs them
+def select_experts(cfg: ModelConfig, choice: np.ndarray) -> np.ndarray:
+    """The top-K experts [T, K] of biased routing scores `choice` [T, E]: with groups (n_group > 1) only
+    the topk_group groups with the largest top-2 sums compete."""
+    T, E, G = choice.shape[0], cfg.n_routed_experts, cfg.n_group
     if G > 1:
         grouped = choice.reshape(T, G, E // G)                           # [T, E] -> [T, G, E/G]
         group_score = np.sort(grouped, axis=-1)[..., -2:].sum(-1)        # top-2 sum: [T, G]
@@ -213,18 +211,32 @@ def route(cfg: ModelConfig, W: dict, l: int, x: np.ndarray) -> tuple[np.ndarray,
         keep = np.zeros((T, G), dtype=bool)
         np.put_along_axis(keep, kept, True, axis=-1)
         choice = np.where(np.repeat(keep, E // G, axis=-1), choice, -np.inf)  # [T, G] -> [T, E]
-    ids = _topk_stable(choice, cfg.num_experts_per_tok)                  # [T, K]
+    return _topk_stable(choice, cfg.num_experts_per_tok)                 # [T, K]
+
+
+def route(cfg: ModelConfig, W: dict, l: int, x: np.ndarray,
+          forced: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Sigmoid noaux_tc router: (scores [T, E] unbiased, ids [T, K], weights [T, K]). `forced` [T, K]:
+    use these expert ids instead of the router's choice (weights still from this run's scores)."""
+    p = f"model.layers.{l}.mlp.gate."
+    scores = sigmoid(linear(x, W[p + "weight"]))                         # [T, D] -> [T, E]
+    choice = scores + W[p + "e_score_correction_bias"]                   # bias chooses experts, never weighs them
+    ids = select_experts(cfg, choice) if forced is None else np.asarray(forced)  # [T, E] -> [T, K]
     weights = np.take_along_axis(scores, ids, axis=-1)                   # [T, K], unbiased
     if cfg.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
     return scores, ids, weights * cfg.routed_scaling_factor
 
 
-def moe(cfg: ModelConfig, W: dict, l: int, x: np.ndarray, taps: dict | None) -> np.ndarray:
+def moe(cfg: ModelConfig, W: dict, l: int, x: np.ndarray, taps: dict | None,
+        forced: np.ndarray | None = None) -> np.ndarray:
+    """`forced` [T, K]: run these experts (a noise measurement with routing held fixed); the topk_ids
+    tap then records the router's own choice, so its flips can still be counted."""
     p = f"model.layers.{l}.mlp."
-    scores, ids, weights = route(cfg, W, l, x)                           # [T, E], [T, K], [T, K]
+    scores, ids, weights = route(cfg, W, l, x, forced)                   # [T, E], [T, K], [T, K]
     _tap(taps, l, "router_scores", scores)
-    _tap(taps, l, "topk_ids", ids.astype(np.int64))
+    own = ids if forced is None else select_experts(cfg, scores + W[p + "gate.e_score_correction_bias"])
+    _tap(taps, l, "topk_ids", np.asarray(own).astype(np.int64))
     _tap(taps, l, "topk_weights", weights)
     y = np.zeros_like(x)                                                 # [T, D]
     for e in np.unique(ids):                                             # ascending expert id, as HF
@@ -238,7 +250,8 @@ def moe(cfg: ModelConfig, W: dict, l: int, x: np.ndarray, taps: dict | None) -> 
 # ---------------------------------------------------------------- block and model [2]
 
 def block(cfg: ModelConfig, W: dict, l: int, h: np.ndarray, cos: np.ndarray, sin: np.ndarray,
-          cache: KVCache | None, mask: np.ndarray, absorbed: bool, taps: dict | None) -> np.ndarray:
+          cache: KVCache | None, mask: np.ndarray, absorbed: bool, taps: dict | None,
+          forced: np.ndarray | None = None) -> np.ndarray:
     p = f"model.layers.{l}."
     x = rms_norm(h, W[p + "input_layernorm.weight"], cfg.rms_norm_eps)   # [T, D]
     _tap(taps, l, "attn_in", x)
@@ -251,7 +264,7 @@ def block(cfg: ModelConfig, W: dict, l: int, h: np.ndarray, cos: np.ndarray, sin
     if l < cfg.first_k_dense_replace:
         m = swiglu(W, p + "mlp.", x)                                     # dense MLP
     else:
-        m = moe(cfg, W, l, x, taps)
+        m = moe(cfg, W, l, x, taps, forced)
     _tap(taps, l, "mlp_out", m)
     h = h + m
     _tap(taps, l, "resid_out", h)
@@ -259,7 +272,8 @@ def block(cfg: ModelConfig, W: dict, l: int, h: np.ndarray, cos: np.ndarray, sin
 
 
 def forward(cfg: ModelConfig, W: dict, ids, positions, cache: KVCache | None = None, mask=None,
-            absorbed: bool = False, taps: dict | None = None, cos_sin=None) -> tuple[np.ndarray, list[np.ndarray]]:
+            absorbed: bool = False, taps: dict | None = None, cos_sin=None,
+            forced_ids: dict | None = None) -> tuple[np.ndarray, list[np.ndarray]]:
     """Logits [T, V] and hiddens (L+1 arrays [T, D]: embeddings, then each layer's output) for T new tokens.
     Computes in the dtype of the weights: float64 is the oracle, float32 the same-precision baseline.
 
@@ -267,6 +281,8 @@ def forward(cfg: ModelConfig, W: dict, ids, positions, cache: KVCache | None = N
     additive float [T, S_cache + T] (0 visible, -inf hidden). taps: a dict filled with "L{l}/{tap}",
     "final_hidden", "logits" (names and order in docs/golden-bundles.md). cos_sin: the RoPE tables
     [T, R/2] for `positions` when the caller computes them (an engine under test); default rope_cos_sin.
+    forced_ids: {layer: [T, K]} expert ids to run instead of the router's choice (profiles.py measures
+    arithmetic noise with it).
     """
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)
     positions = np.asarray(positions, dtype=np.int64).reshape(-1)
@@ -285,7 +301,7 @@ def forward(cfg: ModelConfig, W: dict, ids, positions, cache: KVCache | None = N
     h = W["model.embed_tokens.weight"][ids]                              # [T] -> [T, D]
     hiddens = [h]
     for l in range(cfg.num_hidden_layers):
-        h = block(cfg, W, l, h, cos, sin, cache, mask, absorbed, taps)
+        h = block(cfg, W, l, h, cos, sin, cache, mask, absorbed, taps, (forced_ids or {}).get(l))
         hiddens.append(h)
     x = rms_norm(h, W["model.norm.weight"], cfg.rms_norm_eps)            # [T, D]
     head = W["model.embed_tokens.weight"] if cfg.tie_word_embeddings else W["lm_head.weight"]

@@ -89,3 +89,19 @@ def test_missing_profile_is_a_clear_error(small_bundle):
         profile_taps(meta, "bf16")
     with pytest.raises(ProfileError, match="unknown precision profile 'fp16'; choose one of fp32, bf16"):
         profile_taps(meta, "fp16")
+
+
+def test_forced_routing_runs_the_given_experts_and_records_the_routers_own_choice():
+    """The bf16 profile's noise run holds routing to the golden sets (`routing=`): forcing the golden sets
+    reproduces the golden exactly; forcing other sets changes the MoE output, while the topk_ids tap still
+    records the router's own choice (what the profile counts as reference_mismatches)."""
+    W = init_weights(TINY, 0)
+    prompt = np.array([5, 6, 7])
+    g, toks, _, _ = run_reference(TINY, W, prompt, 3)
+    same, _, _, _ = run_reference(TINY, W, prompt, 3, tokens=toks, routing=g)
+    assert all(np.array_equal(same[k], g[k]) for k in g)
+    l = TINY.first_k_dense_replace
+    other = {k: (v + 1) % TINY.n_routed_experts if k.endswith("topk_ids") else v for k, v in g.items()}
+    moved, _, _, _ = run_reference(TINY, W, prompt, 3, tokens=toks, routing=other)
+    assert np.array_equal(moved[f"prefill/L{l}/topk_ids"], g[f"prefill/L{l}/topk_ids"])   # own choice
+    assert not np.allclose(moved[f"prefill/L{l}/mlp_out"], g[f"prefill/L{l}/mlp_out"])     # forced experts ran

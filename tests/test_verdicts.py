@@ -135,7 +135,7 @@ def test_coverage_is_carried_and_skips_are_reported(small_bundle, dump, tmp_path
     buf = io.StringIO()
     print_console(v, Console(file=buf, width=100, color_system=None))
     text = buf.getvalue()                                                 # ...but never silent
-    assert "checks skipped (taps the engine did not report)" in text and "p0/prefill/L0/attn_in" in text
+    assert "checks skipped:" in text and "p0/prefill/L0/attn_in (the engine did not report this tap)" in text
     assert f"prefill {2 * n}/{v.coverage['prefill']['defined']}" in text
 
 
@@ -148,6 +148,7 @@ def test_require_coverage_turns_missing_taps_into_a_failure(small_bundle, dump, 
     assert c.status == ("fail" if code else "pass")
     if code:
         assert "below the required full in prefill, decode" in c.message
+        assert "p0/prefill/L0/attn_in (the engine did not report this tap)" in c.message   # each skip's reason
 
 
 def test_full_coverage_passes_the_requirement(small_bundle, dump, tmp_path):
