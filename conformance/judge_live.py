@@ -21,6 +21,7 @@ import numpy as np
 from conformance.outputs import LIVE, tree_offsets
 from conformance.report import CheckResult
 from conformance.tree_ties import GoldenDrafts, first_difference
+from refmodel.ddtree import walk
 
 
 def live_checks(f, g: str, i: int, out: dict, drafts: GoldenDrafts, ar_ok: bool = True) -> list[CheckResult]:
@@ -62,12 +63,7 @@ def _walk(tok, par, post) -> tuple[list, int]:
     children = [{} for _ in tok]
     for k in range(1, len(tok)):
         children[int(par[k])][int(tok[k])] = k
-    acc, cur, nxt = [0], 0, int(post[0])
-    while nxt in children[cur]:
-        cur = children[cur][nxt]
-        acc.append(cur)
-        nxt = int(post[cur])
-    return acc, nxt
+    return walk(children, post)
 
 
 def _trees_check(f, g: str, i: int, out: dict, drafts: GoldenDrafts) -> tuple[CheckResult, bool]:
