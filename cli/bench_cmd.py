@@ -6,6 +6,10 @@ import sys
 
 import click
 
+from cli.outputs import check_output, fail_write
+from conformance.exit_codes import ExitCode
+from kdtr_format.paths import write_atomically
+
 
 @click.group("bench")
 def bench_cmd() -> None:
@@ -19,6 +23,7 @@ def bench_cmd() -> None:
 def engine_cmd(bundle, steps, json_path) -> None:
     """Decode latency per token (AR, batch 1): prepared launches vs the captured CUDA graph, launches per
     step, and the launch floor (the same number of one-thread kernels) measured in the same run."""
+    check_output(json_path, "--json", stream_ok=True)      # before the run, not after it
     from cuda_engine.device import CudaEngineError
 
     try:
@@ -27,7 +32,7 @@ def engine_cmd(bundle, steps, json_path) -> None:
         r = decode_latency(bundle, steps)
     except CudaEngineError as e:
         click.echo(f"kdtr bench engine: {e}", err=True)
-        sys.exit(6)
+        sys.exit(int(ExitCode.ENGINE_ERROR))
     click.echo(f"{r['device']} (cc {r['compute_capability']}, driver {r['driver']}, CUDA {r['cuda_driver_api']}), "
                f"{bundle}, {steps} steps")
     click.echo(f"launches per decode step: {r['launches_per_step']}")
@@ -38,5 +43,8 @@ def engine_cmd(bundle, steps, json_path) -> None:
                f"{r['prepared_vs_graph']:.2f}x faster than prepared)")
     click.echo(f"graph and prepared generate the same tokens: {r['same_tokens_graph_and_prepared']}")
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump(r, f, indent=1)
+        try:
+            write_atomically(json_path, lambda fh: fh.write(json.dumps(r, indent=1).encode("utf-8")),
+                             stream_ok=True)
+        except OSError as e:
+            fail_write(e, "kdtr bench engine")
