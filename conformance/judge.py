@@ -352,7 +352,7 @@ def _path_logits_check(f, g: str, p: str, out: dict, overrides, dtype, kind: str
     derived = manifest_rule(man.get("ar/logits"))
     rule = resolve_rule(name, derived, overrides)
     why = judges_nothing(np.asarray(gold_ar[1:1 + k]), rule, dtype) if k else (
-        f"not compared: no committed row while the engine's stream is golden"
+        "not compared: no committed row while the engine's stream is golden"
         + ("" if tie is None else f" (it left the golden stream at near-tie token {tie})"))
     if why:
         return CheckResult(name, "skip", kind, {"rows": k}, rule.to_dict(), why)

@@ -89,7 +89,7 @@ def check_int4_pairs(tensors: dict, where: str) -> None:
                 f"{where}: tensor '{name}': " + ("int4_shape is only allowed on a tensor named "
                                                  "'<weight>.qw'" if int4_shape is not None else
                                                  "a '.qw' tensor must carry int4_shape (packed INT4)")
-                + f"; rename the tensor or fix its entry")
+                + "; rename the tensor or fix its entry")
         out, n_in = int4_shape
         sc = name[:-3] + ".sc"
         if sc not in tensors:

@@ -24,7 +24,7 @@ from kdtr_format.checks import (
 from kdtr_format.errors import (
     REGENERATE, AlignmentError, ByteOrderError, ChecksumError, ClosedFileError, DuplicateNameError,
     HeaderChecksumError, HeaderFormatError, HeaderTooLargeError, InvalidBoolError, MetadataError,
-    NotAKdtrFileError, NotARegularFileError, OffsetError, OverlapError, PaddingError,
+    NotAKdtrFileError, OffsetError, OverlapError, PaddingError,
     ShapeMismatchError, TensorNotFoundError, TrailingDataError, TruncatedFileError,
     UnsupportedVersionError)
 from kdtr_format.paths import open_regular

@@ -23,3 +23,17 @@ def small_bundle(tmp_path_factory):
 def small_int4_bundle(tmp_path_factory):
     """A small INT4 (routed experts) golden bundle (path)."""
     return _make(tmp_path_factory, "int4")
+
+
+@pytest.fixture(scope="module")
+def reference_run(small_bundle):
+    """(open small bundle, the reference engine's outputs on it): a correct run, collected once per module
+    (module scope: tests may edit the outputs they are given)."""
+    from conformance.collect import collect
+    from conformance.reference_engine import ReferenceEngine
+    from kdtr_format import open_kdtr
+
+    with open_kdtr(small_bundle) as f:
+        e = ReferenceEngine()
+        e.load(f)
+        yield f, collect(e, f)

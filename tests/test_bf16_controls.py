@@ -10,17 +10,12 @@ from conformance.collect import collect
 from conformance.faults import FaultyEngine
 from conformance.judge import judge
 from conformance.profiles import profile_taps
-from conformance.reference_engine import ReferenceEngine
 from conformance.tolerance import DerivedTolerance, RuleOverride
-from kdtr_format import open_kdtr
 
 
 @pytest.fixture(scope="module")
-def run(small_bundle):
-    with open_kdtr(small_bundle) as f:
-        e = ReferenceEngine()
-        e.load(f)
-        yield f, collect(e, f)
+def run(reference_run):
+    return reference_run
 
 
 def failed(f, out, profile="bf16", overrides=()):

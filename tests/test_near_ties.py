@@ -4,24 +4,17 @@ fp32 profile, and a flip the engine's numbers do not explain fails under both.""
 import numpy as np
 import pytest
 
-from conformance.collect import collect
 from conformance.judge import judge
 from conformance.near_ties import logits_atol, routing_near_ties
 from conformance.outputs import InvalidOutputs
 from conformance.profiles import profile_taps
-from conformance.reference_engine import ReferenceEngine
 from conformance.tolerance import DerivedTolerance
-from kdtr_format import open_kdtr
 from refmodel.config import ModelConfig
 
 
 @pytest.fixture(scope="module")
-def run(small_bundle):
-    """The reference engine's outputs on the small bundle (a correct run), and the open bundle."""
-    with open_kdtr(small_bundle) as f:
-        e = ReferenceEngine()
-        e.load(f)
-        yield f, collect(e, f)
+def run(reference_run):
+    return reference_run
 
 
 def status(checks, name):
