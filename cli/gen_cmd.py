@@ -100,10 +100,13 @@ class _Bars:
 @click.option("--long-position", type=click.IntRange(0), default=LONG_POSITION_OFFSET, show_default=True,
               help="First position of the long-position prompt (a random prompt whose cache holds only its own "
                    "rows); 0: none. docs/golden-bundles.md says why this offset.")
+@click.option("--bf16-profile/--no-bf16-profile", default=None,
+              help="Derive the bf16 precision profile (default: yes; it reruns every prompt in bf16, which "
+                   "the real-shape slice skips for time).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Weights, drafter and prompt seed.")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="The bundle to write (atomically).")
 def gen_cmd(preset, quant, int4_scope, checkpoint, model_path, prompts_file, prompt_ids, num_prompts,
-            max_new_tokens, budget, distill_steps, long_position, seed, out):
+            max_new_tokens, budget, distill_steps, long_position, bf16_profile, seed, out):
     """Generate a golden bundle: model, prompts, per-layer goldens, AR stream and DDTree rounds.
 
     The goldens are the float64 reference on the stored weights; tolerances are derived from a float32 run
@@ -119,7 +122,8 @@ def gen_cmd(preset, quant, int4_scope, checkpoint, model_path, prompts_file, pro
     command = _canonical_command(click.get_current_context())
     s = GenSettings(preset=preset, quant=quant, int4_scope=int4_scope, seed=seed, prompts=prompts,
                     num_prompts=num_prompts, max_new_tokens=max_new_tokens, budget=budget,
-                    distill_steps=distill_steps, long_position=long_position, command=command)
+                    distill_steps=distill_steps, long_position=long_position, command=command,
+                    bf16_profile=bf16_profile is not False)
     console = Console(stderr=True)
     cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             TextColumn("{task.fields[info]}"))
