@@ -5,6 +5,7 @@ import json
 import os
 import shlex
 import sys
+import time
 
 import click
 from rich.console import Console
@@ -70,11 +71,16 @@ class _Bars:
 
     def __init__(self, progress: Progress):
         self.p, self.tasks = progress, {}
+        self.lines = not progress.console.is_terminal     # a log file: a line per finished stage instead
+        self.t0 = time.monotonic()
 
     def __call__(self, stage, done, total, info):
         if stage not in self.tasks:
             self.tasks[stage] = self.p.add_task(stage, total=total, info="")
         self.p.update(self.tasks[stage], completed=done, info="" if info is None else f"loss {info:.3f}")
+        if self.lines and done >= total:
+            self.p.console.print(f"{time.monotonic() - self.t0:8.1f} s  {stage}: {done}/{total} done",
+                                 soft_wrap=True, markup=False, highlight=False)
 
 
 @click.command("gen")
