@@ -177,7 +177,7 @@ def plan_prompts(m: Model, s: GenSettings) -> list[Slot]:
 def decisive_goldens(m: Model, W64: dict, s: GenSettings, slots: list[Slot], progress=None):
     """Goldens for every slot; a random prompt that fails check_decisive is redrawn (the tolerances depend
     on the whole prompt set: judge, redraw, repeat), an explicit one is an error. W64: the model's weights
-    dequantized to float64. Returns (goldens, manifest)."""
+    in float64 (as_stored: upcast per matmul). Returns (goldens, manifest)."""
     def run(i, sl, p):
         tick = None if progress is None else (lambda phase, done, total: progress(f"p{i} {phase}", done, total, None))
         return golden_for_prompt(m, W64, p, sl.n, s.budget, sl.pos0, tick)

@@ -19,7 +19,7 @@ never whole in float64 either.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import MutableMapping
 from typing import Callable, Iterator
 
 import numpy as np
@@ -32,7 +32,7 @@ from refmodel.weights import iter_weights
 DENSE_STORAGE = ("float32", "bfloat16")
 
 
-class StoredWeights(Mapping):
+class StoredWeights(MutableMapping):
     """name -> weight in `dtype`, computed per access from the stored tensors (module docstring).
 
     dense:   name -> (array, bf16): float32/float64 values, or raw bfloat16 bits (uint16) when bf16.
@@ -127,10 +127,17 @@ class StoredWeights(Mapping):
         return a if self._transform is None else self._transform(name, a)
 
     def __setitem__(self, name: str, value: np.ndarray) -> None:
-        """Replace one tensor (fault injection); held in memory, the stored bytes are untouched."""
+        """Replace one tensor (fault injection: `W[k] *= x`, `W.update(...)`); held in memory, the stored
+        bytes are untouched."""
         if name not in self:
             raise KeyError(f"StoredWeights: no tensor {name!r} to replace")
         self._overrides[name] = value
+
+    def __delitem__(self, name: str) -> None:
+        """Drop a replacement (the stored tensor shows again); stored tensors themselves stay."""
+        if name not in self._overrides:
+            raise KeyError(f"StoredWeights: {name!r} is not a replaced tensor; stored tensors cannot be deleted")
+        del self._overrides[name]
 
     def __contains__(self, name) -> bool:
         return name in self._dense or name in self._int4

@@ -100,6 +100,12 @@ def test_overrides_and_errors():
     W = StoredWeights.from_arrays({"a": np.ones((2, 2), np.float32)})
     W["a"] = W["a"] * 2                                  # augmented updates (fault injection) land here
     assert W["a"][0, 0] == 2 and W.astype(np.float32)["a"].dtype == np.float32
+    W.update({"a": np.zeros((2, 2))})
+    assert W["a"][0, 0] == 0
+    del W["a"]                                           # the stored tensor shows again
+    assert W["a"][0, 0] == 1
+    with pytest.raises(KeyError, match="stored tensors cannot be deleted"):
+        del W["a"]
     with pytest.raises(KeyError, match="no tensor 'b' to replace"):
         W["b"] = np.zeros(2)
     with pytest.raises(ValueError, match="scale tensor x.sc has no packed weights x.qw"):
