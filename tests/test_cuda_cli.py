@@ -29,5 +29,14 @@ def test_unknown_w4a16_mode_is_named():
     from cuda_engine.device import CudaEngineError
     from cuda_engine.engine import CudaEngine
 
-    with pytest.raises(CudaEngineError, match=r"w4a16 mode 'fast': choose one of plain, dense \(KDTR_W4A16\)"):
-        CudaEngine(w4a16="fast")
+    with pytest.raises(CudaEngineError, match=r"w4a16 mode 'turbo': choose one of fast, plain, dense \(--w4a16\)"):
+        CudaEngine(w4a16="turbo")
+
+
+def test_w4a16_option_is_for_the_cuda_engine_only():
+    from click.testing import CliRunner
+
+    from cli.main import main
+
+    r = CliRunner().invoke(main, ["verify", "bundles/model_int4_tiny.kdtr", "--engine", "reference", "--w4a16", "plain"])
+    assert r.exit_code == 2 and "--w4a16 applies to --engine cuda (or auto) only, not to --engine reference" in r.output
