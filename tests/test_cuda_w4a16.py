@@ -133,9 +133,9 @@ def test_fused_moe_slots_within_2x_plain(ops, E, I, D, K, T):
 
 
 def test_bf16_numerics_are_marlins(ops):
-    """numerics="bf16": one mma on x rounded to bf16. Judged against the float64 product of the bf16-rounded
-    activations (its own oracle), within 2x the plain kernel on those same rounded activations; and it is
-    measurably farther than the fp32 mode from the float32 activations' oracle (the three terms matter)."""
+    """numerics="bf16": one mma on x rounded to bf16 (Marlin's numerics). Bit for bit the fp32 mode run on
+    bf16_round(x) (whose x2 and x3 terms are zero), so it is exactly the fast kernel on bf16 activations; and
+    farther from the float32 activations' product than the fp32 mode (the three terms matter)."""
     from cuda_engine.w4a16_pack import pack_linear
     from kdtr_format.int4 import bf16_round
 
@@ -143,19 +143,18 @@ def test_bf16_numerics_are_marlins(ops):
     N, K, M = 512, 2048, 4
     qw, sc, W = quantized(rng, N, K)
     x = rand(rng, M, K)
-    xb = bf16_round(x).astype(np.float32)
     packed = pack_linear(qw, sc)
-    errors("bf16 mode 2048->512 batch 4", fast_linear(ops, x, packed, N, "bf16"), plain_linear(ops, xb, qw, sc),
-           xb.astype(np.float64) @ W.T)
+    got = fast_linear(ops, x, packed, N, "bf16")
+    np.testing.assert_array_equal(got, fast_linear(ops, bf16_round(x).astype(np.float32), packed, N, "fp32"))
     exact = x.astype(np.float64) @ W.T
-    e_bf16 = np.max(np.abs(fast_linear(ops, x, packed, N, "bf16") - exact))
+    e_bf16 = np.max(np.abs(got - exact))
     e_fp32 = np.max(np.abs(fast_linear(ops, x, packed, N, "fp32") - exact))
-    assert e_bf16 > 100 * e_fp32, f"bf16 mode error {e_bf16:.3g} vs fp32 mode {e_fp32:.3g}"
+    assert e_fp32 < e_bf16, f"fp32 mode error {e_fp32:.3g} is not below the bf16 mode's {e_bf16:.3g}"
 
 
 def test_split_k_is_deterministic_and_agrees(ops):
-    """The same launch twice gives the same bits (partials summed in split order by the last block); one split
-    and many splits agree to float32 rounding (different summation order only)."""
+    """The same launch twice gives the same bits (partials summed in split order by the last block); with one
+    split and with 16 the error stays within 2x the plain kernel's."""
     from cuda_engine.w4a16_pack import pack_linear
 
     rng = np.random.default_rng(4)
@@ -165,7 +164,7 @@ def test_split_k_is_deterministic_and_agrees(ops):
     packed = pack_linear(qw, sc)
     a, b = fast_linear(ops, x, packed, N, ks=16), fast_linear(ops, x, packed, N, ks=16)
     np.testing.assert_array_equal(a, b)
-    one = fast_linear(ops, x, packed, N, ks=1)
-    exact = x.astype(np.float64) @ W.T
-    errors("split-K 16 vs 1: 4096->1000 batch 5", a, one, exact)
-    errors("split-K 1 vs 16: 4096->1000 batch 5", one, a, exact)
+    exact, plain = x.astype(np.float64) @ W.T, plain_linear(ops, x, qw, sc)
+    errors("split-K 16: 4096->1000 batch 5", a, plain, exact)
+    errors("split-K 1 (one warp per 32 rows over all of k): 4096->1000 batch 5", fast_linear(ops, x, packed, N, ks=1),
+           plain, exact)

@@ -19,15 +19,19 @@
 //
 // Numerics. TERMS = 3 (FP32-faithful, the default): x = x1 + x2 + x3 with x1 = bf16(x), x2 = bf16(x - x1),
 // x3 = bf16(x - x1 - x2) (each subtraction exact in fp32; the three terms hold float32's 24 bits); three mma's
-// per k-step on the same weight fragment (smallest term first) into a per-group fp32 accumulator; after each
-// group of 32 columns the group's scale multiplies it in fp32 and it is added to the running fp32 sum.
+// per k-step on the same weight fragment into one fp32 accumulator per group of 32 columns, in ascending
+// magnitude (x3 of both k-steps, x2, then x1: the tensor core aligns a sum to its largest term and truncates,
+// so a small term never goes into an accumulator already holding a large sum); then the group's scale
+// multiplies the group sum in fp32 and it joins the running fp32 sum.
 // q * x_i is exact in the tensor core (4 x 8 bits), so the result is float32-accurate. TERMS = 1: one mma on
 // x rounded to bf16 (Marlin's numerics), for the benchmark only.
 //
 // Work split: block = W4A16_WARPS warps, warp w streams block b = blockIdx.x * W4A16_WARPS + w over the groups
 // [ky G / ks, (ky + 1) G / ks) of split ky = blockIdx.y (split-K, so that every SM streams at batch 1).
 // Each warp runs its own cp.async pipeline of W4A16_STAGES chunks in shared memory (a lane copies the 16
-// bytes it will read itself; lanes 0..3 copy the scales). With ks > 1 each block writes fp32 partials
+// bytes it will read itself; lanes 0..3 copy the scales). The warps of a block share the split's columns:
+// the block splits x into its bf16 terms once and stages them in shared memory (W4A16_XS_WORDS, segment by
+// segment when the columns do not fit), while the weight stream is already in flight. With ks > 1 each block writes fp32 partials
 // [z, ky, M, Nb * 32]; the last block of a column range to finish (a ticket per (z, blockIdx.x), reset by
 // that block) adds them in split order and applies the epilogue: deterministic, no float atomics.
 // blockIdx.z: with slot_ids, (token, slot) pair z of the MoE decode path (M = 1): expert
@@ -38,7 +42,8 @@
 #include <cuda_bf16.h>
 
 #define W4A16_WARPS WARPS_PER_BLOCK          // BLOCK_THREADS threads per block
-#define W4A16_STAGES 8
+#define W4A16_STAGES 6
+#define W4A16_XS_WORDS 4096                 // 16 KB of staged activations (bf16 terms) per block
 #define W4A16_CHUNK_WORDS 144
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
@@ -65,6 +70,19 @@ __device__ __forceinline__ unsigned dequant2(unsigned w) {
     return bf2_bits(__hsub2(h, __floats2bfloat162_rn(136.0f, 136.0f)));  // exact: small integers
 }
 
+// sum over y = 0 .. ks-1 of p[y * stride], in split order, eight loads in flight (L2: other blocks wrote them)
+__device__ __forceinline__ float split_sum(const float* p, size_t stride, int ks) {
+    float sum = 0.0f;
+    for (int y0 = 0; y0 < ks; y0 += 8) {
+        float v[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = y0 + j < ks ? __ldcg(p + (y0 + j) * stride) : 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) sum += v[j];
+    }
+    return sum;
+}
+
 template <int NT, int TERMS>
 __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int x_stride, const int* __restrict__ wq,
                                                const int* __restrict__ slot_ids, int S, int k0, int nk, int e_base,
@@ -72,6 +90,7 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
                                                float* __restrict__ out, int out_stride, float* __restrict__ partials,
                                                int* __restrict__ tickets, int mode) {
     __shared__ __align__(16) int smem[W4A16_WARPS][W4A16_STAGES][W4A16_CHUNK_WORDS];
+    __shared__ unsigned xs[W4A16_XS_WORDS];
     __shared__ int is_last;
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE, g = lane >> 2, c = lane & 3;
     const int bx = blockIdx.x, ky = blockIdx.y, z = blockIdx.z;
@@ -95,22 +114,43 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
 #pragma unroll
             for (int q = 0; q < 4; ++q) acc[mt][nt][q] = 0.0f;
 
-    if (b < Nb) {
-        const int* src = wq + (((size_t)e * Nb + b) * G + g0) * W4A16_CHUNK_WORDS;
-        int* sw = &smem[warp][0][0];
-        const int n = g1 - g0;
-        auto issue = [&](int i) {
-            const int* s = src + (size_t)i * W4A16_CHUNK_WORDS;
-            int* d = sw + (i % W4A16_STAGES) * W4A16_CHUNK_WORDS;
-            cp_async16(d + lane * 4, s + lane * 4);
-            if (lane < 4) cp_async16(d + 128 + lane * 4, s + 128 + lane * 4);
-        };
+    // x, split into its bf16 terms once per block for the block's columns (all its warps share the split's
+    // column range), staged segment by segment: xs[(t * M + tok) * rs + pair] = bf16x2 of term t of columns
+    // 2 pair, 2 pair + 1 of the segment. rs = 16 seg + 4 words: the lanes of a fragment read hit distinct banks.
+    const int n = g1 - g0;
+    const int seg = max(1, (W4A16_XS_WORDS / (TERMS * M) - 4) / 16), rs = 16 * seg + 4;
+    const bool active = b < Nb;
+    const int* src = wq + (((size_t)e * Nb + (active ? b : 0)) * G + g0) * W4A16_CHUNK_WORDS;
+    int* sw = &smem[warp][0][0];
+    auto issue = [&](int i) {
+        const int* s = src + (size_t)i * W4A16_CHUNK_WORDS;
+        int* d = sw + (i % W4A16_STAGES) * W4A16_CHUNK_WORDS;
+        cp_async16(d + lane * 4, s + lane * 4);
+        if (lane < 4) cp_async16(d + 128 + lane * 4, s + 128 + lane * 4);
+    };
 #pragma unroll
-        for (int i = 0; i < W4A16_STAGES - 1; ++i) {
-            if (i < n) issue(i);
-            cp_async_commit();
+    for (int i = 0; i < W4A16_STAGES - 1; ++i) {           // the weight stream starts before x is staged
+        if (active && i < n) issue(i);
+        cp_async_commit();
+    }
+    for (int s0 = 0; s0 < n; s0 += seg) {
+        const int s1 = min(n, s0 + seg), pairs = 16 * (s1 - s0);
+        __syncthreads();                                   // every warp is done with the previous segment
+        for (int idx = threadIdx.x; idx < M * pairs; idx += blockDim.x) {
+            const int tok = idx / pairs, p = idx % pairs;
+            float2 v = __ldg(reinterpret_cast<const float2*>(xb + (size_t)tok * x_stride + (g0 + s0) * 32 + 2 * p));
+#pragma unroll
+            for (int t = 0; t < TERMS; ++t) {              // x -> bf16 terms, largest first
+                const __nv_bfloat162 h = __floats2bfloat162_rn(v.x, v.y);
+                xs[(t * M + tok) * rs + p] = bf2_bits(h);
+                const float2 f = __bfloat1622float2(h);
+                v.x -= f.x;                                // exact: the rounding error of a float
+                v.y -= f.y;
+            }
         }
-        for (int i = 0; i < n; ++i) {
+        __syncthreads();
+        if (!active) continue;
+        for (int i = s0; i < s1; ++i) {
             __syncwarp();                                  // every lane has read the stage issue() refills
             if (i + W4A16_STAGES - 1 < n) issue(i + W4A16_STAGES - 1);
             cp_async_commit();
@@ -129,32 +169,24 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
                     for (int j = 0; j < 4; ++j) a[mt][kk][j] = dequant2(w[mt * 2 + kk] >> (4 * j));
             const float s[2][2] = {{__uint_as_float(sv.x << 16), __uint_as_float(sv.x & 0xFFFF0000u)},
                                    {__uint_as_float(sv.y << 16), __uint_as_float(sv.y & 0xFFFF0000u)}};
-            const int kb = (g0 + i) * 32;
+            const int pb = 16 * (i - s0) + c;              // the lane's first pair in the segment
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
                 const int tok = nt * 8 + g;                // the B fragment's token (column)
-                unsigned bf[TERMS][2][2];                  // [term][k-step][register]
+                unsigned bf[TERMS][2][2];                  // [term][k-step][register]: pairs kk 8 + 4 r
 #pragma unroll
-                for (int kk = 0; kk < 2; ++kk)
+                for (int t = 0; t < TERMS; ++t)
 #pragma unroll
-                    for (int r = 0; r < 2; ++r) {
-                        float2 v = make_float2(0.0f, 0.0f);
-                        if (tok < M) v = __ldg(reinterpret_cast<const float2*>(xb + (size_t)tok * x_stride + kb +
-                                                                               kk * 16 + 2 * c + 8 * r));
+                    for (int kk = 0; kk < 2; ++kk)
 #pragma unroll
-                        for (int t = 0; t < TERMS; ++t) {      // x -> bf16 terms, largest first
-                            const __nv_bfloat162 h = __floats2bfloat162_rn(v.x, v.y);
-                            bf[t][kk][r] = bf2_bits(h);
-                            const float2 f = __bfloat1622float2(h);
-                            v.x -= f.x;                        // exact: the rounding error of a float
-                            v.y -= f.y;
-                        }
-                    }
+                        for (int r = 0; r < 2; ++r) bf[t][kk][r] = tok < M ? xs[(t * M + tok) * rs + pb + 8 * kk + 4 * r] : 0u;
+                // The tensor core aligns a sum to its largest term and truncates, so the group's terms go into
+                // its accumulator in ascending magnitude: x3 and x2 of both k-steps, then x1 of both.
                 float cg[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
 #pragma unroll
-                for (int kk = 0; kk < 2; ++kk)
+                for (int t = TERMS - 1; t >= 0; --t)
 #pragma unroll
-                    for (int t = TERMS - 1; t >= 0; --t)
+                    for (int kk = 0; kk < 2; ++kk)
 #pragma unroll
                         for (int mt = 0; mt < 2; ++mt) mma_bf16(cg[mt], a[mt][kk], bf[t][kk]);
 #pragma unroll
@@ -163,8 +195,8 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
                     for (int q = 0; q < 4; ++q) acc[mt][nt][q] = fmaf(s[mt][q >> 1], cg[mt][q], acc[mt][nt][q]);
             }
         }
-        cp_async_wait<0>();
     }
+    cp_async_wait<0>();
 
     const int Nb32 = Nb * 32;
     if (ks == 1) {                                         // the epilogue straight from the fragments
@@ -209,20 +241,14 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
         for (int idx = threadIdx.x; idx < M * rows; idx += blockDim.x) {
             const int tok = idx / rows, n = bx * rows + idx % rows;
             if (n >= N) continue;
-            float sum = 0.0f;
-            for (int y = 0; y < ks; ++y) sum += __ldcg(p0 + y * pstride + (size_t)tok * Nb32 + n);
-            ob[(size_t)tok * out_stride + n] = sum;
+            ob[(size_t)tok * out_stride + n] = split_sum(p0 + (size_t)tok * Nb32 + n, pstride, ks);
         }
     } else {
         for (int idx = threadIdx.x; idx < M * rows / 2; idx += blockDim.x) {
             const int tok = idx / (rows / 2), jj = idx % (rows / 2), bl = bx * W4A16_WARPS + jj / 16, j = jj % 16;
             if (bl >= Nb || bl * 16 + j >= N) continue;
-            float gs = 0.0f, us = 0.0f;
-            for (int y = 0; y < ks; ++y) {
-                gs += __ldcg(p0 + y * pstride + (size_t)tok * Nb32 + bl * 32 + j);
-                us += __ldcg(p0 + y * pstride + (size_t)tok * Nb32 + bl * 32 + 16 + j);
-            }
-            ob[(size_t)tok * out_stride + bl * 16 + j] = silu(gs) * us;
+            const float* pr = p0 + (size_t)tok * Nb32 + bl * 32 + j;
+            ob[(size_t)tok * out_stride + bl * 16 + j] = silu(split_sum(pr, pstride, ks)) * split_sum(pr + 16, pstride, ks);
         }
     }
     if (threadIdx.x == 0) tickets[z * gridDim.x + bx] = 0;    // ready for the next launch (graph replays)
