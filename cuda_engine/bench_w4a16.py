@@ -193,16 +193,30 @@ def _moe_layer(torch, ops, sink, reps: int, progress) -> dict:
         ops.w4a16_mma(act, I, dnd, D, y, D, slot_ids=slots, T=1, S=S, nk=S, x_by_slot=True)
         ops.moe_combine(y, slots, w_d.ptr + 4 * S * s, out, 1, K, S, x, h_out, w_norm, y_norm, 1e-6)
 
+    def part(s: int, which: str) -> None:
+        slots = ids_d.ptr + 4 * S * s
+        if which == "gate_up":
+            ops.w4a16_mma(x, D, gud, I, act, I, mode=1, slot_ids=slots, T=1, S=S, nk=S)
+        elif which == "down":
+            ops.w4a16_mma(act, I, dnd, D, y, D, slot_ids=slots, T=1, S=S, nk=S, x_by_slot=True)
+        else:
+            ops.moe_combine(y, slots, w_d.ptr + 4 * S * s, out, 1, K, S, x, h_out, w_norm, y_norm, 1e-6)
+
     step(0)
     ops.stream.synchronize()
     t_layer = _graph_us(ops, lambda: [step(s) for s in range(steps)], steps, reps)
+    parts = {w: _graph_us(ops, lambda w=w: [part(s, w) for s in range(steps)], steps, reps)
+             for w in ("gate_up", "down", "combine")}
     big = gu.numel() * 4 // 16 * 16
     t_read = _graph_us(ops, lambda: ops.stream_read(gud.ptr, big, sink), 1, max(3, reps // 4))
     copy_gbps = big / t_read / 1e3
     nbytes = S * per_expert
     r = {"experts_on_device": E + 1, "slots": S, "bytes_per_token": nbytes, "us_per_token": t_layer,
          "gbps": nbytes / t_layer / 1e3, "copy_gbps": copy_gbps, "fraction_of_copy": nbytes / t_layer / 1e3 / copy_gbps,
-         "launches": 3, "what": "fused gate+up + fused down + combine (router not included)"}
+         "launches": 3, "what": "fused gate+up + fused down + combine (router not included)",
+         "us_gate_up": parts["gate_up"], "us_down": parts["down"], "us_combine": parts["combine"],
+         "gbps_gate_up": S * gu[0].numel() * 4 / parts["gate_up"] / 1e3,
+         "gbps_down": S * dn[0].numel() * 4 / parts["down"] / 1e3}
     progress(f"MoE layer, one token, {S} experts of {E + 1}: {t_layer:.1f} us, {r['gbps']:.0f} GB/s = "
              f"{100 * r['fraction_of_copy']:.0f}% of the copy bandwidth ({copy_gbps:.0f} GB/s)")
     del gu, dn
@@ -245,6 +259,8 @@ def table(out: dict) -> str:
         m = out["moe_layer"]
         lines.append(f"MoE layer (one token, {m['slots']} of {m['experts_on_device']} INT4 experts, {m['what']}): "
                      f"{m['us_per_token']:.1f} us, {m['gbps']:.0f} GB/s, {100 * m['fraction_of_copy']:.0f}% of copy "
-                     f"bandwidth {m['copy_gbps']:.0f} GB/s")
+                     f"bandwidth {m['copy_gbps']:.0f} GB/s; alone: gate+up {m['us_gate_up']:.1f} us "
+                     f"({m['gbps_gate_up']:.0f} GB/s), down {m['us_down']:.1f} us ({m['gbps_down']:.0f} GB/s), "
+                     f"combine {m['us_combine']:.1f} us")
     lines += [f"aim: {a['aim']}: {a['value']:.2f} -> {'met' if a['met'] else 'MISSED'}" for a in out["aims"]]
     return "\n".join(lines)

@@ -218,12 +218,24 @@ class Ops:
         self._launch("w4a16_down_kernel", (-(-D // WARPS_PER_BLOCK), T * nk), _ptr(act), qd.ptr, sd.ptr,
                      _ptr(slot_ids), _ptr(y), I, D, S, k0, nk, e_base, g)
 
-    def w4a16_plan(self, Nb: int, G: int, Z: int, ks: int | None = None) -> tuple[int, int]:
-        """(blocks along the output, k splits) of w4a16_mma: enough blocks for two per SM at batch 1."""
-        gx = -(-Nb // WARPS_PER_BLOCK)
-        if ks is None:
-            ks = -(-2 * self.sm_count // (gx * Z))
+    def w4a16_plan(self, Nb: int, G: int, Z: int, ks: int | None = None, M: int = 1) -> tuple[int, int]:
+        """(blocks along the output, k splits) of one w4a16_mma launch of M <= 64 tokens: at M <= 8 a block's
+        8 warps share one block of 32 rows (three blocks per SM), else each warp has its own (two per SM)."""
+        nt = next(n for n in W4A16_NT if 8 * n >= M)
+        gx = Nb if nt == 1 else -(-Nb // WARPS_PER_BLOCK)
+        if ks is None:                                         # as many splits as fill one wave, at least one
+            ks = self._w4_resident(f"w4a16_mma_t3_n{nt}") // (gx * Z)
         return gx, max(1, min(int(ks), G))
+
+    def _w4_resident(self, name: str) -> int:
+        """Blocks of kernel `name` resident on the whole GPU at once (shared memory and registers per SM)."""
+        drv, f = driver(), self.fn[name]
+        dev = driver_device()
+        smem = dev.get_attribute(drv.device_attribute.MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)
+        regs = dev.get_attribute(drv.device_attribute.MAX_REGISTERS_PER_MULTIPROCESSOR)
+        per_sm = min(smem // (f.shared_size_bytes + 1024), regs // (-(-f.num_regs // 8) * 8 * BLOCK[0]),
+                     2048 // BLOCK[0])
+        return max(1, per_sm) * self.sm_count
 
     def w4a16_reserve(self, partials: int, tickets: int) -> None:
         """Make the split-K workspace hold `partials` floats and `tickets` counters (zeroed)."""
@@ -240,8 +252,12 @@ class Ops:
     def w4a16_need(self, packed: DevBuf, M: int = 1, Z: int = 1, ks: int | None = None) -> tuple[int, int]:
         """(partials floats, tickets) one w4a16_mma launch over `packed` needs."""
         _, Nb, G, _ = packed.shape
-        gx, ks = self.w4a16_plan(Nb, G, Z, ks)
-        return (Z * ks * min(M, 64) * Nb * 32, Z * gx) if ks > 1 else (0, 0)
+        need = (0, 0)
+        for m in {min(M, 64), M % 64 or 64}:                   # the launches of <= 64 tokens
+            gx, k = self.w4a16_plan(Nb, G, Z, ks, m)
+            if k > 1:
+                need = (max(need[0], Z * k * m * Nb * 32), max(need[1], Z * gx))
+        return need
 
     def w4a16_mma(self, x, x_stride: int, packed: DevBuf, N: int, out, out_stride: int, M: int = 1, *,
                   mode: int = 0, numerics: str = "fp32", slot_ids=None, T: int = 1, S: int = 1, k0: int = 0,
@@ -269,14 +285,14 @@ class Ops:
             Z = T * nk
         else:
             _need(E >= 1 and M >= 1, "w4a16_mma", f"need E >= 1 experts and M >= 1 tokens, got {E}, {M}")
-        gx, ks = self.w4a16_plan(Nb, G, Z, ks)
         self.w4a16_reserve(*self.w4a16_need(packed, M, Z, ks))
         for m0 in range(0, M, 64):
             m = min(64, M - m0)
             nt = next(n for n in W4A16_NT if 8 * n >= m)
-            self._launch(f"w4a16_mma_t{W4A16_TERMS[numerics]}_n{nt}", (gx, ks, Z), _ptr(x) + 4 * m0 * x_stride,
+            gx, k = self.w4a16_plan(Nb, G, Z, ks, m)
+            self._launch(f"w4a16_mma_t{W4A16_TERMS[numerics]}_n{nt}", (gx, k, Z), _ptr(x) + 4 * m0 * x_stride,
                          x_stride, packed.ptr, 0 if slot_ids is None else _ptr(slot_ids), S, k0, nk, e_base,
-                         int(x_by_slot), m, N, Nb, G, ks, _ptr(out) + 4 * m0 * out_stride, out_stride,
+                         int(x_by_slot), m, N, Nb, G, k, _ptr(out) + 4 * m0 * out_stride, out_stride,
                          self._w4_part.ptr, self._w4_tick.ptr, mode)
 
     def stream_read(self, src_ptr: int, nbytes: int, sink: DevBuf) -> None:

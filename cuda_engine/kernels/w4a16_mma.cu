@@ -90,11 +90,16 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
                                                float* __restrict__ out, int out_stride, float* __restrict__ partials,
                                                int* __restrict__ tickets, int mode) {
     __shared__ __align__(16) int smem[W4A16_WARPS][W4A16_STAGES][W4A16_CHUNK_WORDS];
-    __shared__ unsigned xs[W4A16_XS_WORDS];
+    __shared__ __align__(16) unsigned xs[W4A16_XS_WORDS];
     __shared__ int is_last;
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE, g = lane >> 2, c = lane & 3;
     const int bx = blockIdx.x, ky = blockIdx.y, z = blockIdx.z;
-    const int b = bx * W4A16_WARPS + warp;
+    // WS warps share one block of 32 rows (groups dealt round-robin, summed in shared memory at the end);
+    // the block covers RPB row blocks. NT = 1 (<= 8 tokens): all 8 warps on one row block, so a block reads
+    // few partials and many blocks stream at once; NT > 1: 8 row blocks, one warp each.
+    constexpr int WS = NT == 1 ? W4A16_WARPS : 1, RPB = W4A16_WARPS / WS;
+    const int rb = warp / WS, kw = warp % WS;
+    const int b = bx * RPB + rb;
     int e = 0, xrow = 0, orow = 0;
     if (slot_ids != nullptr) {
         const int t = z / nk, ts = t * S + k0 + z % nk;
@@ -115,24 +120,30 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
             for (int q = 0; q < 4; ++q) acc[mt][nt][q] = 0.0f;
 
     // x, split into its bf16 terms once per block for the block's columns (all its warps share the split's
-    // column range), staged segment by segment: xs[(t * M + tok) * rs + pair] = bf16x2 of term t of columns
-    // 2 pair, 2 pair + 1 of the segment. rs = 16 seg + 4 words: the lanes of a fragment read hit distinct banks.
+    // column range), staged segment by segment in fragment order: for token tok, group i of the segment and
+    // lane column c, the TW = 4 TERMS words xs[tok * xrs + (4 i + c) TW + 4 t + 2 kk + r] are the B fragment
+    // registers (term t, k-step kk, register r) = bf16 pair of columns 32 i + 16 kk + 8 r + 2 c, + 1: one
+    // 16-byte load per term. xrs pads a token's row so the 8 lanes of a 16-byte load phase hit distinct banks.
     const int n = g1 - g0;
-    const int seg = max(1, (W4A16_XS_WORDS / (TERMS * M) - 4) / 16), rs = 16 * seg + 4;
+    constexpr int TW = 4 * TERMS;
+    const int seg = max(1, (W4A16_XS_WORDS / M - 16) / (4 * TW));
+    const int xrs = 4 * TW * seg + ((4 * TW * seg) % 32 == 0 ? 16 : 0);
     const bool active = b < Nb;
-    const int* src = wq + (((size_t)e * Nb + (active ? b : 0)) * G + g0) * W4A16_CHUNK_WORDS;
+    const int nw = n > kw ? (n - kw + WS - 1) / WS : 0;    // this warp's groups: kw + j WS, j < nw
+    const int* src = wq + (((size_t)e * Nb + (active ? b : 0)) * G + g0 + kw) * W4A16_CHUNK_WORDS;
     int* sw = &smem[warp][0][0];
-    auto issue = [&](int i) {
-        const int* s = src + (size_t)i * W4A16_CHUNK_WORDS;
-        int* d = sw + (i % W4A16_STAGES) * W4A16_CHUNK_WORDS;
+    auto issue = [&](int j) {
+        const int* s = src + (size_t)j * WS * W4A16_CHUNK_WORDS;
+        int* d = sw + (j % W4A16_STAGES) * W4A16_CHUNK_WORDS;
         cp_async16(d + lane * 4, s + lane * 4);
         if (lane < 4) cp_async16(d + 128 + lane * 4, s + 128 + lane * 4);
     };
 #pragma unroll
-    for (int i = 0; i < W4A16_STAGES - 1; ++i) {           // the weight stream starts before x is staged
-        if (active && i < n) issue(i);
+    for (int j = 0; j < W4A16_STAGES - 1; ++j) {           // the weight stream starts before x is staged
+        if (active && j < nw) issue(j);
         cp_async_commit();
     }
+    int j = 0;
     for (int s0 = 0; s0 < n; s0 += seg) {
         const int s1 = min(n, s0 + seg), pairs = 16 * (s1 - s0);
         __syncthreads();                                   // every warp is done with the previous segment
@@ -142,7 +153,7 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
 #pragma unroll
             for (int t = 0; t < TERMS; ++t) {              // x -> bf16 terms, largest first
                 const __nv_bfloat162 h = __floats2bfloat162_rn(v.x, v.y);
-                xs[(t * M + tok) * rs + p] = bf2_bits(h);
+                xs[tok * xrs + (4 * (p >> 4) + (p & 3)) * TW + 4 * t + 2 * ((p >> 3) & 1) + ((p >> 2) & 1)] = bf2_bits(h);
                 const float2 f = __bfloat1622float2(h);
                 v.x -= f.x;                                // exact: the rounding error of a float
                 v.y -= f.y;
@@ -150,13 +161,14 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
         }
         __syncthreads();
         if (!active) continue;
-        for (int i = s0; i < s1; ++i) {
+        for (; j < nw && kw + j * WS < s1; ++j) {
+            const int i = kw + j * WS;                     // the group, relative to g0
             __syncwarp();                                  // every lane has read the stage issue() refills
-            if (i + W4A16_STAGES - 1 < n) issue(i + W4A16_STAGES - 1);
+            if (j + W4A16_STAGES - 1 < nw) issue(j + W4A16_STAGES - 1);
             cp_async_commit();
-            cp_async_wait<W4A16_STAGES - 1>();             // chunk i has landed
+            cp_async_wait<W4A16_STAGES - 1>();             // chunk j has landed
             __syncwarp();
-            const int* st = sw + (i % W4A16_STAGES) * W4A16_CHUNK_WORDS;
+            const int* st = sw + (j % W4A16_STAGES) * W4A16_CHUNK_WORDS;
             const int4 wv = *reinterpret_cast<const int4*>(st + lane * 4);
             const uint2 sv = *reinterpret_cast<const uint2*>(st + 128 + g * 2);
             const unsigned w[4] = {(unsigned)wv.x, (unsigned)wv.y, (unsigned)wv.z, (unsigned)wv.w};
@@ -169,17 +181,16 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
                     for (int j = 0; j < 4; ++j) a[mt][kk][j] = dequant2(w[mt * 2 + kk] >> (4 * j));
             const float s[2][2] = {{__uint_as_float(sv.x << 16), __uint_as_float(sv.x & 0xFFFF0000u)},
                                    {__uint_as_float(sv.y << 16), __uint_as_float(sv.y & 0xFFFF0000u)}};
-            const int pb = 16 * (i - s0) + c;              // the lane's first pair in the segment
+            const uint4* xf = reinterpret_cast<const uint4*>(xs + (4 * (i - s0) + c) * TW);
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
                 const int tok = nt * 8 + g;                // the B fragment's token (column)
                 unsigned bf[TERMS][2][2];                  // [term][k-step][register]: pairs kk 8 + 4 r
 #pragma unroll
-                for (int t = 0; t < TERMS; ++t)
-#pragma unroll
-                    for (int kk = 0; kk < 2; ++kk)
-#pragma unroll
-                        for (int r = 0; r < 2; ++r) bf[t][kk][r] = tok < M ? xs[(t * M + tok) * rs + pb + 8 * kk + 4 * r] : 0u;
+                for (int t = 0; t < TERMS; ++t) {
+                    const uint4 v = tok < M ? xf[(tok * xrs) / 4 + t] : make_uint4(0u, 0u, 0u, 0u);
+                    bf[t][0][0] = v.x, bf[t][0][1] = v.y, bf[t][1][0] = v.z, bf[t][1][1] = v.w;
+                }
                 // The tensor core aligns a sum to its largest term and truncates, so the group's terms go into
                 // its accumulator in ascending magnitude: x3 and x2 of both k-steps, then x1 of both.
                 float cg[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
@@ -197,10 +208,35 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
         }
     }
     cp_async_wait<0>();
+    bool writer = active;
+    if (WS > 1) {                                          // the WS warps of a row block: sum in warp order
+        __syncthreads();                                   // every warp is done with its pipeline stages
+        float* red = reinterpret_cast<float*>(&smem[0][0][0]);   // [warp][2 NT 4][lane]: 8 NT KB
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int q = 0; q < 4; ++q) red[((warp * 2 + mt) * NT * 4 + nt * 4 + q) * WARP_SIZE + lane] = acc[mt][nt][q];
+        __syncthreads();
+        writer = active && kw == 0;
+        if (writer) {
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) {
+                        float sum = 0.0f;
+                        for (int w = 0; w < WS; ++w) sum += red[(((rb * WS + w) * 2 + mt) * NT * 4 + nt * 4 + q) * WARP_SIZE + lane];
+                        acc[mt][nt][q] = sum;
+                    }
+        }
+    }
 
     const int Nb32 = Nb * 32;
     if (ks == 1) {                                         // the epilogue straight from the fragments
-        if (b >= Nb) return;
+        if (!writer) return;
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -217,7 +253,7 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
         return;
     }
     float* part = partials + ((size_t)z * ks + ky) * M * Nb32;
-    if (b < Nb) {
+    if (writer) {
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -236,7 +272,7 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
     __threadfence();
     const float* p0 = partials + (size_t)z * ks * M * Nb32;
     const size_t pstride = (size_t)M * Nb32;
-    const int rows = W4A16_WARPS * 32;
+    const int rows = RPB * 32;
     if (mode == 0) {
         for (int idx = threadIdx.x; idx < M * rows; idx += blockDim.x) {
             const int tok = idx / rows, n = bx * rows + idx % rows;
@@ -245,7 +281,7 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
         }
     } else {
         for (int idx = threadIdx.x; idx < M * rows / 2; idx += blockDim.x) {
-            const int tok = idx / (rows / 2), jj = idx % (rows / 2), bl = bx * W4A16_WARPS + jj / 16, j = jj % 16;
+            const int tok = idx / (rows / 2), jj = idx % (rows / 2), bl = bx * RPB + jj / 16, j = jj % 16;
             if (bl >= Nb || bl * 16 + j >= N) continue;
             const float* pr = p0 + (size_t)tok * Nb32 + bl * 32 + j;
             ob[(size_t)tok * out_stride + bl * 16 + j] = silu(split_sum(pr, pstride, ks)) * split_sum(pr + 16, pstride, ks);
@@ -262,12 +298,12 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
                    tickets, mode
 
 // One entry per (tokens per launch, numerics): w4a16_mma_t<TERMS>_n<NT>, M <= 8 NT. Two blocks per SM (<= 128
-// registers) for NT <= 4; NT = 8 holds 64 accumulators per lane and gets the registers of one block per SM.
+// registers) for NT <= 2 (and t1_n4); t3_n4 and NT = 8 get the registers of one block per SM (no spills).
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
 w4a16_mma_t3_n1(W4A16_ARGS) { w4a16_mma_body<1, 3>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
 w4a16_mma_t3_n2(W4A16_ARGS) { w4a16_mma_body<2, 3>(W4A16_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 1)
 w4a16_mma_t3_n4(W4A16_ARGS) { w4a16_mma_body<4, 3>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 1)
 w4a16_mma_t3_n8(W4A16_ARGS) { w4a16_mma_body<8, 3>(W4A16_PASS); }
