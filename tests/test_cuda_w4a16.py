@@ -166,5 +166,5 @@ def test_split_k_is_deterministic_and_agrees(ops):
     np.testing.assert_array_equal(a, b)
     exact, plain = x.astype(np.float64) @ W.T, plain_linear(ops, x, qw, sc)
     errors("split-K 16: 4096->1000 batch 5", a, plain, exact)
-    errors("split-K 1 (one warp per 32 rows over all of k): 4096->1000 batch 5", fast_linear(ops, x, packed, N, ks=1),
+    errors("split-K 1: 4096->1000 batch 5", fast_linear(ops, x, packed, N, ks=1),
            plain, exact)
