@@ -8,6 +8,7 @@ import click
 
 from cli.outputs import check_output, fail_write
 from conformance.exit_codes import ExitCode
+from cuda_engine.engine import W4A16_MODES
 from kdtr_format.paths import write_atomically
 
 
@@ -20,7 +21,7 @@ def bench_cmd() -> None:
 @click.argument("bundle", default="bundles/model_tiny.kdtr", type=click.Path(exists=True, dir_okay=False))
 @click.option("--steps", default=200, show_default=True, help="Timed decode steps per variant.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the numbers here.")
-@click.option("--w4a16", type=click.Choice(["fast", "plain", "dense"]), default="fast", show_default=True,
+@click.option("--w4a16", type=click.Choice(W4A16_MODES), default="fast", show_default=True,
               help="INT4 expert kernels of an INT4 bundle (docs/cuda-engine.md).")
 def engine_cmd(bundle, steps, json_path, w4a16) -> None:
     """Decode latency per token (AR, batch 1): prepared launches vs the captured CUDA graph, launches per

@@ -16,6 +16,7 @@ from conformance.profiles import PROFILES, ProfileError
 from conformance.report import PRECEDENCE, write_html, write_json, write_junit
 from conformance.runner import verify
 from conformance.tolerance import load_rules_file
+from cuda_engine.engine import W4A16_MODES
 from kdtr_format.errors import NotARegularFileError
 from kdtr_format.paths import check_regular
 
@@ -38,7 +39,7 @@ def _suffixed(path: str | None, bundle: str, many: bool) -> str | None:
               help="--engine torch: compute dtype (default float32).")
 @click.option("--module", "module_path", metavar="PKG.MOD:CLASS",
               help="--engine torch: your own DeepseekV3 port (HF parameter names) instead of transformers'.")
-@click.option("--w4a16", type=click.Choice(["fast", "plain", "dense"]),
+@click.option("--w4a16", type=click.Choice(W4A16_MODES),
               help="--engine cuda: INT4 expert kernels: fast (tensor cores, FP32-faithful; the default), plain "
                    "(the packed weights as stored), dense (dequantized at load). docs/cuda-engine.md.")
 @click.option("--profile", type=click.Choice(PROFILES),

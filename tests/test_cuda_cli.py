@@ -17,6 +17,19 @@ def test_bench_engine_without_pycuda_says_why():
     assert "Traceback" not in r.output
 
 
+def test_bench_w4a16_without_a_gpu_says_why():
+    r = CliRunner().invoke(main, ["bench", "w4a16", "--batches", "1", "--no-moe"])
+    assert r.exit_code == 6, r.output
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("kdtr bench w4a16: ") and "Traceback" not in r.output, r.output
+
+
+@pytest.mark.parametrize("batches", ["0", "1,x", ""])
+def test_bench_w4a16_names_a_bad_batch_list(batches):
+    r = CliRunner().invoke(main, ["bench", "w4a16", "--batches", batches])
+    assert r.exit_code == 2 and "--batches" in r.output and repr(batches) in r.output, r.output
+
+
 def test_cuda_engine_load_without_pycuda_raises_the_engine_error():
     from cuda_engine.device import CudaEngineError
     from cuda_engine.engine import CudaEngine
