@@ -106,9 +106,10 @@ class _Bars:
 @click.option("--long-position", type=click.IntRange(0), default=LONG_POSITION_OFFSET, show_default=True,
               help="First position of the long-position prompt (a random prompt whose cache holds only its own "
                    "rows); 0: none. docs/golden-bundles.md says why this offset.")
-@click.option("--bf16-profile/--no-bf16-profile", default=None,
+@click.option("--bf16-profile", type=bool, default=None, metavar="yes|no",
               help="Derive the bf16 precision profile (default: yes; it reruns every prompt in bf16, which "
-                   "the real-shape slice skips for time).")
+                   "the real-shape slice skips for time). A value, not a flag, so the command recorded in "
+                   "the bundle reruns as written.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Weights, drafter and prompt seed.")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="The bundle to write (atomically).")
 def gen_cmd(preset, quant, int4_scope, checkpoint, model_path, prompts_file, prompt_ids, num_prompts,

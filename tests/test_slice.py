@@ -82,6 +82,20 @@ def test_scaled_down_slice_is_stored_as_k26_ships_and_passes(mini_slice, tmp_pat
     assert v.exit_code == ExitCode.OK, [(c.name, c.message) for c in v.checks if c.status != "pass"]
 
 
+def test_recorded_command_reruns_to_the_same_bytes(mini_slice, tmp_path, monkeypatch):
+    """The provenance command (every option spelled out) is itself a valid command with the same result."""
+    monkeypatch.chdir(tmp_path)
+    r = gen("a.kdtr", "--bf16-profile", "no")
+    assert r.exit_code == 0, r.output
+    with open_kdtr("a.kdtr") as f:
+        command = f.metadata["provenance"]["command"]
+        assert f.metadata["tolerances"]["profiles"] == {} and "--bf16-profile False" in command
+    first = sha256("a.kdtr")
+    r = CliRunner().invoke(main, shlex.split(command)[1:])
+    assert r.exit_code == 0, r.output
+    assert sha256("a.kdtr") == first
+
+
 def test_slice_options_that_cannot_work_fail_in_one_line(mini_slice, tmp_path):
     r = gen(tmp_path / "x.kdtr", "--quant", "fp32")
     assert r.exit_code == ExitCode.USAGE and "stores its routed experts INT4" in r.output
