@@ -17,7 +17,7 @@ from conformance.collect import collect
 from conformance.judge import coverage_check, judge
 from conformance.localize import localize
 from conformance.outputs import InvalidOutputs
-from conformance.profiles import PROFILE_OF_DTYPE, profile_taps
+from conformance.profiles import HOLDS_ROUTING, PROFILE_OF_DTYPE, profile_taps
 from conformance.protocol import check_engine
 from conformance.records import check_schema, prompts_of, read_dump, write_dump
 from conformance.report import CheckResult, make_verdict
@@ -49,9 +49,9 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
         if engine is not None and dump is None:                          # a missing profile: say so before
             profile = profile or PROFILE_OF_DTYPE.get(engine.dtype, "fp32")   # the run, not after it
             profile_taps(f.metadata, profile)
-        dtype = "float32"
+        dtype, hold = "float32", bool(dump is None and HOLDS_ROUTING.get(profile or "", False))
         try:
-            out, dtype = _outputs(f, engine, dump, progress)
+            out, dtype = _outputs(f, engine, dump, progress, hold)
         except KdtrError as e:
             checks.append(CheckResult("dump/integrity", "error", "integrity", message=f"{dump}: {e}"))
             return make_verdict(name, bundle, checks)
@@ -78,7 +78,8 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
                 first.cause = f"not localised: run_layer raised {type(e).__name__}: {e}"
         if require_coverage is not None:
             judged.append(coverage_check(judged, require_coverage))
-        info = {"dtype": dtype, "profile": profile, "engine_seconds": round(t1 - t0, 3),
+        info = {"dtype": dtype, "profile": profile, "routing": _routing_info(engine, dump, profile, hold),
+                "engine_seconds": round(t1 - t0, 3),
                 "judge_seconds": round(time.perf_counter() - t1, 3), "prompts": len(prompts_of(f)),
                 "bundle_figures": f.metadata.get("figures", {})}
         return make_verdict(name, os.fspath(bundle), checks + judged, first, info)
@@ -92,8 +93,21 @@ def _say_why_unobserved(checks, why: dict) -> None:
             c.message = f"not observable: {why[tap]}"
 
 
-def _outputs(f, engine, dump, progress) -> tuple[dict, str]:
+def _routing_info(engine, dump, profile: str, hold: bool) -> str:
+    """How the expert sets the engine computed with were chosen (docs/conformance.md §3a)."""
+    if not HOLDS_ROUTING.get(profile, False):
+        return "free: the engine's own router chose every expert set"
+    if dump is not None or not callable(getattr(engine, "hold_routing", None)):
+        return (f"free: the {profile} profile was derived with routing held to the golden expert sets, but "
+                f"{'a run dump' if dump is not None else 'this engine'} cannot hold it (no hold_routing), so a "
+                f"near-tie expert flip also moves the taps after it")
+    rows = getattr(engine, "held_rows", None)
+    return ("held to the golden expert sets, as the profile was derived" +
+            ("" if rows is None else f"; {rows} row(s) ran the golden experts instead of the engine's own choice"))
+
+
+def _outputs(f, engine, dump, progress, hold: bool = False) -> tuple[dict, str]:
     if dump is not None:
         return read_dump(dump)
     engine.load(f)
-    return collect(engine, f, progress), engine.dtype
+    return collect(engine, f, progress, hold), engine.dtype
