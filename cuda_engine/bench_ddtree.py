@@ -1,0 +1,98 @@
+"""DDTree against AR on the CUDA engine, in one run on one device (`kdtr bench ddtree`).
+
+For each bundle and each of its golden prompts (their positions included), `n_tokens` greedy tokens:
+
+- AR: the prompt's causal forward, then the decode step as a replayed CUDA graph, back to back with no
+  host work at all between steps (the argmax feeds the next step on the device): the fastest AR this
+  engine has, so the ratio is against AR at its best. Its stream is read once in a second, untimed pass
+  (a host read per step) and must equal the DDTree stream.
+- DDTree: `ddtree_run` (cuda_engine/ddtree.py) as `ddtree_generate` runs it, prefill included.
+
+Wall-clock times (host perf_counter around fully synchronised runs), the best of `repeats`, after one
+warm-up run each (graph capture). Then one more DDTree run with timing=True, which synchronises after
+each phase, splits a round's time into draft (drafter ingest + block forward + logits copy), build (host
+tree builder), verify (inputs copy + graph + argmax/logits copy), walk, compact and host_other (records);
+its total is a little larger than the untimed run's.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from cuda_engine.ddtree import PHASES, ddtree_run
+from cuda_engine.device import device_info
+from cuda_engine.engine import CudaEngine
+from kdtr_format import open_kdtr
+
+
+def _ar_run(e: CudaEngine, prompt, pos0: int, n: int, read: bool) -> list[int]:
+    """Greedy AR on the device: lean prefill (no taps copied), then n-1 graph replays. read=True copies each
+    step's token back (the stream); read=False leaves the host out entirely (timing)."""
+    P = len(prompt)
+    e.reset()
+    e._ensure(P, P + n + 1)
+    e._set_inputs(prompt, pos0 + np.arange(P), 0, None)
+    e._launch_forward(P, masked=False, argmax_out=e.buf["argmax"])
+    first = int(e.buf["argmax"].get((P,))[-1])
+    e._set_inputs([first], [pos0 + P], P, None)
+    g, out = e._decode_graph(), [first]
+    for _ in range(n - 1):
+        g.launch(e.ops.stream)
+        if read:
+            out.append(int(e.buf["ids"].get((1,))[0]))
+    e.ops.stream.synchronize()
+    e.length = P + n - 1
+    return out
+
+
+def _best(fn, repeats: int) -> float:
+    best = np.inf
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def ddtree_speed(bundles, n_tokens: int = 128, repeats: int = 3, progress=None) -> dict:
+    res = {**device_info(), "n_tokens": n_tokens, "repeats": repeats, "bundles": []}
+    for b in bundles:
+        e = CudaEngine()
+        e.load(b)
+        with open_kdtr(b) as f:
+            from conformance.records import position_offset, prompts_of
+
+            prompts = [(np.asarray(f[f"golden/p{i}/prompt_ids"], np.int64), position_offset(f, i))
+                       for i in prompts_of(f)]
+        st = e._ddtree_state()
+        rows, ar_s, dd_s, toks, ar_fw, dd_fw, rounds, syncs = [], 0.0, 0.0, 0, 0, 0, 0, 0
+        split = dict.fromkeys(PHASES + ("prefill", "host_other"), 0.0)
+        for k, (prompt, pos0) in enumerate(prompts):
+            ar_tokens = _ar_run(e, prompt, pos0, n_tokens, read=True)
+            _, warm = ddtree_run(e, prompt, pos0, n_tokens)
+            same = warm["tokens"] == ar_tokens
+            t_ar = _best(lambda: _ar_run(e, prompt, pos0, n_tokens, read=False), repeats)
+            t_dd = _best(lambda: ddtree_run(e, prompt, pos0, n_tokens), repeats)
+            _, timed = ddtree_run(e, prompt, pos0, n_tokens, timing=True)
+            for ph, s in timed["seconds"].items():
+                split[ph] += s
+            rows.append({"prompt": k, "pos0": int(pos0), "prompt_len": len(prompt), "ar_s": t_ar, "ddtree_s": t_dd,
+                         "speedup": t_ar / t_dd, "ddtree_target_forwards": warm["target_forwards"],
+                         "rounds": warm["rounds"], "same_stream_as_ar": bool(same)})
+            ar_s, dd_s, toks = ar_s + t_ar, dd_s + t_dd, toks + n_tokens
+            ar_fw, dd_fw = ar_fw + n_tokens, dd_fw + warm["target_forwards"]
+            rounds, syncs = rounds + warm["rounds"], syncs + warm["host_syncs"]
+            if progress:
+                progress(b, k + 1, len(prompts))
+        n_rounds = max(rounds, 1)
+        res["bundles"].append({
+            "bundle": str(b), "budget": st.budget, "prompts": rows,
+            "ar_tokens_per_s": toks / ar_s, "ddtree_tokens_per_s": toks / dd_s, "speedup": ar_s / dd_s,
+            "ar_target_forwards_per_token": ar_fw / toks, "ddtree_target_forwards_per_token": dd_fw / toks,
+            "target_forward_ratio": ar_fw / dd_fw, "speedup_vs_forward_ratio": (ar_s / dd_s) / (ar_fw / dd_fw),
+            "tokens_per_round": toks / n_rounds, "host_syncs_per_round": syncs / n_rounds,
+            "round_us": {ph: 1e6 * s / n_rounds for ph, s in split.items() if ph != "prefill"},
+            "prefill_us_per_prompt": 1e6 * split["prefill"] / max(len(prompts), 1),
+            "all_streams_equal_ar": all(r["same_stream_as_ar"] for r in rows)})
+    return res
