@@ -81,6 +81,8 @@ def ddtree_cmd(bundles, tokens, repeats, json_path) -> None:
         click.echo(f"{b['bundle']} (budget {b['budget']}, {len(b['prompts'])} prompts):")
         click.echo(f"  AR (CUDA graph) {b['ar_tokens_per_s']:9.0f} tokens/s   DDTree {b['ddtree_tokens_per_s']:9.0f} "
                    f"tokens/s   speedup {b['speedup']:.2f}x")
+        click.echo(f"  DDTree with the host tree builder {b['ddtree_host_builder_tokens_per_s']:9.0f} tokens/s   "
+                   f"speedup {b['speedup_host_builder']:.2f}x")
         click.echo(f"  target forwards per token: AR {b['ar_target_forwards_per_token']:.3f}, DDTree "
                    f"{b['ddtree_target_forwards_per_token']:.3f} (ratio {b['target_forward_ratio']:.2f}; speedup / "
                    f"ratio {b['speedup_vs_forward_ratio']:.2f}); {b['tokens_per_round']:.2f} tokens per round")

@@ -6,13 +6,16 @@ For each bundle and each of its golden prompts (their positions included), `n_to
   host work at all between steps (the argmax feeds the next step on the device): the fastest AR this
   engine has, so the ratio is against AR at its best. Its stream is read once in a second, untimed pass
   (a host read per step) and must equal the DDTree stream.
-- DDTree: `ddtree_run` (cuda_engine/ddtree.py) as `ddtree_generate` runs it, prefill included.
+- DDTree: `ddtree_run` (cuda_engine/ddtree.py) as `ddtree_generate` runs it, prefill included: the device
+  tree builder (a round = one CUDA graph and one host sync), and for comparison the host builder
+  (refmodel's build_ddtree on the drafter logits copied back: two syncs and the Python heap per round).
 
 Wall-clock times (host perf_counter around fully synchronised runs), the best of `repeats`, after one
 warm-up run each (graph capture). Then one more DDTree run with timing=True, which synchronises after
-each phase, splits a round's time into draft (drafter ingest + block forward + logits copy), build (host
-tree builder), verify (inputs copy + graph + argmax/logits copy), walk, compact and host_other (records);
-its total is a little larger than the untimed run's.
+each phase, splits a round's time (device builder) into compact (the last round's compaction and this
+round's input copy), draft (drafter ingest + block forward), build (top-K + heap kernels), verify (tree
+mask + target forward as a graph, the tree/argmax/logits copies back: the round's host sync), walk (host)
+and host_other (records); its total is a little larger than the untimed run's.
 """
 from __future__ import annotations
 
@@ -66,21 +69,24 @@ def ddtree_speed(bundles, n_tokens: int = 128, repeats: int = 3, progress=None) 
             prompts = [(np.asarray(f[f"golden/p{i}/prompt_ids"], np.int64), position_offset(f, i))
                        for i in prompts_of(f)]
         st = e._ddtree_state()
+        host_s = 0.0
         rows, ar_s, dd_s, toks, ar_fw, dd_fw, rounds, syncs = [], 0.0, 0.0, 0, 0, 0, 0, 0
         split = dict.fromkeys(PHASES + ("prefill", "host_other"), 0.0)
         for k, (prompt, pos0) in enumerate(prompts):
             ar_tokens = _ar_run(e, prompt, pos0, n_tokens, read=True)
-            _, warm = ddtree_run(e, prompt, pos0, n_tokens)
+            _, warm = ddtree_run(e, prompt, pos0, n_tokens, builder="device")
             same = warm["tokens"] == ar_tokens
             t_ar = _best(lambda: _ar_run(e, prompt, pos0, n_tokens, read=False), repeats)
-            t_dd = _best(lambda: ddtree_run(e, prompt, pos0, n_tokens), repeats)
-            _, timed = ddtree_run(e, prompt, pos0, n_tokens, timing=True)
+            t_dd = _best(lambda: ddtree_run(e, prompt, pos0, n_tokens, builder="device"), repeats)
+            ddtree_run(e, prompt, pos0, n_tokens, builder="host")
+            t_host = _best(lambda: ddtree_run(e, prompt, pos0, n_tokens, builder="host"), repeats)
+            _, timed = ddtree_run(e, prompt, pos0, n_tokens, timing=True, builder="device")
             for ph, s in timed["seconds"].items():
                 split[ph] += s
-            rows.append({"prompt": k, "pos0": int(pos0), "prompt_len": len(prompt), "ar_s": t_ar, "ddtree_s": t_dd,
+            rows.append({"prompt": k, "pos0": int(pos0), "prompt_len": len(prompt), "ar_s": t_ar, "ddtree_s": t_dd, "ddtree_host_builder_s": t_host,
                          "speedup": t_ar / t_dd, "ddtree_target_forwards": warm["target_forwards"],
                          "rounds": warm["rounds"], "same_stream_as_ar": bool(same)})
-            ar_s, dd_s, toks = ar_s + t_ar, dd_s + t_dd, toks + n_tokens
+            ar_s, dd_s, toks, host_s = ar_s + t_ar, dd_s + t_dd, toks + n_tokens, host_s + t_host
             ar_fw, dd_fw = ar_fw + n_tokens, dd_fw + warm["target_forwards"]
             rounds, syncs = rounds + warm["rounds"], syncs + warm["host_syncs"]
             if progress:
@@ -89,6 +95,7 @@ def ddtree_speed(bundles, n_tokens: int = 128, repeats: int = 3, progress=None) 
         res["bundles"].append({
             "bundle": str(b), "budget": st.budget, "prompts": rows,
             "ar_tokens_per_s": toks / ar_s, "ddtree_tokens_per_s": toks / dd_s, "speedup": ar_s / dd_s,
+            "ddtree_host_builder_tokens_per_s": toks / host_s, "speedup_host_builder": ar_s / host_s,
             "ar_target_forwards_per_token": ar_fw / toks, "ddtree_target_forwards_per_token": dd_fw / toks,
             "target_forward_ratio": ar_fw / dd_fw, "speedup_vs_forward_ratio": (ar_s / dd_s) / (ar_fw / dd_fw),
             "tokens_per_round": toks / n_rounds, "host_syncs_per_round": syncs / n_rounds,

@@ -18,20 +18,36 @@ Legend: P prompt tokens, T verify rows (root + nodes), L draft depth, V vocab.
 """
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
 
 from conformance.records import live_records
 from cuda_engine.device import CudaEngineError, DevBuf, driver
-from cuda_engine.drafter import CudaDrafter, prepare_kernels, read_drafter, tree_mask
+from cuda_engine.drafter import CudaDrafter, build_tree, prepare_kernels, read_drafter, tree_mask
 from refmodel.ddtree import Round, Tree, _root_only, build_ddtree, walk
 
 PHASES = ("draft", "build", "verify", "walk", "compact")
+BUILDERS = ("device", "host")
+
+
+def tree_rows(budget: int, L: int, K: int) -> int:
+    """Rows of every verify (root + nodes): build_ddtree pops min(budget, all prefixes in the top-K rank
+    space) nodes, sum_{d=1..L} K^d prefixes; so the verify's shapes are fixed for a run."""
+    if budget <= 0 or L == 0:
+        return 1
+    total, level = 0, 1
+    for _ in range(L):
+        level *= K
+        total += level
+        if total >= budget:
+            return budget + 1
+    return total + 1
 
 
 class DDTreeState:
-    """Per loaded bundle: the drafter on the device, the verify graph and its input block."""
+    """Per loaded bundle: the drafter on the device, the builder's buffers, the captured graphs."""
 
     def __init__(self, engine, host_drafter):
         if host_drafter is None:
@@ -44,37 +60,75 @@ class DDTreeState:
         self.budget = int(settings.get("budget", 0))
         self.topk = settings.get("topk")
         self.drafter = CudaDrafter(engine, self.dcfg, DW) if self.budget > 0 else None
+        V, L = self.cfg.vocab_size, self.dcfg.block_size - 1
+        self.L, self.V = L, V
+        self.K = min(self.budget if self.topk is None else int(self.topk), V) if self.budget > 0 else 0
+        self.T = tree_rows(self.budget, L, self.K)
+        if self.drafter is not None:
+            self.top_id = DevBuf((L, self.K), np.int32)
+            self.lp = DevBuf((L, self.K), np.float32)
+        self.rec = DevBuf((1 + 5 * self.T,), np.int32)    # n, ids, parents, depths, ranks, verify argmax
+        self.tree_in = DevBuf((4 + 3 * self.T,), np.int32)
         self.graphs: dict = {}
-        self.tree_in: DevBuf | None = None
 
-    def verify_graph(self, T: int):
-        """The verify forward over T tree rows as a CUDA graph (captured per T and engine allocation)."""
-        e = self.engine
-        key = (T, e.T_cap, e.S_cap, e.buf["mask"].ptr, e.cache["ckv"].ptr, e.buf["logits"].ptr)
-        if key not in self.graphs:
+    def _rec_at(self, k: int) -> int:
+        """Device address of rec section k (0 ids, 1 parents, 2 depths, 3 ranks, 4 argmax), T ints each."""
+        return self.rec.ptr + (1 + k * self.T) * 4
+
+    def graph(self, kind: str):
+        """A captured launch sequence: 'round' (drafter block + device builder + verify), 'verify_dev'
+        (tree mask + verify over the device builder's tree), 'verify_host' (the host tree's inputs into place
+        + tree mask + verify). Re-captured when the engine's or the drafter's buffers move."""
+        e, dr = self.engine, self.drafter
+        ptrs = (e.T_cap, e.S_cap, e.buf["mask"].ptr, e.cache["ckv"].ptr, e.buf["logits"].ptr,
+                dr.cache[0][0].ptr if dr else 0, dr.scores.ptr if dr else 0)
+        if self.graphs.get("ptrs") != ptrs:
+            self.destroy_graphs()
+            self.graphs = {"ptrs": ptrs}
+        if kind not in self.graphs:
             from cuda_engine.graph import capture
 
-            if self.tree_in is None or self.tree_in.shape[0] < 4 + 3 * e.T_cap:
-                self.tree_in = DevBuf((4 + 3 * e.T_cap,), np.int32)
-            for g in self.graphs.values():
-                g.destroy()
-            self.graphs = {key: capture(e.ops, lambda: self._launch_verify(T))}
-        return self.graphs[key]
+            self.graphs[kind] = capture(e.ops, getattr(self, "_launch_" + kind))
+        return self.graphs[kind]
 
-    def _launch_verify(self, T: int) -> None:
-        e, ti = self.engine, self.tree_in
-        drv, s = e.ops, e.ops.stream
-        cp = driver().memcpy_dtod_async
+    def launch(self, kind: str) -> None:
+        if self.engine.use_graph:
+            self.graph(kind).launch(self.engine.ops.stream)
+        else:
+            getattr(self, "_launch_" + kind)()
+
+    def _launch_build(self) -> None:
+        e, dr, T = self.engine, self.drafter, self.T
+        build_tree(e.ops, dr.buf["logits"], self.V, self.L, self.K, self.budget, T, self.top_id, self.lp, dr.meta,
+                   dr.ids, self.rec, e.meta, e.buf["ids"], e.buf["positions"])
+
+    def _launch_verify_dev(self) -> None:
+        e, T = self.engine, self.T
+        tree_mask(e.ops, DevBuf((T,), np.int32, self._rec_at(1), self.rec), T, e.meta, e.buf["mask"])
+        e._launch_forward(T, masked=True, argmax_out=self._rec_at(4))
+
+    def _launch_round(self) -> None:
+        self.drafter._launch_block()
+        self._launch_build()
+        self._launch_verify_dev()
+
+    def _launch_verify_host(self) -> None:
+        e, ti, T = self.engine, self.tree_in, self.T
+        cp, s = driver().memcpy_dtod_async, e.ops.stream
         cp(e.meta.ptr, ti.ptr, 4 * 4, s)
         cp(e.buf["ids"].ptr, ti.ptr + 4 * 4, T * 4, s)
         cp(e.buf["positions"].ptr, ti.ptr + (4 + T) * 4, T * 4, s)
-        tree_mask(drv, DevBuf((T,), np.int32, ti.ptr + (4 + 2 * T) * 4, ti), T, e.meta, e.buf["mask"])
-        e._launch_forward(T, masked=True, argmax_out=e.buf["argmax"])
+        tree_mask(e.ops, DevBuf((T,), np.int32, ti.ptr + (4 + 2 * T) * 4, ti), T, e.meta, e.buf["mask"])
+        e._launch_forward(T, masked=True, argmax_out=self._rec_at(4))
+
+    def destroy_graphs(self) -> None:
+        for k, g in self.graphs.items():
+            if k != "ptrs":
+                g.destroy()
+        self.graphs = {}
 
     def destroy(self) -> None:
-        for g in self.graphs.values():
-            g.destroy()
-        self.graphs = {}
+        self.destroy_graphs()
         if self.drafter is not None:
             self.drafter.drop_graph()
 
@@ -92,30 +146,50 @@ def pack_tree_inputs(tree: Tree, root: int, start: int, pos0: int) -> np.ndarray
     return ti
 
 
-def ddtree_run(engine, prompt_ids, pos0: int, n_tokens: int, timing: bool = False, keep_logits: bool = False):
+def unpack_tree(rec: np.ndarray, T: int) -> tuple[Tree, np.ndarray]:
+    """(the device builder's tree, the verify argmax [T]) from the rec block [1 + 5T] (kernels/drafter.cu).
+    The tree carries no visibility matrix (the device builds the mask from the parents) and no scores."""
+    n = int(rec[0])
+    if n != T - 1:
+        raise CudaEngineError(f"device tree builder made {n} nodes where the verify was sized for {T - 1}")
+    sec = [rec[1 + k * T:1 + (k + 1) * T].astype(np.int64) for k in range(5)]
+    ids, parents, depths, ranks, post = sec
+    child_maps = [{} for _ in range(T)]
+    for k in range(1, T):
+        child_maps[int(parents[k])][int(ids[k])] = k
+    return Tree(ids[1:], depths[1:], parents, child_maps, None, ranks[1:], np.zeros(0)), post
+
+
+def ddtree_run(engine, prompt_ids, pos0: int, n_tokens: int, timing: bool = False, keep_logits: bool = False,
+               builder: str | None = None):
     """The engine's own DDTree loop from an empty cache. Returns (records of docs/run-dump.md §2, stats):
     stats holds rounds, target/drafter forwards, host syncs, and with timing=True seconds per phase;
     keep_logits=True also keeps, per round (stats["verify"]), its start, tree, drafter logits [L, V], full verify
-    logits [T, V] and the stream after it."""
+    logits [T, V] and the stream after it. builder: "device" (default; KDTR_DDTREE_BUILDER) builds the tree
+    on the GPU inside the round's graph, "host" copies the drafter logits back and runs refmodel's
+    build_ddtree."""
     e = engine
     st = e._ddtree_state()
+    builder = builder or os.environ.get("KDTR_DDTREE_BUILDER", "device")
+    if builder not in BUILDERS:
+        raise CudaEngineError(f"tree builder {builder!r}: choose one of {', '.join(BUILDERS)} (KDTR_DDTREE_BUILDER)")
     prompt = np.asarray(prompt_ids, np.int64).reshape(-1)
     P, c = len(prompt), e.cfg
     if P < 1:
         raise ValueError("ddtree_generate: the prompt must hold at least one token")
     if prompt.min() < 0 or prompt.max() >= c.vocab_size:
         raise ValueError(f"ddtree_generate: prompt ids must be in [0, {c.vocab_size}), got {prompt.min()}..{prompt.max()}")
-    if pos0 < 0 or pos0 + P + n_tokens + st.budget + 1 >= 2 ** 31:
+    if pos0 < 0 or pos0 + P + n_tokens + st.T >= 2 ** 31:
         raise ValueError(f"ddtree_generate: pos0 {pos0} + prompt and tokens must stay in [0, 2^31)")
-    dr = st.drafter
-    T_max = st.budget + 1
-    rows_cap = P + n_tokens + T_max + 1
+    dr, T, V = st.drafter, st.T, c.vocab_size
+    on_device = dr is not None and builder == "device"
+    rows_cap = P + n_tokens + T + 1
     e.reset()
-    e._ensure(max(P, T_max), rows_cap)
+    e._ensure(max(P, T), rows_cap)
     if dr is not None:
         dr.reset()
         dr._ensure_cache(rows_cap)
-    stats = {"rounds": 0, "target_forwards": 1, "drafter_forwards": 0, "host_syncs": 0,
+    stats = {"rounds": 0, "target_forwards": 1, "drafter_forwards": 0, "host_syncs": 0, "builder": builder,
              "seconds": dict.fromkeys(PHASES + ("prefill", "host_other"), 0.0), "verify": []}
     clock = time.perf_counter
     sync = e.ops.stream.synchronize
@@ -135,59 +209,75 @@ def ddtree_run(engine, prompt_ids, pos0: int, n_tokens: int, timing: bool = Fals
     out = [int(x) for x in prompt] + [int(e.buf["argmax"].get((P,))[-1])]
     stats["host_syncs"] += 1
     t = mark("prefill", t)
-    ctx_rows = np.arange(P)
-    start, rounds = P, []
+    ctx_rows, start, rounds, pending = np.arange(P), P, [], None        # pending: (start, accepted) to compact
     while len(out) - P < n_tokens:
-        if dr is not None:                                               # draft: ingest + block forward
+        q = None
+        if dr is not None:                                               # draft: the new context, the block
             dev_rows = dr.set_round(ctx_rows, out[start], pos0)
+            if pending is not None:                                      # last round's compaction (keep = rows)
+                e.ops.kv_compact(e.cache["ckv"], e.cache["kpe"], dev_rows, len(pending[1]), pending[0])
+                e.length = pending[0] + len(pending[1])
+                pending = None
+                t = mark("compact", t)
             dr.ingest(dev_rows, len(ctx_rows), e.buf["resid_out"], e.T_cap)
-            dr.block(e.use_graph)
-            q = dr.logits()                                              # [L, V]; sync 1
             stats["drafter_forwards"] += 1
-            stats["host_syncs"] += 1
+        if on_device and not timing:
+            st.launch("round")                                           # draft + build + verify, one graph
+        elif on_device:
+            dr.block(e.use_graph)
             t = mark("draft", t)
-            tree = build_ddtree(q, st.budget, st.topk)
+            st._launch_build()
+            t = mark("build", t)
+            st.launch("verify_dev")
         else:
-            tree = _root_only()
-        t = mark("build", t)
-        T = tree.size
-        if start + T > e.S_cap or T > e.T_cap:
-            e._ensure(T, start + T)
-        ti = pack_tree_inputs(tree, out[start], start, pos0)
-        if e.use_graph:
-            g = st.verify_graph(T)
-            st.tree_in.set(ti)
-            g.launch(e.ops.stream)
-        else:
-            if st.tree_in is None or st.tree_in.shape[0] < len(ti):
-                st.tree_in = DevBuf((4 + 3 * e.T_cap,), np.int32)
-            st.tree_in.set(ti)
-            st._launch_verify(T)
-        post = e.buf["argmax"].get((T,)).astype(np.int64)                # sync 2
-        logits = e.buf["logits"].get((T, c.vocab_size))
-        e.length = start + T
-        stats["target_forwards"] += 1
+            if dr is not None:
+                dr.block(e.use_graph)
+                q = dr.logits()                                          # [L, V]; a host sync
+                stats["host_syncs"] += 1
+                t = mark("draft", t)
+                tree = build_ddtree(q, st.budget, st.topk)
+            else:
+                tree = _root_only()
+            t = mark("build", t)
+            if pending is not None:                                      # no drafter: compact here
+                e.compact(*pending)
+                pending = None
+            if tree.size != T:
+                raise CudaEngineError(f"host tree builder made {tree.size} rows where the verify was sized for {T}")
+            st.tree_in.set(pack_tree_inputs(tree, out[start], start, pos0))
+            st.launch("verify_host")
+        rec = st.rec.get((1 + 5 * T,))                                   # the sync of the round
+        logits = e.buf["logits"].get((T, V))
         stats["host_syncs"] += 1
+        stats["target_forwards"] += 1
         t = mark("verify", t)
+        if on_device:
+            tree, post = unpack_tree(rec, T)
+            if int(tree.parents[0]) != -1 or int(rec[1]) != out[start]:
+                raise CudaEngineError(f"device tree builder: root {int(rec[1])} is not the bonus {out[start]}")
+        else:
+            post = rec[1 + 4 * T:1 + 5 * T].astype(np.int64)
+        e.length = start + T
         acc, bonus = walk(tree.child_maps, post)
         t = mark("walk", t)
-        e.compact(start, acc)                                            # rows start + acc[i] -> start + i
-        t = mark("compact", t)
+        pending = (start, acc)
         ids = np.concatenate([[out[start]], tree.tokens]).astype(np.int64)
         out[start + 1:] = [int(x) for x in ids[acc[1:]]] + [bonus]
         rounds.append(Round(start, tree.tokens, tree.parents, tree.depths, tree.ranks, post, acc, bonus, T,
                             len(acc) - 1, logits[acc]))
         if keep_logits:
             stats["verify"].append({"start": start, "tree": tree, "logits": logits, "out": list(out),
-                                    "draft_logits": None if dr is None else q.copy()})
+                                    "draft_logits": None if dr is None else (q if q is not None else dr.logits())})
         ctx_rows = np.asarray(acc)
         start += len(acc)
         stats["rounds"] += 1
         t = mark("host_other", t)
+    if pending is not None:                                              # leave the cache committed
+        e.compact(*pending)
     sync()
     records = live_records(out[P:P + n_tokens], rounds, stats["target_forwards"])
     stats["tokens"] = out[P:P + n_tokens]
     return records, stats
 
 
-__all__ = ["DDTreeState", "ddtree_run", "pack_tree_inputs", "read_drafter"]
+__all__ = ["DDTreeState", "ddtree_run", "pack_tree_inputs", "read_drafter", "tree_rows", "unpack_tree"]

@@ -35,6 +35,8 @@ DRAFTER_SIGNATURES = {
     "drafter_attention_kernel": "PPPPPPiiiifPiP",
     "silu_mul_kernel": "PPi",
     "tree_mask_kernel": "PiPPi",
+    "ddtree_topk_kernel": "PiiPP",
+    "ddtree_heap_kernel": "PPiiiiPPPPPP",
 }
 WARP = (32, 1, 1)
 S_CAP0 = 512                      # first drafter-cache capacity (rows); grows x2
@@ -236,6 +238,34 @@ class CudaDrafter:
     def logits(self) -> np.ndarray:
         """The last block's per-depth logits [B-1, V] (synchronous copy)."""
         return self.buf["logits"].get()
+
+
+def heap_smem_bytes(N: int, L: int) -> int:
+    """Dynamic shared memory of ddtree_heap_kernel: 2N + 2 entries (score, parent, depth, rank), N + 1 paths."""
+    cap = 2 * N + 2
+    return cap * (8 + 12) + (N + 1) * L * 4
+
+
+HEAP_SMEM_MAX = 48 * 1024          # the default dynamic shared-memory limit per block
+
+
+def build_tree(ops, logits, V: int, L: int, K: int, N: int, T: int, top_id: DevBuf, lp: DevBuf, dmeta: DevBuf,
+               block_ids: DevBuf, rec, t_meta: DevBuf, t_ids: DevBuf, t_pos: DevBuf, topk: bool = True) -> None:
+    """The device builder (kernels/drafter.cu): per-depth top-K and log-probs of logits [L, V] (skipped with
+    topk=False: top_id/lp hold them already), then the best-first search for N nodes into rec
+    [1 + 4T] (n, ids, parents, depths, ranks) and the target's verify inputs."""
+    prepare_kernels(ops)
+    _need = heap_smem_bytes(N, L)
+    if _need > HEAP_SMEM_MAX or K > 4096:
+        raise CudaEngineError(f"device tree builder: budget {N} x depth {L} needs {_need} bytes of shared memory "
+                              f"(max {HEAP_SMEM_MAX}); use the host builder (KDTR_DDTREE_BUILDER=host)")
+    if topk:
+        ops._launch("ddtree_topk_kernel", (L,), logits if isinstance(logits, int) else logits.ptr, V, K, top_id.ptr,
+                    lp.ptr)
+    ops.fn["ddtree_heap_kernel"].prepared_async_call((1, 1, 1), WARP, ops.stream, top_id.ptr, lp.ptr, L, K, N, T,
+                                                     dmeta.ptr, block_ids.ptr, rec if isinstance(rec, int) else rec.ptr,
+                                                     t_meta.ptr, t_ids.ptr, t_pos.ptr, shared_size=_need)
+    ops.launches += 1
 
 
 def tree_mask(ops, parents: DevBuf, T: int, target_meta: DevBuf, mask: DevBuf) -> None:

@@ -48,6 +48,37 @@ def test_packed_verify_inputs_are_compile_tree(seed):
     assert np.array_equal(ti[4 + 2 * T:], tree.parents)
 
 
+def test_tree_rows_is_what_build_ddtree_makes():
+    from cuda_engine.ddtree import tree_rows
+
+    x = np.random.default_rng(3).normal(0, 2, (15, 400)).astype(np.float32)
+    for budget, topk, L in ((32, None, 15), (15, 1, 15), (40, 1, 15), (5, None, 1), (0, None, 15), (300, 2, 7),
+                            (7, 3, 1)):
+        K = min(budget if topk is None else topk, 400) if budget > 0 else 0
+        assert tree_rows(budget, L, K) == build_ddtree(x[:L], budget, topk).size, (budget, topk, L)
+
+
+def test_unpack_tree_reads_the_device_layout():
+    from cuda_engine.ddtree import unpack_tree
+
+    tree = _random_tree(4)
+    T = tree.size
+    post = np.arange(T) % 7
+    rec = np.concatenate([[T - 1], [9], tree.tokens, tree.parents, [0], tree.depths, [0], tree.ranks, post])
+    got, got_post = unpack_tree(rec.astype(np.int32), T)
+    for k in ("tokens", "depths", "parents", "ranks"):
+        assert np.array_equal(getattr(got, k), getattr(tree, k)), k
+    assert got.child_maps == tree.child_maps and np.array_equal(got_post, post)
+
+
+def test_unpack_tree_refuses_a_tree_of_another_size():
+    from cuda_engine.ddtree import unpack_tree
+    from cuda_engine.device import CudaEngineError
+
+    with pytest.raises(CudaEngineError, match="made 3 nodes where the verify was sized for 32"):
+        unpack_tree(np.array([3] + [0] * 5 * 33, np.int32), 33)
+
+
 def test_read_drafter_is_the_bundles_drafter_exactly():
     from conformance.reference_engine import bundle_drafter
     from cuda_engine.drafter import read_drafter
@@ -143,6 +174,84 @@ def test_device_tree_mask_is_compile_trees(engine_cls):
         tree_mask(e.ops, DevBuf((T,), np.int32, ti.ptr + (4 + 2 * T) * 4, ti), T, ti, mask)
         e.ops.stream.synchronize()
         assert np.array_equal(mask.get()[:, :start + T], want.astype(np.float32)), (seed, start)
+
+
+def _device_build(e, x, budget, start=5, pos0=100, root=3, given=None):
+    """Run the device builder on logits x [L, V] (or, with given=(top_id, lp), the heap alone on them)."""
+    from cuda_engine.ddtree import tree_rows, unpack_tree
+    from cuda_engine.device import DevBuf
+    from cuda_engine.drafter import build_tree
+
+    L, V = x.shape
+    K = min(budget, V)
+    T = tree_rows(budget, L, K)
+    top_id, lp = DevBuf((L, K), np.int32), DevBuf((L, K), np.float32)
+    if given is not None:
+        top_id.set(given[0].astype(np.int32))
+        lp.set(given[1])
+    dmeta = DevBuf.from_array(np.array([0, 0, start, pos0 + start], np.int32))
+    ids = DevBuf.from_array(np.array([root], np.int32))
+    rec, t_meta, t_ids, t_pos = (DevBuf((n,), np.int32) for n in (1 + 5 * T, 4, T, T))
+    build_tree(e.ops, DevBuf.from_array(x), V, L, K, budget, T, top_id, lp, dmeta, ids, rec, t_meta, t_ids, t_pos,
+               topk=given is None)
+    e.ops.stream.synchronize()
+    tree, _ = unpack_tree(rec.get(), T)
+    return tree, top_id.get(), lp.get(), t_meta.get(), t_ids.get(), t_pos.get()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", ["normal", "ties"])
+def test_device_builder_is_build_ddtree(engine_cls, case):
+    """Top-K ids exactly (ties to the lower id), log-probs to float32 rounding of the log-sum-exp, the tree
+    exactly, and the verify inputs compile_tree's. "ties": one row of small integers repeated at every
+    depth, so equal scores across depths exercise the rank-path tie rule."""
+    from refmodel.ddtree import _top_log_probs
+
+    e = engine_cls()
+    e.load(TINY)
+    rng = np.random.default_rng(7)
+    for seed in range(4):
+        if case == "normal":
+            x = rng.normal(0, 3, (15, 400)).astype(np.float32)
+        else:
+            x = np.tile(rng.integers(0, 4, 400).astype(np.float32), (15, 1))
+        for budget in (32, 7, 64):
+            want = build_ddtree(x, budget)
+            tree, top_id, lp, t_meta, t_ids, t_pos = _device_build(e, x, budget)
+            ref_id, ref_lp = _top_log_probs(x, min(budget, 400))
+            assert np.array_equal(top_id, ref_id), (seed, budget)
+            assert np.max(np.abs(lp - ref_lp)) <= 4 * np.finfo(np.float32).eps * np.max(np.abs(ref_lp)), (seed, budget)
+            for k in ("tokens", "depths", "parents", "ranks"):
+                assert np.array_equal(getattr(tree, k), getattr(want, k)), (case, seed, budget, k)
+            ids, positions, _ = compile_tree(want, 3, 5, 100)
+            assert t_meta[0] == 5 and np.array_equal(t_ids, ids) and np.array_equal(t_pos, positions)
+
+
+@pytest.mark.cuda
+def test_device_heap_on_numpys_log_probs_is_build_ddtree_exactly(engine_cls):
+    """The heap alone, fed NumPy's own top-K and log-probs: the same tree bit for bit, ties included."""
+    from refmodel.ddtree import _top_log_probs
+
+    e = engine_cls()
+    e.load(TINY)
+    rng = np.random.default_rng(11)
+    for seed in range(6):
+        x = (rng.normal(0, 3, (15, 400)) if seed % 2 else np.tile(rng.integers(0, 3, 400), (15, 1))).astype(np.float32)
+        want = build_ddtree(x, 32)
+        tree = _device_build(e, x, 32, given=_top_log_probs(x, 32))[0]
+        for k in ("tokens", "depths", "parents", "ranks"):
+            assert np.array_equal(getattr(tree, k), getattr(want, k)), (seed, k)
+
+
+@pytest.mark.cuda
+def test_device_and_host_builders_give_the_same_run(tiny_run):
+    from cuda_engine.ddtree import ddtree_run
+
+    e, prompts, runs = tiny_run
+    for (prompt, pos0), (rec, _) in zip(prompts, runs):
+        host, _ = ddtree_run(e, prompt, pos0, N_TOKENS, builder="host")
+        for k in rec:
+            assert np.array_equal(rec[k], host[k]), f"{k}: device and host builders differ (pos0 {pos0})"
 
 
 @pytest.mark.cuda
