@@ -3,13 +3,19 @@ on the GPU (cuda_engine/drafter.py), the reference tree builder on the drafter's
 forward over root + nodes with depth positions and the ancestor-only mask, the greedy walk, the in-order
 KV compaction, and the next drafter context from the accepted rows.
 
-A round on the device: [drafter ingest of the last accepted rows (C rows, prepared launches)] -> [the
-drafter's block forward, a CUDA graph] -> logits to the host (sync 1) -> `build_ddtree` (host, exactly
-refmodel.ddtree's) -> one host->device copy of the tree (target meta, ids, positions, parents) ->
-[the verify, a CUDA graph: inputs into place, the tree mask from the parents (kernels/drafter.cu), the
-target forward, the argmax] -> argmax and logits to the host (sync 2) -> the walk (host) -> the in-order
-compaction (one kernel). Every shape of the verify is fixed by the node budget (a tree always has
-budget + 1 rows once the budget is at most L * min(budget, V)), so both graphs are captured once per run.
+A round (device builder, the default): one host->device copy (the drafter's meta: the last round's
+accepted rows, the bonus, positions) -> ONE CUDA graph: the in-order compaction of the target cache to the
+last round's accepted path, the drafter's ingest of those rows (fused features -> K/V into its cache), its
+block forward, the builder (per-depth top-K + log-probs, then the best-first heap: refmodel's
+build_ddtree on the device), the tree mask from the parents, the target's verify forward over root + nodes
+at depth positions, its argmax -> the tree, argmax and logits back to the host (the round's one sync) ->
+the greedy walk and the records on the host. Every shape is fixed by the node budget (tree_rows), padding
+rows of the ingest are never written, so the graph is captured once per run. The first round's context
+(the prompt) is ingested by prepared launches when it is longer than a block.
+
+The host builder (builder="host") copies the drafter's logits back instead and runs refmodel's
+build_ddtree (a second sync and the Python heap per round): bit-identical trees by construction, kept to
+compare against.
 
 `ddtree_run` returns the run-dump records of docs/run-dump.md §2 plus, on request, per-round timing
 (`timing=True` synchronises after each phase so each one's device time is attributed to it).
@@ -76,8 +82,9 @@ class DDTreeState:
         return self.rec.ptr + (1 + k * self.T) * 4
 
     def graph(self, kind: str):
-        """A captured launch sequence: 'round' (drafter block + device builder + verify), 'verify_dev'
-        (tree mask + verify over the device builder's tree), 'verify_host' (the host tree's inputs into place
+        """A captured launch sequence: 'round' (the last round's compaction, the drafter's ingest over B rows,
+        its block, the device builder, the verify), 'verify_dev' (tree mask + verify over the device
+        builder's tree), 'verify_host' (the host tree's inputs into place
         + tree mask + verify). Re-captured when the engine's or the drafter's buffers move."""
         e, dr = self.engine, self.drafter
         ptrs = (e.T_cap, e.S_cap, e.buf["mask"].ptr, e.cache["ckv"].ptr, e.buf["logits"].ptr,
@@ -108,7 +115,10 @@ class DDTreeState:
         e._launch_forward(T, masked=True, argmax_out=self._rec_at(4))
 
     def _launch_round(self) -> None:
-        self.drafter._launch_block()
+        e, dr = self.engine, self.drafter
+        dr.compact_target(e)
+        dr.ingest(dr.round_rows, dr.dcfg.block_size, e.buf["resid_out"], e.T_cap)   # B rows, C written
+        dr._launch_block()
         self._launch_build()
         self._launch_verify_dev()
 
@@ -212,36 +222,41 @@ def ddtree_run(engine, prompt_ids, pos0: int, n_tokens: int, timing: bool = Fals
     ctx_rows, start, rounds, pending = np.arange(P), P, [], None        # pending: (start, accepted) to compact
     while len(out) - P < n_tokens:
         q = None
-        if dr is not None:                                               # draft: the new context, the block
-            dev_rows = dr.set_round(ctx_rows, out[start], pos0)
-            if pending is not None:                                      # last round's compaction (keep = rows)
-                e.ops.kv_compact(e.cache["ckv"], e.cache["kpe"], dev_rows, len(pending[1]), pending[0])
+        if dr is not None:                                               # this round's context, last round's
+            keep_start = None if pending is None else pending[0]        # compaction (keep = the same rows)
+            dev_rows = dr.set_round(ctx_rows, out[start], pos0, keep_start)
+            if pending is not None:
                 e.length = pending[0] + len(pending[1])
                 pending = None
-                t = mark("compact", t)
-            dr.ingest(dev_rows, len(ctx_rows), e.buf["resid_out"], e.T_cap)
+            C = len(ctx_rows)
             stats["drafter_forwards"] += 1
-        if on_device and not timing:
-            st.launch("round")                                           # draft + build + verify, one graph
-        elif on_device:
+        if on_device and not timing and dev_rows is dr.round_rows:
+            st.launch("round")                                           # compact + draft + build + verify
+            dr.advance(C)
+        elif dr is not None:
+            if keep_start is not None:
+                dr.compact_target(e)
+                t = mark("compact", t)
+            dr.ingest(dev_rows, C, e.buf["resid_out"], e.T_cap)
+            dr.advance(C)
             dr.block(e.use_graph)
-            t = mark("draft", t)
-            st._launch_build()
-            t = mark("build", t)
-            st.launch("verify_dev")
-        else:
-            if dr is not None:
-                dr.block(e.use_graph)
+            if on_device:
+                t = mark("draft", t)
+                st._launch_build()
+                t = mark("build", t)
+                st.launch("verify_dev")
+            else:
                 q = dr.logits()                                          # [L, V]; a host sync
                 stats["host_syncs"] += 1
                 t = mark("draft", t)
                 tree = build_ddtree(q, st.budget, st.topk)
-            else:
-                tree = _root_only()
-            t = mark("build", t)
-            if pending is not None:                                      # no drafter: compact here
+                t = mark("build", t)
+        else:                                                            # budget 0: AR through the same loop
+            if pending is not None:
                 e.compact(*pending)
                 pending = None
+            tree = _root_only()
+        if not on_device:
             if tree.size != T:
                 raise CudaEngineError(f"host tree builder made {tree.size} rows where the verify was sized for {T}")
             st.tree_in.set(pack_tree_inputs(tree, out[start], start, pos0))

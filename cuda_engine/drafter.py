@@ -37,7 +37,10 @@ DRAFTER_SIGNATURES = {
     "tree_mask_kernel": "PiPPi",
     "ddtree_topk_kernel": "PiiPP",
     "ddtree_heap_kernel": "PPiiiiPPPPPP",
+    "ddtree_topk_sort_kernel": "PiiiPP",
+    "ddtree_compact_kernel": "PPPPiii",
 }
+TOPK_SORT_MAX = 4096              # kernels/drafter.cu: the bitonic top-K up to this vocabulary
 WARP = (32, 1, 1)
 S_CAP0 = 512                      # first drafter-cache capacity (rows); grows x2
 
@@ -119,7 +122,7 @@ class CudaDrafter:
         self.S_cap = 0
         self.length = 0
         self.graph = None
-        self._ensure_ctx(64)
+        self._ensure_ctx(max(64, B))
         self._ensure_cache(S_CAP0)
 
     # ------------------------------------------------------------ capacity
@@ -159,20 +162,21 @@ class CudaDrafter:
         self.length = 0
 
     # ------------------------------------------------------------ one call
-    def set_round(self, rows, bonus: int, pos0: int):
+    def set_round(self, rows, bonus: int, pos0: int, keep_start: int | None = None):
         """Host -> device in one copy: meta for ingesting the context rows `rows` (the target's last forward's
         row indices, in path order) at the cache's end, the block [bonus, MASK...] right after them, and the
-        rows. Returns the device buffer holding the rows."""
+        rows; with keep_start, also the target compaction keeping those rows after keep_start
+        (compact_target). Returns the device buffer holding the rows."""
         d, S, B = self.dcfg, self.length, self.dcfg.block_size
         rows = np.asarray(rows, np.int32)
         C, start = len(rows), self.length + len(rows)
         self._ensure_cache(start)
         inp = np.zeros(8 + 2 * B, np.int32)
-        inp[:4] = (S, pos0 + S, start, pos0 + start)
+        inp[:7] = (S, pos0 + S, start, pos0 + start, 0 if keep_start is None else C, keep_start or 0, C)
         inp[8] = bonus
         inp[9:8 + B] = d.mask_token_id
         if C <= B:
-            inp[8 + B:8 + B + C] = rows
+            inp[8 + B:8 + B + C] = rows                         # rows past C stay 0: a valid row to gather
             dev_rows = self.round_rows
         else:                                                   # the prompt: more rows than a round has
             self._ensure_ctx(C)
@@ -181,9 +185,17 @@ class CudaDrafter:
         self.inp.set(inp)
         return dev_rows
 
+    def compact_target(self, engine) -> None:
+        """The target cache's in-order compaction that set_round described (n and start read on the device)."""
+        ckv, kpe = engine.cache["ckv"], engine.cache["kpe"]
+        self.ops._launch("ddtree_compact_kernel", (ckv.shape[0],), ckv.ptr, kpe.ptr, self.round_rows.ptr,
+                         self.meta.ptr, ckv.shape[1], ckv.shape[2], kpe.shape[2])
+
     def ingest(self, dev_rows: DevBuf, C: int, resid_out: DevBuf, T_cap: int) -> None:
         """Append the context of C committed rows (set_round's row buffer): their features from the target's
-        per-layer outputs resid_out [L, T_cap, D], fused, K/V into the cache of every layer."""
+        per-layer outputs resid_out [L, T_cap, D], fused, K/V into the cache of every layer. The advance of
+        `length` is the caller's (advance). A captured round launches it over B rows (the most a round
+        commits); the kernels write the first C (meta)."""
         d, o = self.dcfg, self.ops
         D, G, Dh, nL = d.hidden_size, d.num_key_value_heads, d.head_dim, len(d.target_layer_ids)
         if C <= 0:
@@ -198,6 +210,8 @@ class CudaDrafter:
             o.linear(cb["c"], w["kv"], cb["kv"], C, D, 2 * G * Dh)                      # [C, D] -> [C, 2G Dh]
             o._launch("drafter_ctx_kv_kernel", (C, G), cb["kv"].ptr, G, Dh, w["k_norm"].ptr, d.rms_norm_eps,
                       self.meta.ptr, self.inv_freq.ptr, self.cache[l][0].ptr, self.cache[l][1].ptr, block=WARP)
+
+    def advance(self, C: int) -> None:
         self.length += C
 
     def block(self, use_graph: bool = True) -> None:
@@ -260,8 +274,14 @@ def build_tree(ops, logits, V: int, L: int, K: int, N: int, T: int, top_id: DevB
         raise CudaEngineError(f"device tree builder: budget {N} x depth {L} needs {_need} bytes of shared memory "
                               f"(max {HEAP_SMEM_MAX}); use the host builder (KDTR_DDTREE_BUILDER=host)")
     if topk:
-        ops._launch("ddtree_topk_kernel", (L,), logits if isinstance(logits, int) else logits.ptr, V, K, top_id.ptr,
-                    lp.ptr)
+        lg = logits if isinstance(logits, int) else logits.ptr
+        if V <= TOPK_SORT_MAX:
+            P2 = 1 << max(V - 1, 1).bit_length()
+            ops.fn["ddtree_topk_sort_kernel"].prepared_async_call((L, 1, 1), BLOCK, ops.stream, lg, V, K, P2,
+                                                                  top_id.ptr, lp.ptr, shared_size=8 * P2)
+            ops.launches += 1
+        else:
+            ops._launch("ddtree_topk_kernel", (L,), lg, V, K, top_id.ptr, lp.ptr)
     ops.fn["ddtree_heap_kernel"].prepared_async_call((1, 1, 1), WARP, ops.stream, top_id.ptr, lp.ptr, L, K, N, T,
                                                      dmeta.ptr, block_ids.ptr, rec if isinstance(rec, int) else rec.ptr,
                                                      t_meta.ptr, t_ids.ptr, t_pos.ptr, shared_size=_need)

@@ -228,6 +228,26 @@ def test_device_builder_is_build_ddtree(engine_cls, case):
 
 
 @pytest.mark.cuda
+def test_selection_top_k_for_large_vocabularies_is_the_sorts(engine_cls):
+    """ddtree_topk_kernel (vocabularies past the bitonic sort's limit) gives the same ids and log-probs."""
+    from cuda_engine.device import DevBuf
+    from refmodel.ddtree import _top_log_probs
+
+    e = engine_cls()
+    e.load(TINY)
+    rng = np.random.default_rng(5)
+    for x in (rng.normal(0, 3, (15, 400)), np.tile(rng.integers(0, 4, 400), (15, 1))):
+        x = x.astype(np.float32)
+        top_id, lp = DevBuf((15, 32), np.int32), DevBuf((15, 32), np.float32)
+        e.ops._launch("ddtree_topk_kernel", (15,), DevBuf.from_array(x).ptr, 400, 32, top_id.ptr, lp.ptr)
+        e.ops.stream.synchronize()
+        ref_id, ref_lp = _top_log_probs(x, 32)
+        _, sort_id, sort_lp, *_ = _device_build(e, x, 32)
+        assert np.array_equal(top_id.get(), ref_id) and np.array_equal(top_id.get(), sort_id)
+        assert np.array_equal(lp.get(), sort_lp)
+
+
+@pytest.mark.cuda
 def test_device_heap_on_numpys_log_probs_is_build_ddtree_exactly(engine_cls):
     """The heap alone, fed NumPy's own top-K and log-probs: the same tree bit for bit, ties included."""
     from refmodel.ddtree import _top_log_probs

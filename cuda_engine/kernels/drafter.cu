@@ -8,6 +8,9 @@
 //   meta[1] ctx_pos   its position (pos0 + S)
 //   meta[2] n_ctx     cache rows the block attends to (start = S + C)
 //   meta[3] blk_pos   position of block row 0 (pos0 + start)
+//   meta[4] keep_n    rows the target's compaction keeps (0: none), meta[5] keep_start its first row,
+//                     the kept rows being the context rows (the accepted path)
+//   meta[6] n_new     context rows to ingest (C); a launch over more rows (a fixed-shape graph) writes C
 //
 //   drafter_gather_kernel: feat[i, k D + d] = resid_out[layer_ids[k], rows[i], d]: the fused target features
 //       of the committed rows (the target's per-layer residual outputs of the last forward, in path order).
@@ -18,7 +21,11 @@
 //       fused qkv projection [B, (H + 2G) Dh]: per-head RMSNorm (q_norm / k_norm) then NeoX RoPE at
 //       blk_pos + t -> q [B, H, Dh], kb [B, G, Dh]; V stays in qkv. Launch grid (B, H + G), block WARP_SIZE.
 //   drafter_ctx_kv_kernel: per context row t and kv head: kv [C, 2G Dh] -> K (k_norm, RoPE at ctx_pos + t)
-//       and V (copied) into the drafter cache row ctx_row + t. Launch grid (C, G), block WARP_SIZE.
+//       and V (copied) into the drafter cache row ctx_row + t, for t < n_new. Launch grid (>= C, G),
+//       block WARP_SIZE.
+//   ddtree_compact_kernel: kv_cache.cu's in-order compaction of the TARGET cache with n and start from the
+//       drafter's meta (keep_n, keep_start) and keep = the context rows, so it sits in a captured round.
+//       Launch grid (target layers), block BLOCK_THREADS.
 //   drafter_attention_kernel: per block row t and query head h (kv head h / (H/G)): softmax(q K^T Dh^-1/2) V
 //       over the n_ctx cached rows and the B block rows, no mask (every block row sees every key).
 //       scores: scratch [B H, n_ctx_cap + B]. Launch grid (B H), block BLOCK_THREADS.
@@ -37,6 +44,9 @@
 #define DMETA_CTX_POS 1
 #define DMETA_N_CTX 2
 #define DMETA_BLK_POS 3
+#define DMETA_KEEP_N 4
+#define DMETA_KEEP_START 5
+#define DMETA_N_NEW 6
 
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
 drafter_gather_kernel(const float* __restrict__ resid_out, long long layer_stride, int D,
@@ -91,6 +101,7 @@ extern "C" __global__ void drafter_ctx_kv_kernel(const float* __restrict__ kv, i
                                                  const int* __restrict__ meta, const double* __restrict__ inv_freq,
                                                  float* __restrict__ kcache, float* __restrict__ vcache) {
     const int t = blockIdx.x, g = blockIdx.y;
+    if (t >= meta[DMETA_N_NEW]) return;                    // padding rows of a fixed-shape launch
     const float* x = kv + (size_t)t * 2 * G * Dh;
     const size_t row = (size_t)meta[DMETA_CTX_ROW] + t;
     head_norm_rope(x + (size_t)g * Dh, wk, Dh, eps, (double)meta[DMETA_CTX_POS] + t, inv_freq,
@@ -144,6 +155,20 @@ silu_mul_kernel(const float* __restrict__ gu, float* __restrict__ act, int I) {
     for (int i = threadIdx.x; i < I; i += blockDim.x) {
         const float g = gu[(size_t)t * 2 * I + i];
         act[(size_t)t * I + i] = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), gu[(size_t)t * 2 * I + I + i]);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
+ddtree_compact_kernel(float* cache_ckv, float* cache_kpe, const int* __restrict__ keep, const int* __restrict__ meta,
+                      int S_cap, int C, int R) {
+    const int n = meta[DMETA_KEEP_N], start = meta[DMETA_KEEP_START];
+    float* ckv = cache_ckv + (size_t)blockIdx.x * S_cap * C;
+    float* kpe = cache_kpe + (size_t)blockIdx.x * S_cap * R;
+    for (int i = 0; i < n; ++i) {                          // keep strictly increasing: dst <= src, in order
+        const size_t src = (size_t)start + keep[i], dst = (size_t)start + i;
+        for (int c = threadIdx.x; c < C; c += blockDim.x) ckv[dst * C + c] = ckv[src * C + c];
+        for (int r = threadIdx.x; r < R; r += blockDim.x) kpe[dst * R + r] = kpe[src * R + r];
+        __syncthreads();
     }
 }
 
@@ -228,6 +253,55 @@ ddtree_topk_kernel(const float* __restrict__ logits, int V, int K, int* __restri
         __syncthreads();
         pv = pick_v;
         pi = pick_i;
+    }
+}
+
+// Bitonic variant for V <= TOPK_SORT_MAX: the row's (value, id) pairs sorted in shared memory as 64-bit
+// keys (order-preserving float bits, then the complemented id: larger value first, lower id on ties; -0.0
+// counted as +0.0 as NumPy compares them), descending. Dynamic shared memory P2 * 8 bytes, P2 = the next
+// power of two >= V. Same outputs as ddtree_topk_kernel. Launch grid (L), block BLOCK_THREADS.
+#define TOPK_SORT_MAX 4096
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
+ddtree_topk_sort_kernel(const float* __restrict__ logits, int V, int K, int P2, int* __restrict__ top_id,
+                        float* __restrict__ lp) {
+    __shared__ float buf[BLOCK_THREADS];
+    extern __shared__ unsigned long long key[];
+    const int row = blockIdx.x;
+    const float* x = logits + (size_t)row * V;
+    float m = -INFINITY;
+    for (int v = threadIdx.x; v < V; v += blockDim.x) m = fmaxf(m, x[v]);
+    m = block_max(m, buf);
+    float z = 0.0f;
+    for (int v = threadIdx.x; v < V; v += blockDim.x) z += expf(x[v] - m);
+    z = block_sum(z, buf);
+    const float log_z = __fadd_rn(m, logf(z));
+    for (int i = threadIdx.x; i < P2; i += blockDim.x) {
+        unsigned long long k = 0ull;                        // padding sorts last
+        if (i < V) {
+            const float xv = x[i] == 0.0f ? 0.0f : x[i];
+            const unsigned int u = __float_as_uint(xv);
+            const unsigned int o = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+            k = ((unsigned long long)o << 32) | (unsigned long long)(0xFFFFFFFFu - (unsigned int)i);
+        }
+        key[i] = k;
+    }
+    __syncthreads();
+    for (int k = 2; k <= P2; k <<= 1) {
+        for (int j = k >> 1; j > 0; j >>= 1) {
+            for (int i = threadIdx.x; i < P2; i += blockDim.x) {
+                const int p = i ^ j;
+                if (p > i) {
+                    const unsigned long long a = key[i], b = key[p];
+                    if (((i & k) == 0) ? (a < b) : (a > b)) { key[i] = b; key[p] = a; }
+                }
+            }
+            __syncthreads();
+        }
+    }
+    for (int r = threadIdx.x; r < K; r += blockDim.x) {
+        const int id = (int)(0xFFFFFFFFu - (unsigned int)(key[r] & 0xFFFFFFFFull));
+        top_id[(size_t)row * K + r] = id;
+        lp[(size_t)row * K + r] = __fsub_rn(x[id], log_z);
     }
 }
 
