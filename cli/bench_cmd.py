@@ -86,6 +86,11 @@ def ddtree_cmd(bundles, tokens, repeats, json_path) -> None:
         click.echo(f"  target forwards per token: AR {b['ar_target_forwards_per_token']:.3f}, DDTree "
                    f"{b['ddtree_target_forwards_per_token']:.3f} (ratio {b['target_forward_ratio']:.2f}; speedup / "
                    f"ratio {b['speedup_vs_forward_ratio']:.2f}); {b['tokens_per_round']:.2f} tokens per round")
+        click.echo(f"  per token: AR {b['ar_us_per_token']:.1f} us, DDTree {b['ddtree_us_per_token']:.1f} us; "
+                   f"speedup without the prompt's forward {b['speedup_after_prefill']:.2f}x")
+        if b["round_gpu_us"]:
+            click.echo("  a round on the device (us, events): " + ", ".join(f"{k} {v:.0f}"
+                                                                         for k, v in b["round_gpu_us"].items()))
         split = ", ".join(f"{k} {v:.0f}" for k, v in b["round_us"].items())
         click.echo(f"  a round (us, synchronised per phase): {split}; {b['host_syncs_per_round']:.1f} host syncs")
         click.echo(f"  DDTree stream == AR stream on every prompt: {b['all_streams_equal_ar']}")

@@ -15,7 +15,10 @@ warm-up run each (graph capture). Then one more DDTree run with timing=True, whi
 each phase, splits a round's time (device builder) into compact (the last round's compaction and this
 round's input copy), draft (drafter ingest + block forward), build (top-K + heap kernels), verify (tree
 mask + target forward as a graph, the tree/argmax/logits copies back: the round's host sync), walk (host)
-and host_other (records); its total is a little larger than the untimed run's.
+and host_other (records); its total is a little larger than the untimed run's. Last, the device time of
+the round graph and of its parts (drafter block, builder, verify; compaction + ingest by difference),
+CUDA events over back-to-back replays. `speedup_after_prefill` leaves out each run's prompt forward
+(the same lean prefill in both, measured in the timed run).
 """
 from __future__ import annotations
 
@@ -49,6 +52,20 @@ def _ar_run(e: CudaEngine, prompt, pos0: int, n: int, read: bool) -> list[int]:
     return out
 
 
+def _gpu_split(e: CudaEngine, st, reps: int = 20) -> dict:
+    """Device microseconds (CUDA events, back-to-back replays) of the round graph and its parts, replayed on
+    the state a run left (the replays rewrite the same rows: timing only, the state is reset afterwards)."""
+    from cuda_engine.bench import _timed
+
+    ops, dr = e.ops, st.drafter
+    full = _timed(ops, lambda: st.graph("round").launch(ops.stream), reps)
+    block = _timed(ops, lambda: dr.block(True), reps)
+    build = _timed(ops, st._launch_build, reps)
+    verify = _timed(ops, lambda: st.graph("verify_dev").launch(ops.stream), reps)
+    return {"round_graph": full, "drafter_block": block, "build": build, "verify": verify,
+            "compact_and_ingest": full - block - build - verify}
+
+
 def _best(fn, repeats: int) -> float:
     best = np.inf
     for _ in range(repeats):
@@ -69,7 +86,7 @@ def ddtree_speed(bundles, n_tokens: int = 128, repeats: int = 3, progress=None) 
             prompts = [(np.asarray(f[f"golden/p{i}/prompt_ids"], np.int64), position_offset(f, i))
                        for i in prompts_of(f)]
         st = e._ddtree_state()
-        host_s = 0.0
+        host_s, gpu, pre_s = 0.0, {}, 0.0
         rows, ar_s, dd_s, toks, ar_fw, dd_fw, rounds, syncs = [], 0.0, 0.0, 0, 0, 0, 0, 0
         split = dict.fromkeys(PHASES + ("prefill", "host_other"), 0.0)
         for k, (prompt, pos0) in enumerate(prompts):
@@ -83,10 +100,15 @@ def ddtree_speed(bundles, n_tokens: int = 128, repeats: int = 3, progress=None) 
             _, timed = ddtree_run(e, prompt, pos0, n_tokens, timing=True, builder="device")
             for ph, s in timed["seconds"].items():
                 split[ph] += s
+            if st.drafter is not None:
+                for ph, us in _gpu_split(e, st).items():
+                    gpu[ph] = gpu.get(ph, 0.0) + us / len(prompts)
+            pre = timed["seconds"]["prefill"]
             rows.append({"prompt": k, "pos0": int(pos0), "prompt_len": len(prompt), "ar_s": t_ar, "ddtree_s": t_dd, "ddtree_host_builder_s": t_host,
                          "speedup": t_ar / t_dd, "ddtree_target_forwards": warm["target_forwards"],
                          "rounds": warm["rounds"], "same_stream_as_ar": bool(same)})
             ar_s, dd_s, toks, host_s = ar_s + t_ar, dd_s + t_dd, toks + n_tokens, host_s + t_host
+            pre_s += pre
             ar_fw, dd_fw = ar_fw + n_tokens, dd_fw + warm["target_forwards"]
             rounds, syncs = rounds + warm["rounds"], syncs + warm["host_syncs"]
             if progress:
@@ -95,6 +117,8 @@ def ddtree_speed(bundles, n_tokens: int = 128, repeats: int = 3, progress=None) 
         res["bundles"].append({
             "bundle": str(b), "budget": st.budget, "prompts": rows,
             "ar_tokens_per_s": toks / ar_s, "ddtree_tokens_per_s": toks / dd_s, "speedup": ar_s / dd_s,
+            "speedup_after_prefill": (ar_s - pre_s) / (dd_s - pre_s), "ar_us_per_token": 1e6 * ar_s / toks,
+            "ddtree_us_per_token": 1e6 * dd_s / toks, "round_gpu_us": gpu,
             "ddtree_host_builder_tokens_per_s": toks / host_s, "speedup_host_builder": ar_s / host_s,
             "ar_target_forwards_per_token": ar_fw / toks, "ddtree_target_forwards_per_token": dd_fw / toks,
             "target_forward_ratio": ar_fw / dd_fw, "speedup_vs_forward_ratio": (ar_s / dd_s) / (ar_fw / dd_fw),

@@ -4,12 +4,15 @@
 #
 #     KDTR_COMMIT=$(git rev-parse HEAD) bash cuda_engine/device_run.sh OUTDIR
 #
-# 1. the GPU tests (every kernel vs its NumPy oracle, the engine end to end, determinism, graph == no graph);
-# 2. `kdtr verify BUNDLE --engine cuda --save-dump OUTDIR/<bundle>.cuda.kdtr` for every committed bundle:
+# 1. the GPU tests (every kernel vs its NumPy oracle, the engine end to end, determinism, graph == no graph,
+#    the engine's own DDTree: drafter, device tree builder, node context, determinism);
+# 2. `kdtr verify BUNDLE --engine cuda --save-dump OUTDIR/<bundle>.cuda.kdtr` for every committed bundle
+#    (with the engine's live DDTree checks):
 #    these are the proofs to commit as bundles/proofs/ (metadata: device, driver, commit, source hash);
 # 3. determinism: a second run's dump is byte-identical to the first;
 # 4. compute-sanitizer memcheck over an end-to-end verify, racecheck over the shared-memory kernels;
-# 5. `kdtr bench engine` (decode latency, with and without the CUDA graph, vs the launch floor);
+# 5. `kdtr bench engine` (decode latency, with and without the CUDA graph, vs the launch floor) and
+#    `kdtr bench ddtree` (DDTree vs AR tokens/s on both bundles, one run);
 # 6. `kdtr verify --engine auto` picks cuda.
 # Everything goes to OUTDIR/log; the exit status is 1 when any step failed.
 set -u
@@ -29,7 +32,8 @@ step() { echo "== $*"; local t=$SECONDS; "$@"; local rc=$?; echo "== rc=$rc in $
 
 nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv
 echo "commit ${KDTR_COMMIT:-unknown}"
-step python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_kernels.py tests/test_cuda_engine.py
+step python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_kernels.py tests/test_cuda_engine.py \
+    tests/test_cuda_ddtree.py
 for b in bundles/*.kdtr; do
     step kdtr verify "$b" --engine cuda --save-dump "$OUT_DIR/$(basename "$b" .kdtr).cuda.kdtr"
 done
@@ -45,6 +49,7 @@ step timeout 300 compute-sanitizer --tool racecheck --kernel-name kns=mla_attent
 for b in bundles/*.kdtr; do
     step kdtr bench engine "$b" --json "$OUT_DIR/bench.$(basename "$b" .kdtr).json"
 done
+step kdtr bench ddtree bundles/*.kdtr --json "$OUT_DIR/bench.ddtree.json"
 step kdtr verify bundles/model_tiny.kdtr --engine auto
 echo "device_run: $([ $failed -eq 0 ] && echo ALL STEPS PASSED || echo SOME STEP FAILED)"
 exit $failed

@@ -82,8 +82,9 @@ class CudaDrafter:
         if max(dcfg.target_layer_ids) >= c.num_hidden_layers:
             raise CudaEngineError(f"bundle drafter: target_layer_ids {dcfg.target_layer_ids} outside the target's "
                                   f"{c.num_hidden_layers} layers")
-        if dcfg.head_dim % 2:
-            raise CudaEngineError(f"bundle drafter: head_dim {dcfg.head_dim} must be even (NeoX RoPE halves)")
+        if dcfg.head_dim % 2 or dcfg.head_dim > 128:
+            raise CudaEngineError(f"bundle drafter: head_dim {dcfg.head_dim} must be even (NeoX RoPE halves) and "
+                                  f"at most 128 (drafter_attention_kernel)")
         prepare_kernels(engine.ops)
         self.engine, self.ops, self.dcfg = engine, engine.ops, dcfg
         B, Dh = dcfg.block_size, dcfg.head_dim

@@ -231,10 +231,12 @@ def test_device_builder_is_build_ddtree(engine_cls, case):
 def test_selection_top_k_for_large_vocabularies_is_the_sorts(engine_cls):
     """ddtree_topk_kernel (vocabularies past the bitonic sort's limit) gives the same ids and log-probs."""
     from cuda_engine.device import DevBuf
+    from cuda_engine.drafter import prepare_kernels
     from refmodel.ddtree import _top_log_probs
 
     e = engine_cls()
     e.load(TINY)
+    prepare_kernels(e.ops)
     rng = np.random.default_rng(5)
     for x in (rng.normal(0, 3, (15, 400)), np.tile(rng.integers(0, 4, 400), (15, 1))):
         x = x.astype(np.float32)

@@ -28,7 +28,7 @@
 //       Launch grid (target layers), block BLOCK_THREADS.
 //   drafter_attention_kernel: per block row t and query head h (kv head h / (H/G)): softmax(q K^T Dh^-1/2) V
 //       over the n_ctx cached rows and the B block rows, no mask (every block row sees every key).
-//       scores: scratch [B H, n_ctx_cap + B]. Launch grid (B H), block BLOCK_THREADS.
+//       scores: scratch [B H, n_ctx_cap + B]; Dh <= 128. Launch grid (B H), block BLOCK_THREADS.
 //   silu_mul_kernel: act[t, i] = silu(gu[t, i]) * gu[t, I + i] (gate and up of one fused projection).
 //       Launch grid (T), block BLOCK_THREADS.
 //   tree_mask_kernel: the verify's additive mask [T, mask_stride]: columns [0, start) 0 (committed), column
@@ -137,15 +137,32 @@ drafter_attention_kernel(const float* __restrict__ q, const float* __restrict__ 
         z += e;
     }
     z = block_sum(z, buf);                          // also a barrier: every s[j] is written
-    const int vstride = (H + 2 * G) * Dh;
-    for (int d = threadIdx.x; d < Dh; d += blockDim.x) {
-        float acc = 0.0f;
-        for (int j = 0; j < n; ++j) {
-            const float v = j < n_ctx ? vcache[((size_t)j * G + g) * Dh + d]
-                                      : qkv[(size_t)(j - n_ctx) * vstride + (size_t)(H + G + g) * Dh + d];
-            acc += (s[j] / z) * v;
+    // out[d] = sum_j (s[j] / z) v[j, d]: warp w takes keys j = w, w + 8, ..., its lanes the head dims; the 8
+    // partial sums are added in warp order (fixed). Dh <= 4 * WARP_SIZE (the host checks).
+    const int vstride = (H + 2 * G) * Dh, warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int j = warp; j < n; j += WARPS_PER_BLOCK) {
+        const float p = s[j] / z;
+        const float* v = j < n_ctx ? vcache + ((size_t)j * G + g) * Dh
+                                   : qkv + (size_t)(j - n_ctx) * vstride + (size_t)(H + G + g) * Dh;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const int d = lane + c * WARP_SIZE;
+            if (d < Dh) acc[c] += p * v[d];
         }
-        out[((size_t)t * H + h) * Dh + d] = acc;
+    }
+    __syncthreads();                                // buf is reused for the cross-warp sum
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+        const int d = lane + c * WARP_SIZE;
+        buf[threadIdx.x] = acc[c];
+        __syncthreads();
+        if (warp == 0 && d < Dh) {
+            float o = 0.0f;
+            for (int w = 0; w < WARPS_PER_BLOCK; ++w) o += buf[w * WARP_SIZE + lane];
+            out[((size_t)t * H + h) * Dh + d] = o;
+        }
+        __syncthreads();
     }
 }
 
