@@ -31,7 +31,8 @@ import numpy as np
 
 from conformance.records import live_records
 from cuda_engine.device import CudaEngineError, DevBuf, driver
-from cuda_engine.drafter import CudaDrafter, build_tree, prepare_kernels, read_drafter, tree_mask
+from cuda_engine.drafter import (HEAP_SMEM_MAX, CudaDrafter, build_tree, heap_smem_bytes, prepare_kernels, read_drafter,
+                                 tree_mask)
 from refmodel.ddtree import Round, Tree, _root_only, build_ddtree, walk
 
 PHASES = ("draft", "build", "verify", "walk", "compact")
@@ -73,7 +74,13 @@ class DDTreeState:
         if self.drafter is not None:
             self.top_id = DevBuf((L, self.K), np.int32)
             self.lp = DevBuf((L, self.K), np.float32)
-        self.rec = DevBuf((1 + 5 * self.T,), np.int32)    # n, ids, parents, depths, ranks, verify argmax
+        # what a round sends back, in one copy: rec = n, ids, parents, depths, ranks, verify argmax [1 + 5T]
+        # (int32), then the verify logits [T, V] (float32)
+        n_rec = 1 + 5 * self.T
+        self.io = DevBuf((n_rec + self.T * V,), np.int32)
+        self.rec = DevBuf((n_rec,), np.int32, self.io.ptr, self.io)
+        self.logits = DevBuf((self.T, V), np.float32, self.io.ptr + n_rec * 4, self.io)
+        self.device_builder = self.drafter is not None and heap_smem_bytes(self.budget, L, self.K) <= HEAP_SMEM_MAX
         self.tree_in = DevBuf((4 + 3 * self.T,), np.int32)
         self.graphs: dict = {}
 
@@ -113,6 +120,12 @@ class DDTreeState:
         e, T = self.engine, self.T
         tree_mask(e.ops, DevBuf((T,), np.int32, self._rec_at(1), self.rec), T, e.meta, e.buf["mask"])
         e._launch_forward(T, masked=True, argmax_out=self._rec_at(4))
+        self._logits_out()
+
+    def _logits_out(self) -> None:
+        """The verify logits next to rec, so the round comes back in one copy."""
+        driver().memcpy_dtod_async(self.logits.ptr, self.engine.buf["logits"].ptr, self.logits.nbytes,
+                                   self.engine.ops.stream)
 
     def _launch_round(self) -> None:
         e, dr = self.engine, self.drafter
@@ -130,6 +143,7 @@ class DDTreeState:
         cp(e.buf["positions"].ptr, ti.ptr + (4 + T) * 4, T * 4, s)
         tree_mask(e.ops, DevBuf((T,), np.int32, ti.ptr + (4 + 2 * T) * 4, ti), T, e.meta, e.buf["mask"])
         e._launch_forward(T, masked=True, argmax_out=self._rec_at(4))
+        self._logits_out()
 
     def destroy_graphs(self) -> None:
         for k, g in self.graphs.items():
@@ -192,6 +206,8 @@ def ddtree_run(engine, prompt_ids, pos0: int, n_tokens: int, timing: bool = Fals
     if pos0 < 0 or pos0 + P + n_tokens + st.T >= 2 ** 31:
         raise ValueError(f"ddtree_generate: pos0 {pos0} + prompt and tokens must stay in [0, 2^31)")
     dr, T, V = st.drafter, st.T, c.vocab_size
+    if builder == "device" and dr is not None and not st.device_builder:
+        builder = "host"                     # a budget x depth past the heap kernel's shared memory
     on_device = dr is not None and builder == "device"
     rows_cap = P + n_tokens + T + 1
     e.reset()
@@ -261,8 +277,8 @@ def ddtree_run(engine, prompt_ids, pos0: int, n_tokens: int, timing: bool = Fals
                 raise CudaEngineError(f"host tree builder made {tree.size} rows where the verify was sized for {T}")
             st.tree_in.set(pack_tree_inputs(tree, out[start], start, pos0))
             st.launch("verify_host")
-        rec = st.rec.get((1 + 5 * T,))                                   # the sync of the round
-        logits = e.buf["logits"].get((T, V))
+        io = st.io.get()                                                 # the sync of the round
+        rec, logits = io[:1 + 5 * T], io[1 + 5 * T:].view(np.float32).reshape(T, V)
         stats["host_syncs"] += 1
         stats["target_forwards"] += 1
         t = mark("verify", t)

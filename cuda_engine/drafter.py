@@ -255,10 +255,11 @@ class CudaDrafter:
         return self.buf["logits"].get()
 
 
-def heap_smem_bytes(N: int, L: int) -> int:
-    """Dynamic shared memory of ddtree_heap_kernel: 2N + 2 entries (score, parent, depth, rank), N + 1 paths."""
+def heap_smem_bytes(N: int, L: int, K: int) -> int:
+    """Dynamic shared memory of ddtree_heap_kernel: 2N + 2 entries (score, parent, depth, rank), N + 1 paths,
+    the staged lp and top_id [L, K]."""
     cap = 2 * N + 2
-    return cap * (8 + 12) + (N + 1) * L * 4
+    return cap * (8 + 12) + (N + 1) * L * 4 + L * K * 8
 
 
 HEAP_SMEM_MAX = 48 * 1024          # the default dynamic shared-memory limit per block
@@ -270,7 +271,7 @@ def build_tree(ops, logits, V: int, L: int, K: int, N: int, T: int, top_id: DevB
     topk=False: top_id/lp hold them already), then the best-first search for N nodes into rec
     [1 + 4T] (n, ids, parents, depths, ranks) and the target's verify inputs."""
     prepare_kernels(ops)
-    _need = heap_smem_bytes(N, L)
+    _need = heap_smem_bytes(N, L, K)
     if _need > HEAP_SMEM_MAX or K > 4096:
         raise CudaEngineError(f"device tree builder: budget {N} x depth {L} needs {_need} bytes of shared memory "
                               f"(max {HEAP_SMEM_MAX}); use the host builder (KDTR_DDTREE_BUILDER=host)")

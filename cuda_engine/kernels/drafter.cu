@@ -221,7 +221,8 @@ tree_mask_kernel(const int* __restrict__ parents, int T, const int* __restrict__
 //       heapq; here one warp scans the <= 2N + 1 live entries per pop. Outputs the tree as `rec`
 //       ([n, ids T, parents T, depths T, ranks T, ...]; row 0 the root = block_ids[0]), and the target's
 //       verify inputs: meta (cached rows = start), ids, positions = blk_pos + depth.
-//       Dynamic shared memory: cap (8 + 12) + (N + 1) L 4 bytes, cap = 2N + 2. Launch grid (1), block WARP_SIZE.
+//       Dynamic shared memory: cap (8 + 12) + (N + 1) L 4 + L K 8 bytes (entries, node paths, lp and top_id
+//       staged), cap = 2N + 2. Launch grid (1), block WARP_SIZE.
 
 __device__ __forceinline__ bool topk_better(float v, int i, float bv, int bi) {
     return i >= 0 && (bi < 0 || v > bv || (v == bv && i < bi));
@@ -353,11 +354,14 @@ extern "C" __global__ void ddtree_heap_kernel(const int* __restrict__ top_id, co
     h.rank = h.dep + cap;
     h.path = h.rank + cap;
     h.L = L;
+    float* slp = (float*)(h.path + (size_t)(N + 1) * L);   // lp and top_id staged in shared memory
+    int* sid = (int*)(slp + (size_t)L * K);
+    for (int i = lane; i < L * K; i += WARP_SIZE) { slp[i] = lp[i]; sid[i] = top_id[i]; }
     int* ids = rec + 1;
     int* parents = ids + T;
     int* depths = parents + T;
     int* ranks = depths + T;
-    if (lane == 0) { h.s[0] = (double)lp[0]; h.par[0] = 0; h.dep[0] = 1; h.rank[0] = 0; }
+    if (lane == 0) { h.s[0] = (double)slp[0]; h.par[0] = 0; h.dep[0] = 1; h.rank[0] = 0; }
     int n_e = 1, n = 0;
     __syncwarp();
     while (n_e > 0 && n < N) {
@@ -374,7 +378,7 @@ extern "C" __global__ void ddtree_heap_kernel(const int* __restrict__ top_id, co
             --n_e;                                              // remove: the last entry takes its slot
             if (best != n_e) { h.s[best] = h.s[n_e]; h.par[best] = h.par[n_e]; h.dep[best] = h.dep[n_e]; h.rank[best] = h.rank[n_e]; }
             const int idx = n + 1;
-            ids[idx] = top_id[(size_t)(d - 1) * K + r];
+            ids[idx] = sid[(d - 1) * K + r];
             parents[idx] = par;
             depths[idx] = d;
             ranks[idx] = r;
@@ -382,13 +386,12 @@ extern "C" __global__ void ddtree_heap_kernel(const int* __restrict__ top_id, co
             h.path[idx * L + d - 1] = r;
             ++n;
             if (r + 1 < K) {                                    // next sibling
-                h.s[n_e] = __dadd_rn(__dsub_rn(logw, (double)lp[(size_t)(d - 1) * K + r]),
-                                     (double)lp[(size_t)(d - 1) * K + r + 1]);
+                h.s[n_e] = __dadd_rn(__dsub_rn(logw, (double)slp[(d - 1) * K + r]), (double)slp[(d - 1) * K + r + 1]);
                 h.par[n_e] = par; h.dep[n_e] = d; h.rank[n_e] = r + 1;
                 ++n_e;
             }
             if (d < L) {                                        // first child
-                h.s[n_e] = __dadd_rn(logw, (double)lp[(size_t)d * K]);
+                h.s[n_e] = __dadd_rn(logw, (double)slp[d * K]);
                 h.par[n_e] = idx; h.dep[n_e] = d + 1; h.rank[n_e] = 0;
                 ++n_e;
             }
