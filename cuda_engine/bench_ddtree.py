@@ -54,7 +54,8 @@ def _ar_run(e: CudaEngine, prompt, pos0: int, n: int, read: bool) -> list[int]:
 
 def _gpu_split(e: CudaEngine, st, reps: int = 20) -> dict:
     """Device microseconds (CUDA events, back-to-back replays) of the round graph and its parts, replayed on
-    the state a run left (the replays rewrite the same rows: timing only, the state is reset afterwards)."""
+    the state a run left (the replays rewrite the same rows: timing only, the state is reset afterwards); the compaction, the
+    drafter ingest and the device walk by difference."""
     from cuda_engine.bench import _timed
 
     ops, dr = e.ops, st.drafter
@@ -63,7 +64,7 @@ def _gpu_split(e: CudaEngine, st, reps: int = 20) -> dict:
     build = _timed(ops, st._launch_build, reps)
     verify = _timed(ops, lambda: st.graph("verify_dev").launch(ops.stream), reps)
     return {"round_graph": full, "drafter_block": block, "build": build, "verify": verify,
-            "compact_and_ingest": full - block - build - verify}
+            "compact_ingest_walk": full - block - build - verify}
 
 
 def _best(fn, repeats: int) -> float:

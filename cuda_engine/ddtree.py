@@ -74,9 +74,9 @@ class DDTreeState:
         if self.drafter is not None:
             self.top_id = DevBuf((L, self.K), np.int32)
             self.lp = DevBuf((L, self.K), np.float32)
-        # what a round sends back, in one copy: rec = n, ids, parents, depths, ranks, verify argmax [1 + 5T]
-        # (int32), then the verify logits [T, V] (float32)
-        n_rec = 1 + 5 * self.T
+        # what a round sends back, in one copy: rec = n, ids, parents, depths, ranks, verify argmax, accepted
+        # path [T each], n_acc, bonus (int32; REC_* below), then the verify logits [T, V] (float32)
+        n_rec = 3 + 6 * self.T
         self.io = DevBuf((n_rec + self.T * V,), np.int32)
         self.rec = DevBuf((n_rec,), np.int32, self.io.ptr, self.io)
         self.logits = DevBuf((self.T, V), np.float32, self.io.ptr + n_rec * 4, self.io)
@@ -90,8 +90,8 @@ class DDTreeState:
 
     def graph(self, kind: str):
         """A captured launch sequence: 'round' (the last round's compaction, the drafter's ingest over B rows,
-        its block, the device builder, the verify), 'verify_dev' (tree mask + verify over the device
-        builder's tree), 'verify_host' (the host tree's inputs into place
+        then 'round_head': its block, the device builder, the verify, the walk), 'verify_dev' (tree mask +
+        verify over the device builder's tree), 'verify_host' (the host tree's inputs into place
         + tree mask + verify). Re-captured when the engine's or the drafter's buffers move."""
         e, dr = self.engine, self.drafter
         ptrs = (e.T_cap, e.S_cap, e.buf["mask"].ptr, e.cache["ckv"].ptr, e.buf["logits"].ptr,
@@ -131,9 +131,17 @@ class DDTreeState:
         e, dr = self.engine, self.drafter
         dr.compact_target(e)
         dr.ingest(dr.round_rows, dr.dcfg.block_size, e.buf["resid_out"], e.T_cap)   # B rows, C written
+        self._launch_round_head()
+
+    def _launch_round_head(self) -> None:
+        """A round after its context is in the drafter cache: block, builder, verify, walk (the walk writes
+        the next round's drafter inputs)."""
+        dr = self.drafter
         dr._launch_block()
         self._launch_build()
         self._launch_verify_dev()
+        self.engine.ops._launch("ddtree_walk_kernel", (1,), self.rec.ptr, self.T, dr.inp.ptr, dr.dcfg.block_size,
+                                block=(1, 1, 1))
 
     def _launch_verify_host(self) -> None:
         e, ti, T = self.engine, self.tree_in, self.T
@@ -182,6 +190,50 @@ def unpack_tree(rec: np.ndarray, T: int) -> tuple[Tree, np.ndarray]:
     for k in range(1, T):
         child_maps[int(parents[k])][int(ids[k])] = k
     return Tree(ids[1:], depths[1:], parents, child_maps, None, ranks[1:], np.zeros(0)), post
+
+
+def _pipelined(e, st: DDTreeState, out: list, P: int, pos0: int, n_tokens: int, stats: dict, rounds: list) -> None:
+    """The rounds with the walk on the device: as soon as round r's results are back (one copy), round r + 1
+    is launched (its inputs were written by r's walk kernel), and the host records round r while the device
+    runs r + 1. The host re-walks every tree (refmodel.ddtree.walk) and fails on any difference. Leaves the
+    last round's verify rows in the cache (e.length = start + T), its compaction to the caller."""
+    dr, T, V = st.drafter, st.T, e.cfg.vocab_size
+    start = P
+    dev_rows = dr.set_round(np.arange(P), out[P], pos0, None)
+    if dev_rows is dr.round_rows:
+        st.launch("round")
+    else:                                                                # a prompt longer than a block
+        dr.ingest(dev_rows, P, e.buf["resid_out"], e.T_cap)
+        st.launch("round_head")
+    dr.advance(P)
+    stats["drafter_forwards"] += 1
+    while True:
+        io = st.io.get()                                                 # round r is done; r + 1's inputs
+        n_acc, bonus = int(io[1 + 6 * T]), int(io[2 + 6 * T])            # are on the device already
+        more = start + n_acc + 1 - P < n_tokens
+        if more:
+            st.launch("round")
+            stats["drafter_forwards"] += 1
+        tree, post = unpack_tree(io[:1 + 5 * T], T)
+        if int(io[1]) != out[start]:
+            raise CudaEngineError(f"device tree builder: root {int(io[1])} is not the bonus {out[start]}")
+        acc, host_bonus = walk(tree.child_maps, post)
+        if acc != [int(a) for a in io[1 + 5 * T:1 + 5 * T + n_acc]] or host_bonus != bonus:
+            raise CudaEngineError(f"round {len(rounds)}: the device walk accepted {io[1 + 5 * T:1 + 5 * T + n_acc]} "
+                                  f"-> {bonus}, the host walk {acc} -> {host_bonus}")
+        logits = io[3 + 6 * T:].view(np.float32).reshape(T, V)
+        ids = np.concatenate([[out[start]], tree.tokens]).astype(np.int64)
+        out[start + 1:] = [int(x) for x in ids[acc[1:]]] + [bonus]
+        rounds.append(Round(start, tree.tokens, tree.parents, tree.depths, tree.ranks, post, acc, bonus, T,
+                            len(acc) - 1, logits[acc]))
+        stats["host_syncs"] += 1
+        stats["target_forwards"] += 1
+        stats["rounds"] += 1
+        e.length = start + T
+        if not more:
+            return
+        dr.advance(len(acc))
+        start += len(acc)
 
 
 def ddtree_run(engine, prompt_ids, pos0: int, n_tokens: int, timing: bool = False, keep_logits: bool = False,
@@ -236,6 +288,8 @@ def ddtree_run(engine, prompt_ids, pos0: int, n_tokens: int, timing: bool = Fals
     stats["host_syncs"] += 1
     t = mark("prefill", t)
     ctx_rows, start, rounds, pending = np.arange(P), P, [], None        # pending: (start, accepted) to compact
+    if on_device and not timing and not keep_logits and e.use_graph and n_tokens > len(out) - P:
+        _pipelined(e, st, out, P, pos0, n_tokens, stats, rounds)
     while len(out) - P < n_tokens:
         q = None
         if dr is not None:                                               # this round's context, last round's
@@ -278,7 +332,7 @@ def ddtree_run(engine, prompt_ids, pos0: int, n_tokens: int, timing: bool = Fals
             st.tree_in.set(pack_tree_inputs(tree, out[start], start, pos0))
             st.launch("verify_host")
         io = st.io.get()                                                 # the sync of the round
-        rec, logits = io[:1 + 5 * T], io[1 + 5 * T:].view(np.float32).reshape(T, V)
+        rec, logits = io[:1 + 5 * T], io[3 + 6 * T:].view(np.float32).reshape(T, V)
         stats["host_syncs"] += 1
         stats["target_forwards"] += 1
         t = mark("verify", t)
@@ -303,6 +357,8 @@ def ddtree_run(engine, prompt_ids, pos0: int, n_tokens: int, timing: bool = Fals
         start += len(acc)
         stats["rounds"] += 1
         t = mark("host_other", t)
+    if pending is None and rounds:                                       # the pipelined rounds' last one
+        pending = (rounds[-1].start, rounds[-1].accepted)
     if pending is not None:                                              # leave the cache committed
         e.compact(*pending)
     sync()

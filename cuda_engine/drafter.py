@@ -39,6 +39,7 @@ DRAFTER_SIGNATURES = {
     "ddtree_heap_kernel": "PPiiiiPPPPPP",
     "ddtree_topk_sort_kernel": "PiiiPP",
     "ddtree_compact_kernel": "PPPPiii",
+    "ddtree_walk_kernel": "PiPi",
 }
 TOPK_SORT_MAX = 4096              # kernels/drafter.cu: the bitonic top-K up to this vocabulary
 WARP = (32, 1, 1)

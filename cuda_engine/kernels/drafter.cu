@@ -416,3 +416,41 @@ extern "C" __global__ void ddtree_heap_kernel(const int* __restrict__ top_id, co
         t_pos[i] = bpos + depths[i];
     }
 }
+
+// ---------------------------------------------------------------------------------------------------------
+// The greedy walk on the device, so the next round needs no host (docs/ddtree.md §4, refmodel.ddtree.walk):
+//   ddtree_walk_kernel: from rec (ids, parents, verify argmax of the tree just verified) follow the argmax
+//       down the tree while it names a child (siblings have distinct tokens: at most one match); write the
+//       accepted path and the bonus to rec (section 5 [T], then n_acc, bonus), and the next round's drafter
+//       inputs in place: meta (context rows = the path at the end of the cache, the block after them, the
+//       target compaction keeping the path), block ids[0] = the bonus, the context rows = the path.
+//       Launch grid (1), block (1).
+extern "C" __global__ void ddtree_walk_kernel(int* __restrict__ rec, int T, int* __restrict__ inp, int B) {
+    const int* ids = rec + 1;
+    const int* parents = ids + T;
+    const int* post = rec + 1 + 4 * T;
+    int* acc = rec + 1 + 5 * T;
+    int cur = 0, n = 1, nxt = post[0];
+    acc[0] = 0;
+    for (;;) {
+        int child = -1;
+        for (int k = cur + 1; k < T; ++k)
+            if (parents[k] == cur && ids[k] == nxt) { child = k; break; }
+        if (child < 0) break;
+        cur = child;
+        acc[n++] = cur;
+        nxt = post[cur];
+    }
+    rec[1 + 6 * T] = n;
+    rec[2 + 6 * T] = nxt;
+    const int start = inp[DMETA_N_CTX], bpos = inp[DMETA_BLK_POS];
+    inp[DMETA_CTX_ROW] = start;
+    inp[DMETA_CTX_POS] = bpos;
+    inp[DMETA_N_CTX] = start + n;
+    inp[DMETA_BLK_POS] = bpos + n;
+    inp[DMETA_KEEP_N] = n;
+    inp[DMETA_KEEP_START] = start;
+    inp[DMETA_N_NEW] = n;
+    inp[8] = nxt;                                           // block ids: [bonus, MASK...]
+    for (int i = 0; i < B; ++i) inp[8 + B + i] = i < n ? acc[i] : 0;
+}
