@@ -16,8 +16,8 @@ each phase, splits a round's time (device builder) into compact (the last round'
 round's input copy), draft (drafter ingest + block forward), build (top-K + heap kernels), verify (tree
 mask + target forward as a graph, the tree/argmax/logits copies back: the round's host sync), walk (host)
 and host_other (records); its total is a little larger than the untimed run's. Last, the device time of
-the round graph and of its parts (drafter block, builder, verify; compaction + ingest by difference),
-CUDA events over back-to-back replays. `speedup_after_prefill` leaves out each run's prompt forward
+the round graph and of each of its parts captured and replayed alone (compaction + drafter ingest,
+drafter block, top-K, builder, verify, walk), CUDA events over back-to-back replays. `speedup_after_prefill` leaves out each run's prompt forward
 (the same lean prefill in both, measured in the timed run).
 """
 from __future__ import annotations
@@ -53,18 +53,48 @@ def _ar_run(e: CudaEngine, prompt, pos0: int, n: int, read: bool) -> list[int]:
 
 
 def _gpu_split(e: CudaEngine, st, reps: int = 20) -> dict:
-    """Device microseconds (CUDA events, back-to-back replays) of the round graph and its parts, replayed on
-    the state a run left (the replays rewrite the same rows: timing only, the state is reset afterwards); the compaction, the
-    drafter ingest and the device walk by difference."""
+    """Device microseconds (CUDA events, back-to-back replays) of the round graph and of each of its parts
+    replayed alone, on the state a run left (the replays rewrite the same rows: timing only, the next run
+    resets the state). The parts' sum exceeds the round by the per-replay overhead of each part."""
     from cuda_engine.bench import _timed
+    from cuda_engine.graph import capture
 
     ops, dr = e.ops, st.drafter
-    full = _timed(ops, lambda: st.graph("round").launch(ops.stream), reps)
-    block = _timed(ops, lambda: dr.block(True), reps)
-    build = _timed(ops, st._launch_build, reps)
-    verify = _timed(ops, lambda: st.graph("verify_dev").launch(ops.stream), reps)
-    return {"round_graph": full, "drafter_block": block, "build": build, "verify": verify,
-            "compact_ingest_walk": full - block - build - verify}
+    B = dr.dcfg.block_size
+    saved = dr.inp.get()                       # each replay of a walk moves the inputs on by its accepted rows:
+    need = int(saved[2]) + (reps + 2) * (B + st.T)      # room for all of them, and the inputs restored per part
+    e._ensure(st.T, need)
+    dr._ensure_cache(need)
+
+    def ingest():
+        dr.compact_target(e)
+        dr.ingest(dr.round_rows, B, e.buf["resid_out"], e.T_cap)
+
+    def topk():
+        from cuda_engine.drafter import BLOCK, TOPK_SORT_MAX
+
+        V, L, K = st.V, st.L, st.K
+        if V <= TOPK_SORT_MAX:
+            P2 = 1 << max(V - 1, 1).bit_length()
+            ops.fn["ddtree_topk_sort_kernel"].prepared_async_call((L, 1, 1), BLOCK, ops.stream, dr.buf["logits"].ptr,
+                                                                  V, K, P2, st.top_id.ptr, st.lp.ptr, shared_size=8 * P2)
+        else:
+            ops._launch("ddtree_topk_kernel", (L,), dr.buf["logits"].ptr, V, K, st.top_id.ptr, st.lp.ptr)
+
+    def walk():
+        ops._launch("ddtree_walk_kernel", (1,), st.rec.ptr, st.T, dr.inp.ptr, B, block=(1, 1, 1))
+
+    rg = st.graph("round")                     # captured (again, after a reallocation) outside the timing
+    dr.inp.set(saved)
+    out = {"round_graph": _timed(ops, lambda: rg.launch(ops.stream), reps)}
+    for name, fn in (("compact_and_ingest", ingest), ("drafter_block", dr._launch_block), ("topk", topk),
+                     ("build", st._launch_build), ("verify", st._launch_verify_dev), ("walk", walk)):
+        dr.inp.set(saved)
+        g = capture(ops, fn)
+        out[name] = _timed(ops, lambda: g.launch(ops.stream), reps)
+        g.destroy()
+    out["heap"] = out["build"] - out["topk"]
+    return out
 
 
 def _best(fn, repeats: int) -> float:

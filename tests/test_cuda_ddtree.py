@@ -8,6 +8,7 @@ records; `kdtr verify --engine cuda` passes its live DDTree checks on both bundl
 CPU: the verify's packed inputs are compile_tree's; the drafter weights read from a bundle are exact.
 """
 import glob
+import importlib.util
 
 import numpy as np
 import pytest
@@ -338,3 +339,28 @@ def test_verify_passes_with_the_live_ddtree(engine_cls, bundle):
     assert v.verdict == "pass", [f"{c.name}: {c.message}" for c in v.checks if c.status == "fail"][:5]
     assert {c.name.rsplit("/", 1)[1] for c in live} >= {"tokens", "tokens_vs_own_ar", "trees", "target_forwards"}
     assert all(c.status == "pass" for c in live if not c.name.endswith("path_logits"))
+
+
+# ------------------------------------------------------------------------------------------------ CLI (CPU)
+
+_NO_PYCUDA = pytest.mark.skipif(importlib.util.find_spec("pycuda") is not None, reason="pycuda is installed here")
+
+
+@_NO_PYCUDA
+def test_bench_ddtree_without_pycuda_says_why():
+    from click.testing import CliRunner
+
+    from cli.main import main
+
+    r = CliRunner().invoke(main, ["bench", "ddtree", TINY, "--tokens", "4", "--repeats", "1"])
+    assert r.exit_code == 6, r.output
+    assert "kdtr bench ddtree: pycuda is not installed" in r.output and "Traceback" not in r.output
+
+
+def test_bench_ddtree_checks_its_json_path_first(tmp_path):
+    from click.testing import CliRunner
+
+    from cli.main import main
+
+    r = CliRunner().invoke(main, ["bench", "ddtree", TINY, "--json", str(tmp_path / "missing" / "b.json")])
+    assert r.exit_code == 2 and "--json" in r.output and "Traceback" not in r.output
