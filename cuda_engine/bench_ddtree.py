@@ -32,6 +32,13 @@ from cuda_engine.engine import CudaEngine
 from kdtr_format import open_kdtr
 
 
+def _golden_prompts(f) -> list:
+    """(prompt ids, position offset) of every golden prompt of an open bundle (docs/golden-bundles.md)."""
+    idx = sorted(int(n.split("/")[1][1:]) for n in f.names if n.startswith("golden/p") and n.endswith("/prompt_ids"))
+    offsets = f.metadata.get("position_offsets", [0] * len(idx))
+    return [(np.asarray(f[f"golden/p{i}/prompt_ids"], np.int64), int(offsets[i])) for i in idx]
+
+
 def _ar_run(e: CudaEngine, prompt, pos0: int, n: int, read: bool) -> list[int]:
     """Greedy AR on the device: lean prefill (no taps copied), then n-1 graph replays. read=True copies each
     step's token back (the stream); read=False leaves the host out entirely (timing)."""
@@ -112,10 +119,7 @@ def ddtree_speed(bundles, n_tokens: int = 128, repeats: int = 3, progress=None) 
         e = CudaEngine()
         e.load(b)
         with open_kdtr(b) as f:
-            from conformance.records import position_offset, prompts_of
-
-            prompts = [(np.asarray(f[f"golden/p{i}/prompt_ids"], np.int64), position_offset(f, i))
-                       for i in prompts_of(f)]
+            prompts = _golden_prompts(f)
         st = e._ddtree_state()
         host_s, gpu, pre_s = 0.0, {}, 0.0
         rows, ar_s, dd_s, toks, ar_fw, dd_fw, rounds, syncs = [], 0.0, 0.0, 0, 0, 0, 0, 0

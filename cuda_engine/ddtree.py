@@ -1,17 +1,18 @@
 """The CUDA engine's own greedy DDTree loop (docs/ddtree.md §1, docs/cuda-engine.md "DDTree"): its drafter
-on the GPU (cuda_engine/drafter.py), the reference tree builder on the drafter's logits, one verify
-forward over root + nodes with depth positions and the ancestor-only mask, the greedy walk, the in-order
-KV compaction, and the next drafter context from the accepted rows.
+on the GPU (cuda_engine/drafter.py), refmodel's tree builder run on the device, one verify forward over
+root + nodes with depth positions and the ancestor-only mask, the greedy walk, the in-order KV compaction,
+and the next drafter context from the accepted rows.
 
-A round (device builder, the default): one host->device copy (the drafter's meta: the last round's
-accepted rows, the bonus, positions) -> ONE CUDA graph: the in-order compaction of the target cache to the
+A round (device builder, the default) is ONE CUDA graph: the in-order compaction of the target cache to the
 last round's accepted path, the drafter's ingest of those rows (fused features -> K/V into its cache), its
-block forward, the builder (per-depth top-K + log-probs, then the best-first heap: refmodel's
-build_ddtree on the device), the tree mask from the parents, the target's verify forward over root + nodes
-at depth positions, its argmax -> the tree, argmax and logits back to the host (the round's one sync) ->
-the greedy walk and the records on the host. Every shape is fixed by the node budget (tree_rows), padding
-rows of the ingest are never written, so the graph is captured once per run. The first round's context
-(the prompt) is ingested by prepared launches when it is longer than a block.
+block forward, the builder (per-depth top-K + log-probs, then the best-first heap: refmodel's build_ddtree
+on the device), the tree mask from the parents, the target's verify forward over root + nodes at depth
+positions, its argmax, and the greedy walk, which writes the next round's drafter inputs on the device.
+Every shape is fixed by the node budget (tree_rows), padding rows of the ingest are never written, so the
+graph is captured once per run. The rounds are pipelined (`_pipelined`): the tree, argmax, accepted path and
+logits come back in one copy (the round's one sync), the next round is launched at once, and the host
+records the round (re-walking it: a difference is an engine error) while the device runs the next. A
+prompt longer than a block is ingested by prepared launches before the first round.
 
 The host builder (builder="host") copies the drafter's logits back instead and runs refmodel's
 build_ddtree (a second sync and the Python heap per round): bit-identical trees by construction, kept to
@@ -29,7 +30,6 @@ import time
 
 import numpy as np
 
-from conformance.records import live_records
 from cuda_engine.device import CudaEngineError, DevBuf, driver
 from cuda_engine.drafter import (HEAP_SMEM_MAX, CudaDrafter, build_tree, heap_smem_bytes, prepare_kernels, read_drafter,
                                  tree_mask)
@@ -163,6 +163,27 @@ class DDTreeState:
         self.destroy_graphs()
         if self.drafter is not None:
             self.drafter.drop_graph()
+
+
+def live_records(tokens, rounds, target_forwards: int) -> dict:
+    """The `ddtree_live/` records of docs/run-dump.md §2 from refmodel Rounds (names relative to the group):
+    the stream, the trees in the bundle's layout (row 0 of a round = the root: token -1, parent -1), per round
+    the verify argmax, accepted path, bonus, path logits, and counters [target forwards, rounds]. The same
+    records as the reference engine writes (tested against conformance.records.live_records)."""
+    def ragged(rows):
+        return np.concatenate([np.asarray(x, np.int64).reshape(-1) for x in rows]) if rows else np.zeros(0, np.int64)
+
+    return {
+        "tokens": np.asarray(tokens, np.int64),
+        "tree_tokens": ragged([[-1] + list(r.tree_tokens) for r in rounds]),
+        "tree_parents": ragged([r.parents for r in rounds]),
+        "verify_argmax": ragged([r.verify_argmax for r in rounds]),
+        "accepted": ragged([r.accepted for r in rounds]),
+        "accepted_offsets": np.concatenate([[0], np.cumsum([len(r.accepted) for r in rounds])]).astype(np.int64),
+        "round_bonus": np.asarray([r.bonus for r in rounds], np.int64),
+        "counters": np.array([target_forwards, len(rounds)], np.int64),
+        "path_logits": np.concatenate([r.path_logits for r in rounds]),
+    }
 
 
 def pack_tree_inputs(tree: Tree, root: int, start: int, pos0: int) -> np.ndarray:
@@ -367,4 +388,4 @@ def ddtree_run(engine, prompt_ids, pos0: int, n_tokens: int, timing: bool = Fals
     return records, stats
 
 
-__all__ = ["DDTreeState", "ddtree_run", "pack_tree_inputs", "read_drafter", "tree_rows", "unpack_tree"]
+__all__ = ["DDTreeState", "ddtree_run", "live_records", "pack_tree_inputs", "read_drafter", "tree_rows", "unpack_tree"]

@@ -80,6 +80,38 @@ def test_unpack_tree_refuses_a_tree_of_another_size():
         unpack_tree(np.array([3] + [0] * 5 * 33, np.int32), 33)
 
 
+def test_the_bench_reads_the_golden_prompts_as_the_runner():
+    from conformance.records import position_offset, prompts_of
+    from cuda_engine.bench_ddtree import _golden_prompts
+
+    with open_kdtr(TINY) as f:
+        got = _golden_prompts(f)
+        want = [(np.asarray(f[f"golden/p{i}/prompt_ids"]), position_offset(f, i)) for i in prompts_of(f)]
+    assert len(got) == len(want) >= 2 and any(pos0 > 0 for _, pos0 in got)
+    assert all(np.array_equal(a, b) and p == q for (a, p), (b, q) in zip(got, want))
+
+
+def test_the_engines_records_are_the_reference_engines():
+    """cuda_engine.ddtree.live_records (the engine never imports conformance) writes exactly
+    conformance.records.live_records' records, on a real refmodel run."""
+    from conformance import records
+    from cuda_engine.ddtree import live_records
+    from refmodel.config import ModelConfig
+    from refmodel.ddtree import ddtree_generate
+    from conformance.reference_engine import bundle_drafter, bundle_weights
+
+    with open_kdtr(TINY) as f:
+        cfg, W = bundle_weights(f)
+        dcfg, DW, settings = bundle_drafter(f)
+        prompt = np.asarray(f["golden/p0/prompt_ids"])
+    assert isinstance(cfg, ModelConfig)
+    g = ddtree_generate(cfg, W, dcfg, DW, prompt, 12, budget=settings["budget"])
+    mine, ref = live_records(g.tokens, g.rounds, 5), records.live_records(g.tokens, g.rounds, 5)
+    assert mine.keys() == ref.keys()
+    for k in ref:
+        assert mine[k].dtype == ref[k].dtype and np.array_equal(mine[k], ref[k]), k
+
+
 def test_read_drafter_is_the_bundles_drafter_exactly():
     from conformance.reference_engine import bundle_drafter
     from cuda_engine.drafter import read_drafter
