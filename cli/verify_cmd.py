@@ -16,6 +16,7 @@ from conformance.profiles import PROFILES, ProfileError
 from conformance.report import PRECEDENCE, write_html, write_json, write_junit
 from conformance.runner import verify
 from conformance.tolerance import load_rules_file
+from cuda_engine.engine import W4A16_MODES
 from kdtr_format.errors import NotARegularFileError
 from kdtr_format.paths import check_regular
 
@@ -38,6 +39,9 @@ def _suffixed(path: str | None, bundle: str, many: bool) -> str | None:
               help="--engine torch: compute dtype (default float32).")
 @click.option("--module", "module_path", metavar="PKG.MOD:CLASS",
               help="--engine torch: your own DeepseekV3 port (HF parameter names) instead of transformers'.")
+@click.option("--w4a16", type=click.Choice(W4A16_MODES),
+              help="--engine cuda: INT4 expert kernels: fast (tensor cores, FP32-faithful; the default), plain "
+                   "(the packed weights as stored), dense (dequantized at load). docs/cuda-engine.md.")
 @click.option("--profile", type=click.Choice(PROFILES),
               help="Tolerance profile the bundle derived (fp32, bf16); default: the engine's dtype.")
 @click.option("--dump", type=click.Path(exists=True, dir_okay=False),
@@ -54,7 +58,7 @@ def _suffixed(path: str | None, bundle: str, many: bool) -> str | None:
                    "least this fraction of the checks the bundle defines; `full` = 1. Default: skipped "
                    "taps are allowed, and reported.")
 @click.option("-v", "--verbose", is_flag=True, help="List every check, not only failures.")
-def verify_cmd(bundles, engine_name, dtype, module_path, profile, dump, rules, json_path, junit_path, html_path,
+def verify_cmd(bundles, engine_name, dtype, module_path, w4a16, profile, dump, rules, json_path, junit_path, html_path,
                save_dump, require_coverage, verbose):
     """Verify an engine against golden BUNDLES: every tap of every layer, the AR token stream and
     the DDTree rounds. Exit 0 pass, 1 numeric, 2 usage, 3 tokens, 4 DDTree, 5 invalid/corrupt bundle or
@@ -83,7 +87,7 @@ def verify_cmd(bundles, engine_name, dtype, module_path, profile, dump, rules, j
         engine = None
         if not dump:
             try:
-                engine, why = pick_engine(engine_name, dtype, module_path)
+                engine, why = pick_engine(engine_name, dtype, module_path, w4a16)
             except EngineOptionError as e:
                 raise click.UsageError(str(e)) from None
             except EngineUnavailable as e:

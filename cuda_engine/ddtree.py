@@ -165,6 +165,19 @@ class DDTreeState:
             self.drafter.drop_graph()
 
 
+def reserve_w4a16_rows(e, T: int) -> None:
+    """The fast W4A16 kernel's split-K workspace for a T-row forward (the verify), reserved before the round
+    graph is captured (a capture cannot allocate); the engine itself reserves only for a decode step."""
+    if getattr(e, "w4a16", None) != "fast" or not hasattr(e.ops, "w4a16_need"):
+        return
+    need = [(0, 0)]
+    for l, w in enumerate(e.layers):
+        k4 = e._int4_slots(l)[2]
+        if k4 and "gate_up.mma" in w:
+            need += [e.ops.w4a16_need(w[k], 1, T * k4) for k in ("gate_up.mma", "down.mma")]
+    e.ops.w4a16_reserve(max(p for p, _ in need), max(t for _, t in need))
+
+
 def live_records(tokens, rounds, target_forwards: int) -> dict:
     """The `ddtree_live/` records of docs/run-dump.md §2 from refmodel Rounds (names relative to the group):
     the stream, the trees in the bundle's layout (row 0 of a round = the root: token -1, parent -1), per round
@@ -285,6 +298,7 @@ def ddtree_run(engine, prompt_ids, pos0: int, n_tokens: int, timing: bool = Fals
     rows_cap = P + n_tokens + T + 1
     e.reset()
     e._ensure(max(P, T), rows_cap)
+    reserve_w4a16_rows(e, T)
     if dr is not None:
         dr.reset()
         dr._ensure_cache(rows_cap)

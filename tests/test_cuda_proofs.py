@@ -9,22 +9,28 @@ from click.testing import CliRunner
 
 from cli.main import main
 from cuda_engine.build import PACKAGE_DIR
-from cuda_engine.proofs import ProofError, check_provenance, engine_info, proof_path
+from cuda_engine.proofs import ProofError, check_provenance, engine_info, proof_modes, proof_path
 
 BUNDLES = sorted(glob.glob("bundles/*.kdtr"))
+PROOFS = [(b, m) for b in BUNDLES for m in proof_modes(b)]      # INT4 bundles: one proof per --w4a16 mode
 
 
-@pytest.mark.parametrize("bundle", BUNDLES)
-def test_proof_passes_the_bundle(bundle):
-    proof = proof_path(bundle)
-    engine_info(proof)                                            # exists, written by the CUDA engine
+def test_int4_bundles_are_proved_in_both_w4a16_modes():
+    assert any(m == "plain" for _, m in PROOFS) and any(m == "fast" for _, m in PROOFS), PROOFS
+
+
+@pytest.mark.parametrize("bundle,mode", PROOFS)
+def test_proof_passes_the_bundle(bundle, mode):
+    proof = proof_path(bundle, mode)
+    info = engine_info(proof)                                     # exists, written by the CUDA engine
+    assert info.get("w4a16") == mode, f"{proof} was run with --w4a16 {info.get('w4a16')}, expected {mode}"
     r = CliRunner().invoke(main, ["verify", bundle, "--dump", str(proof)])
     assert r.exit_code == 0, f"the GPU proof {proof} no longer passes {bundle}:\n{r.output}"
 
 
-@pytest.mark.parametrize("bundle", BUNDLES)
-def test_proof_was_made_from_todays_sources(bundle):
-    info = check_provenance(proof_path(bundle))
+@pytest.mark.parametrize("bundle,mode", PROOFS)
+def test_proof_was_made_from_todays_sources(bundle, mode):
+    info = check_provenance(proof_path(bundle, mode))
     assert info["compute_capability"] in ("9.0", "12.0") and info["driver"] and info["commit"]
 
 
