@@ -13,7 +13,8 @@
 #    end, determinism, graph == no graph, the engine's own DDTree: drafter, device tree builder, node context,
 #    determinism); OUTDIR/w4a16_errors.jsonl: both kernels' errors per test case; (after the proofs, so a run
 #    cut short by its time limit still returns them);
-# 4. compute-sanitizer memcheck over an end-to-end verify, racecheck over the shared-memory kernels;
+# 4. (last, the slowest) compute-sanitizer memcheck over an end-to-end INT4 verify, racecheck over the
+#    shared-memory kernels;
 # 5. `kdtr bench engine` (decode latency, with and without the CUDA graph, vs the launch floor; an INT4 bundle
 #    in both --w4a16 modes), `kdtr bench w4a16` (the W4A16 kernels vs floor, cuBLAS, tinygemm; MoE layer) and
 #    `kdtr bench ddtree` (DDTree vs AR tokens/s on both bundles, one run);
@@ -47,19 +48,24 @@ step cmp "$OUT_DIR/model_tiny.cuda.kdtr" /tmp/second_run.kdtr
 # the GPU tests (after the proofs, so that a run cut short by its time limit still returns them)
 KDTR_W4A16_ERRORS="$OUT_DIR/w4a16_errors.jsonl" step python3 -m pytest -q -p no:cacheprovider -m cuda \
     tests/test_cuda_kernels.py tests/test_cuda_w4a16.py tests/test_cuda_engine.py tests/test_cuda_ddtree.py
-# memcheck: every kernel of a whole verify run. --report-api-errors no: cuda-bindings probes driver entry
-# points with cuGetProcAddress, whose "not found" answers memcheck would count as errors; the engine
-# checks every driver result itself. racecheck (shared-memory hazards, ~50x slower): the attention kernel.
-step timeout 300 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
-    python3 -c 'from cli.main import main; main()' verify bundles/model_tiny.kdtr --engine cuda
-step timeout 300 compute-sanitizer --tool racecheck --kernel-name kns=mla_attention_kernel --error-exitcode 9 \
-    python3 -c 'from cli.main import main; main()' verify bundles/model_tiny.kdtr --engine cuda
 for b in bundles/*.kdtr; do
     step kdtr bench engine "$b" --json "$OUT_DIR/bench.$(basename "$b" .kdtr).json"
 done
 step kdtr bench engine bundles/model_int4_tiny.kdtr --w4a16 plain --json "$OUT_DIR/bench.model_int4_tiny.plain.json"
 step kdtr bench w4a16 --json "$OUT_DIR/bench.w4a16.json"
 step kdtr bench ddtree bundles/*.kdtr --json "$OUT_DIR/bench.ddtree.json"
+# memcheck: every kernel of a whole verify run (INT4: the fast W4A16 path and the live DDTree included).
+# --report-api-errors no: cuda-bindings probes driver entry points with cuGetProcAddress, whose "not found"
+# answers memcheck would count as errors; the engine checks every driver result itself. racecheck
+# (shared-memory hazards, ~50x slower), one kernel family at a time: the fast W4A16 kernels (shared-memory
+# activation terms, split-K tickets), the DDTree builder (top-K sort and heap in shared memory) and the
+# attention kernel. Last in the run: the slowest steps.
+step timeout 240 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
+    python3 -c 'from cli.main import main; main()' verify bundles/model_int4_tiny.kdtr --engine cuda
+for k in w4a16_mma ddtree_ mla_attention_kernel; do
+    step timeout 150 compute-sanitizer --tool racecheck --kernel-name kns=$k --error-exitcode 9 \
+        python3 -c 'from cli.main import main; main()' verify bundles/model_int4_tiny.kdtr --engine cuda
+done
 step kdtr verify bundles/model_tiny.kdtr --engine auto
 echo "device_run: $([ $failed -eq 0 ] && echo ALL STEPS PASSED || echo SOME STEP FAILED)"
 exit $failed
