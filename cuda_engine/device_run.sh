@@ -57,9 +57,10 @@ step kdtr bench ddtree bundles/*.kdtr --json "$OUT_DIR/bench.ddtree.json"
 # memcheck: every kernel of a whole verify run (INT4: the fast W4A16 path and the live DDTree included).
 # --report-api-errors no: cuda-bindings probes driver entry points with cuGetProcAddress, whose "not found"
 # answers memcheck would count as errors; the engine checks every driver result itself. racecheck
-# (shared-memory hazards, ~50x slower), one kernel family at a time: the fast W4A16 kernels (shared-memory
-# activation terms, split-K tickets), the DDTree builder (top-K sort and heap in shared memory) and the
-# attention kernel. Last in the run: the slowest steps.
+# (hazards on shared memory only, ~50x slower), one kernel family at a time: the fast W4A16 kernels (the
+# activation terms staged in shared memory; their split-K tickets and partials are global memory, which
+# racecheck does not see: the bit-identity tests over repeated and graph-replayed runs cover those), the
+# DDTree builder (top-K sort and heap in shared memory) and the attention kernel. Last: the slowest steps.
 step timeout 240 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
     python3 -c 'from cli.main import main; main()' verify bundles/model_int4_tiny.kdtr --engine cuda
 for k in w4a16_mma ddtree_ mla_attention_kernel; do
