@@ -92,24 +92,34 @@ def test_the_bench_reads_the_golden_prompts_as_the_runner():
 
 
 def test_the_engines_records_are_the_reference_engines():
-    """cuda_engine.ddtree.live_records (the engine never imports conformance) writes exactly
-    conformance.records.live_records' records, on a real refmodel run."""
-    from conformance import records
-    from cuda_engine.ddtree import live_records
-    from refmodel.config import ModelConfig
-    from refmodel.ddtree import ddtree_generate
+    """One builder of the `ddtree_live/` records (refmodel.ddtree.live_records): the CUDA engine (which never
+    imports conformance) and the reference engine both use it, and on a real refmodel run its records are
+    the Rounds' own, in the layout of docs/run-dump.md §2."""
+    import cuda_engine.ddtree
+    from conformance import records, reference_engine
     from conformance.reference_engine import bundle_drafter, bundle_weights
+    from refmodel import ddtree
 
+    assert cuda_engine.ddtree.live_records is ddtree.live_records, "the CUDA engine builds its own records"
+    assert records.live_records is ddtree.live_records and reference_engine.live_records is ddtree.live_records
     with open_kdtr(TINY) as f:
         cfg, W = bundle_weights(f)
         dcfg, DW, settings = bundle_drafter(f)
         prompt = np.asarray(f["golden/p0/prompt_ids"])
-    assert isinstance(cfg, ModelConfig)
-    g = ddtree_generate(cfg, W, dcfg, DW, prompt, 12, budget=settings["budget"])
-    mine, ref = live_records(g.tokens, g.rounds, 5), records.live_records(g.tokens, g.rounds, 5)
-    assert mine.keys() == ref.keys()
-    for k in ref:
-        assert mine[k].dtype == ref[k].dtype and np.array_equal(mine[k], ref[k]), k
+    g = ddtree.ddtree_generate(cfg, W, dcfg, DW, prompt, 12, budget=settings["budget"])
+    rec, R = cuda_engine.ddtree.live_records(g.tokens, g.rounds, g.counters.target_forwards), g.rounds
+    assert R and list(rec["counters"]) == [1 + len(R), len(R)] == [g.counters.target_forwards, len(R)]
+    assert list(rec["tokens"]) == list(g.tokens) and list(rec["round_bonus"]) == [r.bonus for r in R]
+    sizes = [r.tree_size for r in R]
+    assert len(rec["tree_tokens"]) == len(rec["tree_parents"]) == len(rec["verify_argmax"]) == sum(sizes)
+    roots = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    assert np.all(rec["tree_tokens"][roots] == -1) and np.all(rec["tree_parents"][roots] == -1)
+    acc = rec["accepted_offsets"]
+    assert list(np.diff(acc)) == [len(r.accepted) for r in R] and rec["path_logits"].shape[0] == acc[-1]
+    for r, lo in zip(R, acc[:-1]):
+        assert list(rec["accepted"][lo:lo + len(r.accepted)]) == list(r.accepted)
+        assert np.array_equal(rec["path_logits"][lo:lo + len(r.accepted)], r.path_logits)
+    assert all(v.dtype == np.int64 for k, v in rec.items() if k != "path_logits")
 
 
 def test_read_drafter_is_the_bundles_drafter_exactly():
