@@ -133,13 +133,13 @@ def verify_cmd(bundles, engine_name, dtype, module_path, w4a16, profile, dump, r
 def _refuse_engine_options(engine_name, dtype, module_path, w4a16) -> None:
     """With --dump no engine runs: an engine option would be silently ignored (a dump made with --w4a16
     plain would pass as `--w4a16 fast`), so it is a usage error naming the option."""
-    given = [(f"--engine {engine_name}", engine_name != "auto"), (f"--dtype {dtype}", dtype),
-             (f"--module {module_path}", module_path), (f"--w4a16 {w4a16}", w4a16)]
-    for option, present in given:
-        if present:
-            raise click.UsageError(f"{option} configures an engine that kdtr runs, but --dump judges a run already "
-                                   f"made, as it was made (its metadata engine_info records how): drop {option.split()[0]} "
-                                   f"or drop --dump")
+    given = [("--engine", engine_name if engine_name != "auto" else None), ("--dtype", dtype),
+             ("--module", module_path), ("--w4a16", w4a16)]
+    for option, value in given:
+        if value:
+            raise click.UsageError(f"{option} {value} configures an engine that kdtr runs, but --dump judges a run "
+                                   f"already made, as it was made (its metadata engine_info records how): drop "
+                                   f"{option} or drop --dump")
 
 
 def _coverage_fraction(text: str | None) -> float | None:
