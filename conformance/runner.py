@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import time
 
-from conformance.collect import collect
+from conformance.collect import can_hold_routing, collect
 from conformance.judge import coverage_check, judge
 from conformance.localize import localize
 from conformance.outputs import InvalidOutputs
@@ -50,7 +50,7 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
             profile = profile or PROFILE_OF_DTYPE.get(engine.dtype, "fp32")   # the run, not after it
             profile_taps(f.metadata, profile)
         dtype, hold = "float32", bool(dump is None and HOLDS_ROUTING.get(profile or "", False))
-        held = hold and callable(getattr(engine, "hold_routing", None))  # as collect.HeldRouting decides
+        held = hold and can_hold_routing(engine)                        # what collect will do
         try:
             out, dtype = _outputs(f, engine, dump, progress, hold)
         except KdtrError as e:

@@ -67,8 +67,10 @@ def test_the_bf16_profile_holds_every_golden_stream_row_to_its_golden_set(held_r
     assert v.info["routing"] == "held to the golden expert sets, as the profile was derived"
     held_tree_rows = free_tree_rows = 0
     with open_kdtr(small_bundle) as f:
+        i = None                                                         # the prompt of the last prefill
         for kind, ids, positions, held in e.calls:
-            i = prompt_of(f, ids) if kind == "prefill" else i
+            if kind == "prefill":
+                i = prompt_of(f, ids)
             P = len(f[f"golden/p{i}/prompt_ids"])
             steps = positions - f.metadata["position_offsets"][i] - P    # decode step each row feeds
             assert held is not None, (kind, positions)                   # every forward is handed its sets
@@ -112,3 +114,10 @@ def test_a_dump_reports_the_routing_its_metadata_records(small_bundle, reference
     v = verify(small_bundle, dump=path, profile="bf16")
     assert v.exit_code == ExitCode.INVALID_FILE
     assert "metadata routing 'sideways': must be \"held\" or \"free\", or left out" in v.checks[-1].message
+
+
+def test_an_engine_without_hold_routing_runs_free_under_bf16_and_is_reported_so(small_bundle):
+    v = verify(small_bundle, engine=ReferenceEngine(), profile="bf16")
+    assert v.info["routing"] == ("free: the engine's own router chose every expert set, but the bf16 profile "
+                                 "was derived with routing held to the golden expert sets, so a near-tie expert "
+                                 "flip also moves the taps after it; this engine has no hold_routing")
