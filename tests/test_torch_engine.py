@@ -116,16 +116,18 @@ def test_bfloat16_passes_the_bf16_profile_and_fails_the_fp32_profile(bundle):
     assert v32.info["routing"].startswith("free")                       # the fp32 profile holds nothing
 
 
-def test_a_routing_bug_still_fails_with_routing_held(small_bundle):
-    """A router that ignores the correction bias, in bfloat16 under the bf16 profile: the runner holds its
-    routing to the golden experts, so the wrong choice does not reach mlp_out, but the choice itself is
-    judged at topk_ids, where its own scores + the bias do not choose its experts: no near-tie."""
+@pytest.mark.parametrize("module", ["BiasFreeRouterForCausalLM", "BiasOnLogitsRouterForCausalLM"])
+def test_a_routing_bug_still_fails_with_routing_held(small_bundle, module):
+    """A router that ignores the correction bias, or adds it to the logits, in bfloat16 under the bf16
+    profile: the runner holds its routing to the golden experts, so the wrong choice does not reach
+    mlp_out, but the choice itself is judged at topk_ids, where its own scores + the bias do not choose
+    its experts: no near-tie."""
     with open_kdtr(small_bundle) as f:
         first_moe = f.metadata["model_config"]["first_k_dense_replace"]
-    v = verify(small_bundle, engine=TorchEngine("bfloat16", module=USER + "BiasFreeRouterForCausalLM"))
+    v = verify(small_bundle, engine=TorchEngine("bfloat16", module=USER + module))
     failed = [c.name for c in v.checks if c.status == "fail"]
     d = v.first_divergence
-    print(f"\nbias-free router, bfloat16, held: {len(failed)} failures, first divergence {d.name} ({d.cause})")
+    print(f"\n{module}, bfloat16, held: {len(failed)} failures, first divergence {d.name} ({d.cause})")
     assert v.info["routing"].startswith("held") and v.exit_code != ExitCode.OK
     assert (d.phase, d.tap, d.cause) == ("prefill", "topk_ids", "local") and d.layer >= first_moe, d
     assert any(n.endswith("/topk_ids") and "/ar/" in n for n in failed), failed     # decode routing too

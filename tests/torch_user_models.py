@@ -2,7 +2,9 @@
 
 `PortForCausalLM` is a faithful port (it must pass). `BiasFreeRouterForCausalLM` routes by the sigmoid
 scores alone, ignoring the `e_score_correction_bias` it loads (a router ported from a softmax/aux-loss
-model): a routing bug that held routing must not hide. `KRopeBugForCausalLM` rotates k's RoPE dims in
+model), and `BiasOnLogitsRouterForCausalLM` adds the bias to the gate's logits instead of the sigmoid
+scores (the same order of experts only where the sigmoid is near-linear): routing bugs that held
+routing must not hide. `KRopeBugForCausalLM` rotates k's RoPE dims in
 (i, i + R/2) pairs, as if they were already de-interleaved, while q keeps the checkpoint's interleaved
 pairs (2i, 2i + 1): a port that fixed the layout on one side only. Everything before the rotated key
 (attn_in, q, kv_latent) is right, so the first divergence must be layer 0's `k_pe`.
@@ -59,22 +61,38 @@ class BiasFreeRouter(DeepseekV3TopkRouter):
     """THE BUG: experts chosen by top-K of the sigmoid scores, without the correction bias (one group, as
     the tiny model has); the weights are gathered, normalised and scaled as transformers does."""
 
+    def choice(self, logits, scores):
+        return scores                                                           # no bias
+
     def forward(self, hidden_states):
         logits = torch.nn.functional.linear(hidden_states.view(-1, self.hidden_dim).float(), self.weight.float())
         scores = logits.sigmoid()                                               # [T, E]
-        ids = torch.topk(scores, k=self.top_k, dim=-1, sorted=False)[1]         # [T, K]: no bias
+        ids = torch.topk(self.choice(logits, scores), k=self.top_k, dim=-1, sorted=False)[1]   # [T, K]
         w = scores.gather(1, ids)
         if self.norm_topk_prob:
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
         return logits, w * self.routed_scaling_factor, ids
 
 
+class BiasOnLogitsRouter(BiasFreeRouter):
+    """THE BUG: the correction bias added to the gate's logits, not to the sigmoid scores."""
+
+    def choice(self, logits, scores):
+        return logits + self.e_score_correction_bias
+
+
 class BiasFreeRouterForCausalLM(PortForCausalLM):
+    router = BiasFreeRouter
+
     def __init__(self, config):
         super().__init__(config)
         for layer in self.model.layers:
             if isinstance(layer.mlp, DeepseekV3MoE):
-                layer.mlp.gate = BiasFreeRouter(config)
+                layer.mlp.gate = self.router(config)
+
+
+class BiasOnLogitsRouterForCausalLM(BiasFreeRouterForCausalLM):
+    router = BiasOnLogitsRouter
 
 
 class KRopeBugForCausalLM(PortForCausalLM):
