@@ -7,7 +7,8 @@
 - bfloat16 passes the bundles' derived bf16 profile, its routing held to the golden expert sets as the
   profile was derived (its own near-tie expert flips are judged at topk_ids with its own router scores),
   and fails the fp32 profile at once; these two need bundles whose decode steps record router_scores;
-- a routing bug (the correction bias ignored) still fails in bfloat16 with routing held, at its topk_ids;
+- a routing bug (the correction bias ignored, or added to the logits) still fails in bfloat16 with routing
+  held, at its topk_ids;
 - a planted bug in a user module (k's RoPE pairs de-interleaved, q's right) is caught at layer 0's k_pe,
   localised as a local fault, in float32 and in bfloat16.
 """
