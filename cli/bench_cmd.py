@@ -20,7 +20,8 @@ def bench_cmd() -> None:
 
 @bench_cmd.command("engine")
 @click.argument("bundle", default="bundles/model_tiny.kdtr", type=click.Path(exists=True, dir_okay=False))
-@click.option("--steps", default=200, show_default=True, help="Timed decode steps per variant.")
+@click.option("--steps", default=200, show_default=True, type=click.IntRange(1, 100_000),
+              help="Timed decode steps per variant (times are per step: at least 1).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the numbers here.")
 @click.option("--w4a16", type=click.Choice(W4A16_MODES), default="fast", show_default=True,
               help="INT4 expert kernels of an INT4 bundle (docs/cuda-engine.md).")
@@ -111,7 +112,8 @@ def ddtree_cmd(bundles, tokens, repeats, json_path) -> None:
 @bench_cmd.command("w4a16")
 @click.option("--batches", default="1,2,4,8,16,32,64", show_default=True,
               help="Tokens per launch, comma-separated (1..64 run in one launch each).")
-@click.option("--reps", default=20, show_default=True, help="Graph replays per measurement.")
+@click.option("--reps", default=20, show_default=True, type=click.IntRange(1, 100_000),
+              help="Graph replays per measurement (times are per replay: at least 1).")
 @click.option("--no-moe", is_flag=True, help="Skip the one-token K2.6 MoE layer (it holds ~9.5 GB of INT4 experts).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the numbers here.")
 def w4a16_cmd(batches, reps, no_moe, json_path) -> None:

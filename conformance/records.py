@@ -7,7 +7,7 @@ import numpy as np
 
 from kdtr_format import KdtrError, Tensor, open_kdtr, write_kdtr
 from refmodel.config import ModelConfig
-from refmodel.ddtree import Tree, visibility
+from refmodel.ddtree import Tree, live_records, offsets, ragged, visibility  # noqa: F401 - the records' one builder
 from refmodel.model import tap_names
 
 BUNDLE_SCHEMA = "kdtr-bundle/2"     # /2: decode-step attn_out, position_offsets, the long-position prompt
@@ -71,33 +71,6 @@ def golden_tree(f, p: str, r: int) -> Tree:
         child_maps[parents[i]][int(tokens[i - 1])] = i
     ranks = np.asarray(f[p + "ddtree/tree_ranks"][lo + 1:hi], np.int64)
     return Tree(tokens, depths, parents, child_maps, visibility(parents), ranks, np.zeros(len(tokens)))
-
-
-def ragged(rows) -> np.ndarray:
-    """Per-round int records concatenated into one int64 tensor (read back with `offsets`)."""
-    return np.concatenate([np.asarray(x, np.int64).reshape(-1) for x in rows]) if rows else np.zeros(0, np.int64)
-
-
-def offsets(sizes) -> np.ndarray:
-    """[R+1] int64: round r's rows of a ragged tensor are [o[r], o[r+1])."""
-    return np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-
-
-def live_records(tokens, rounds, target_forwards: int) -> dict:
-    """A live DDTree run (refmodel.ddtree Rounds) as the `ddtree_live/` records of docs/run-dump.md §2,
-    names relative to the group: the stream, the trees as the bundle lays them out (row 0 of a round =
-    the root: token -1, parent -1), and per round the verify argmax, accepted path, bonus, path logits."""
-    return {
-        "tokens": np.asarray(tokens, np.int64),
-        "tree_tokens": ragged([[-1] + list(r.tree_tokens) for r in rounds]),
-        "tree_parents": ragged([r.parents for r in rounds]),
-        "verify_argmax": ragged([r.verify_argmax for r in rounds]),
-        "accepted": ragged([r.accepted for r in rounds]),
-        "accepted_offsets": offsets([len(r.accepted) for r in rounds]),
-        "round_bonus": np.asarray([r.bonus for r in rounds], np.int64),
-        "counters": np.array([target_forwards, len(rounds)], np.int64),
-        "path_logits": np.concatenate([r.path_logits for r in rounds]),
-    }
 
 
 # ---------------------------------------------------------------- run dumps

@@ -33,7 +33,7 @@ import numpy as np
 from cuda_engine.device import CudaEngineError, DevBuf, driver
 from cuda_engine.drafter import (HEAP_SMEM_MAX, CudaDrafter, build_tree, heap_smem_bytes, prepare_kernels, read_drafter,
                                  tree_mask)
-from refmodel.ddtree import Round, Tree, _root_only, build_ddtree, walk
+from refmodel.ddtree import Round, Tree, _root_only, build_ddtree, live_records, walk
 
 PHASES = ("draft", "build", "verify", "walk", "compact")
 BUILDERS = ("device", "host")
@@ -176,27 +176,6 @@ def reserve_w4a16_rows(e, T: int) -> None:
         if k4 and "gate_up.mma" in w:
             need += [e.ops.w4a16_need(w[k], 1, T * k4) for k in ("gate_up.mma", "down.mma")]
     e.ops.w4a16_reserve(max(p for p, _ in need), max(t for _, t in need))
-
-
-def live_records(tokens, rounds, target_forwards: int) -> dict:
-    """The `ddtree_live/` records of docs/run-dump.md §2 from refmodel Rounds (names relative to the group):
-    the stream, the trees in the bundle's layout (row 0 of a round = the root: token -1, parent -1), per round
-    the verify argmax, accepted path, bonus, path logits, and counters [target forwards, rounds]. The same
-    records as the reference engine writes (tested against conformance.records.live_records)."""
-    def ragged(rows):
-        return np.concatenate([np.asarray(x, np.int64).reshape(-1) for x in rows]) if rows else np.zeros(0, np.int64)
-
-    return {
-        "tokens": np.asarray(tokens, np.int64),
-        "tree_tokens": ragged([[-1] + list(r.tree_tokens) for r in rounds]),
-        "tree_parents": ragged([r.parents for r in rounds]),
-        "verify_argmax": ragged([r.verify_argmax for r in rounds]),
-        "accepted": ragged([r.accepted for r in rounds]),
-        "accepted_offsets": np.concatenate([[0], np.cumsum([len(r.accepted) for r in rounds])]).astype(np.int64),
-        "round_bonus": np.asarray([r.bonus for r in rounds], np.int64),
-        "counters": np.array([target_forwards, len(rounds)], np.int64),
-        "path_logits": np.concatenate([r.path_logits for r in rounds]),
-    }
 
 
 def pack_tree_inputs(tree: Tree, root: int, start: int, pos0: int) -> np.ndarray:
