@@ -118,6 +118,8 @@ def verify_cmd(bundles, engine_name, dtype, module_path, w4a16, profile, dump, r
                     raise
                 fail_write(e, "kdtr verify --save-dump")
         console.print(f"tolerance profile: {v.info.get('profile', '-')}")
+        if "routing" in v.info:
+            console.print(f"routing: {escape(v.info['routing'])}")
         print_console(v, Console(), verbose=verbose)
         many = len(bundles) > 1
         for path, write in ((json_path, write_json), (junit_path, write_junit), (html_path, write_html)):

@@ -18,6 +18,11 @@ def _values(logits, dtype: str) -> np.ndarray:
     return bfloat16_to_float32(a) if dtype == "bfloat16" and a.dtype == np.uint16 else a
 
 
+def can_hold_routing(engine) -> bool:
+    """Whether the engine takes held expert sets (the optional `hold_routing`, conformance/protocol.py)."""
+    return callable(getattr(engine, "hold_routing", None))
+
+
 class HeldRouting:
     """The golden expert sets of one prompt, handed to an engine's `hold_routing` before each forward
     (conformance/protocol.py) when the profile was derived with routing held (profiles.HOLDS_ROUTING):
@@ -27,7 +32,7 @@ class HeldRouting:
     def __init__(self, engine, f, i: int, on: bool):
         cfg = f.metadata["model_config"]
         self.engine, self.f, self.p = engine, f, f"golden/p{i}/"
-        self.on = on and callable(getattr(engine, "hold_routing", None))
+        self.on = on and can_hold_routing(engine)
         self.layers = range(cfg["first_k_dense_replace"], cfg["num_hidden_layers"])
 
     def _ids(self, phase: str) -> dict:

@@ -12,6 +12,7 @@ from refmodel.model import tap_names
 
 BUNDLE_SCHEMA = "kdtr-bundle/2"     # /2: decode-step attn_out, position_offsets, the long-position prompt
 DUMP_SCHEMA = "kdtr-run-dump/1"
+DUMP_ROUTING = ("held", "free")    # metadata "routing": how the run's expert sets were chosen
 
 
 class BundleSchemaError(KdtrError):
@@ -89,6 +90,9 @@ def read_dump(path: str) -> tuple[dict, str]:
         if dtype not in ("float32", "bfloat16", "float16"):
             raise BundleSchemaError(f"metadata dtype {dtype!r}: the engine's compute dtype must be float32, "
                                     f"bfloat16 or float16 (docs/run-dump.md)")
+        if meta.get("routing", "free") not in DUMP_ROUTING:
+            raise BundleSchemaError(f"metadata routing {meta['routing']!r}: must be \"held\" or \"free\", or left "
+                                    f"out (docs/run-dump.md)")
         return {n: np.array(d[n]) for n in d.names}, dtype              # bfloat16 as raw uint16
 
 
@@ -104,13 +108,23 @@ def bundle_as_outputs(d) -> dict:
     return out
 
 
+def dump_routing(path: str) -> str | None:
+    """A run dump's metadata `routing` ("held" or "free"; read_dump validated it), None when the dump
+    does not say how its engine's expert sets were chosen (docs/run-dump.md)."""
+    with open_kdtr(path) as d:
+        return d.metadata.get("routing")
+
+
 def write_dump(out: dict, path: str, engine_name: str, dtype: str, bundle_command: str = "",
-               engine_info: dict | None = None) -> None:
+               engine_info: dict | None = None, routing: str | None = None) -> None:
     """A run dump (docs/run-dump.md) of a live engine's outputs: what an external engine writes.
     engine_info: the engine's own provenance (`dump_metadata()`, e.g. the CUDA engine's device and source
-    hash), stored under metadata "engine_info"."""
+    hash), stored under metadata "engine_info". routing: "held" when the run held its routing to the
+    golden expert sets, "free" when its router chose them (metadata "routing")."""
 
     meta = {"schema": DUMP_SCHEMA, "engine": engine_name, "dtype": dtype, "bundle_command": bundle_command}
+    if routing is not None:
+        meta["routing"] = routing
     if engine_info:
         meta["engine_info"] = engine_info
     bf16 = lambda v: dtype == "bfloat16" and v.dtype == np.uint16  # noqa: E731 - raw bf16 bit patterns

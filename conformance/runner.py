@@ -13,13 +13,13 @@ from __future__ import annotations
 import os
 import time
 
-from conformance.collect import collect
+from conformance.collect import can_hold_routing, collect
 from conformance.judge import coverage_check, judge
 from conformance.localize import localize
 from conformance.outputs import InvalidOutputs
 from conformance.profiles import HOLDS_ROUTING, PROFILE_OF_DTYPE, profile_taps
 from conformance.protocol import check_engine
-from conformance.records import check_schema, prompts_of, read_dump, write_dump
+from conformance.records import check_schema, dump_routing, prompts_of, read_dump, write_dump
 from conformance.report import CheckResult, make_verdict
 from kdtr_format import KdtrError, open_kdtr
 
@@ -50,6 +50,7 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
             profile = profile or PROFILE_OF_DTYPE.get(engine.dtype, "fp32")   # the run, not after it
             profile_taps(f.metadata, profile)
         dtype, hold = "float32", bool(dump is None and HOLDS_ROUTING.get(profile or "", False))
+        held = hold and can_hold_routing(engine)                        # what collect will do
         try:
             out, dtype = _outputs(f, engine, dump, progress, hold)
         except KdtrError as e:
@@ -69,7 +70,8 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
             return make_verdict(name, bundle, checks)
         if save_dump and dump is None:
             own = engine.dump_metadata() if callable(getattr(engine, "dump_metadata", None)) else None
-            write_dump(out, save_dump, name, dtype, f.metadata.get("provenance", {}).get("command", ""), own)
+            write_dump(out, save_dump, name, dtype, f.metadata.get("provenance", {}).get("command", ""), own,
+                       routing="held" if held else "free")
         _say_why_unobserved(judged, getattr(engine, "unobserved", None) or {})
         if first is not None and engine is not None and dump is None:
             try:
@@ -78,7 +80,7 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
                 first.cause = f"not localised: run_layer raised {type(e).__name__}: {e}"
         if require_coverage is not None:
             judged.append(coverage_check(judged, require_coverage))
-        info = {"dtype": dtype, "profile": profile, "routing": _routing_info(engine, dump, profile, hold),
+        info = {"dtype": dtype, "profile": profile, "routing": _routing_info(engine, dump, profile, held),
                 "engine_seconds": round(t1 - t0, 3),
                 "judge_seconds": round(time.perf_counter() - t1, 3), "prompts": len(prompts_of(f)),
                 "bundle_figures": f.metadata.get("figures", {})}
@@ -93,14 +95,22 @@ def _say_why_unobserved(checks, why: dict) -> None:
             c.message = f"not observable: {why[tap]}"
 
 
-def _routing_info(engine, dump, profile: str, hold: bool) -> str:
-    """How the expert sets the engine computed with were chosen (docs/conformance.md §3a)."""
-    if not HOLDS_ROUTING.get(profile, False):
-        return "free: the engine's own router chose every expert set"
-    if dump is not None or not callable(getattr(engine, "hold_routing", None)):
-        return (f"free: the {profile} profile was derived with routing held to the golden expert sets, but "
-                f"{'a run dump' if dump is not None else 'this engine'} cannot hold it (no hold_routing), so a "
-                f"near-tie expert flip also moves the taps after it")
+def _routing_info(engine, dump, profile: str, held: bool) -> str:
+    """How the expert sets the engine computed with were chosen (docs/conformance.md §3a). A live run:
+    what the runner did; a run dump: what its metadata `routing` says (the runner cannot hold a finished
+    run's routing; docs/run-dump.md)."""
+    caveat = (f", but the {profile} profile was derived with routing held to the golden expert sets, so a "
+              f"near-tie expert flip also moves the taps after it") if HOLDS_ROUTING.get(profile, False) else ""
+    if dump is not None:
+        said = dump_routing(dump)
+        if said == "held":
+            return "held to the golden expert sets by the run that wrote this dump (its metadata routing: held)"
+        if said == "free":
+            return "free: the run that wrote this dump let its router choose every expert set" + caveat
+        return "not recorded: the dump's metadata does not say how its expert sets were chosen" + caveat
+    if not held:
+        return ("free: the engine's own router chose every expert set" +
+                (caveat and f"{caveat}; this engine has no hold_routing"))
     rows = getattr(engine, "held_rows", None)
     return ("held to the golden expert sets, as the profile was derived" +
             ("" if rows is None else f"; {rows} row(s) ran the golden experts instead of the engine's own choice"))
