@@ -47,11 +47,14 @@ def _torch_engine(dtype: str | None, module: str | None):
     return e, f"requested; {e.describe()}"
 
 
-def pick_engine(name: str, dtype: str | None = None, module: str | None = None):
+def pick_engine(name: str, dtype: str | None = None, module: str | None = None, w4a16: str | None = None):
     """(engine instance, why it was chosen). `auto`: cuda when it can run, else reference. `dtype` and
-    `module` configure the torch engine (its compute dtype, a user module's import path)."""
+    `module` configure the torch engine (its compute dtype, a user module's import path); `w4a16` the CUDA
+    engine's INT4 kernels (fast, plain, dense)."""
     if (dtype or module) and name != "torch":
         raise EngineOptionError(f"--dtype and --module apply to --engine torch only, not to --engine {name}")
+    if w4a16 and name not in ("cuda", "auto"):
+        raise EngineOptionError(f"--w4a16 applies to --engine cuda (or auto) only, not to --engine {name}")
     if name == "torch":
         return _torch_engine(dtype, module)
     if name == "reference":
@@ -60,10 +63,10 @@ def pick_engine(name: str, dtype: str | None = None, module: str | None = None):
         cls, why = _cuda_engine_class()
         if cls is None:
             raise EngineUnavailable(f"--engine cuda cannot run here: {why}; use --engine reference")
-        return cls(), why
+        return cls(w4a16=w4a16), why
     if name == "auto":
         cls, why = _cuda_engine_class()
         if cls is not None:
-            return cls(), f"auto: {why}"
+            return cls(w4a16=w4a16), f"auto: {why}"
         return ReferenceEngine(), f"auto: no CUDA engine ({why}), so the refmodel in float32"
     raise EngineUnavailable(f"unknown engine {name!r}; choose one of auto, {', '.join(ENGINES)}")

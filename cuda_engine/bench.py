@@ -26,8 +26,9 @@ def _timed(ops, fn, n: int) -> float:
     return end.time_since(start) * 1000.0 / n
 
 
-def decode_latency(bundle: str, steps: int = 200, warmup: int = 20, prompt_len: int = 16) -> dict:
-    e = CudaEngine()
+def decode_latency(bundle: str, steps: int = 200, warmup: int = 20, prompt_len: int = 16,
+                   w4a16: str = "fast") -> dict:
+    e = CudaEngine(w4a16=w4a16)
     e.load(bundle)
     ops, V = e.ops, e.cfg.vocab_size
     prompt = np.random.default_rng(0).integers(0, V - 1, prompt_len)
@@ -59,7 +60,7 @@ def decode_latency(bundle: str, steps: int = 200, warmup: int = 20, prompt_len: 
     tokens_graph = _generated(e, lambda: graph.launch(ops.stream), 8)
 
     floor_prep, floor_graph = _launch_floor(ops, per_step, steps)
-    return {**device_info(), "bundle": str(bundle), "steps": steps, "launches_per_step": per_step,
+    return {**device_info(), "bundle": str(bundle), "w4a16": w4a16, "steps": steps, "launches_per_step": per_step,
             "graph_launches": graph.launches, "us_per_token_prepared": t_prepared, "us_per_token_graph": t_graph,
             "floor_us_per_step_prepared": floor_prep, "floor_us_per_step_graph": floor_graph,
             "graph_vs_floor": t_graph / floor_graph, "prepared_vs_graph": t_prepared / t_graph,

@@ -19,13 +19,14 @@ import numpy as np
 
 from cuda_engine.build import engine_source_hash
 from cuda_engine.device import CudaEngineError, DevBuf, device_info, driver
+from cuda_engine.drafter import read_drafter
 from cuda_engine.ops import ATTN_MAX_C, ATTN_MAX_N, ATTN_MAX_Q, ATTN_MAX_R, ATTN_MAX_SPLIT, MOE_MAX_SLOTS, ROUTER_MAX_E, ROUTER_MAX_GROUPS, Ops
 from cuda_engine.weights import layer_arrays, load_weights
 from refmodel.config import ModelConfig
 from refmodel.model import tap_names, yarn_inv_freq
 
 T_CAP0, S_CAP0 = 64, 512            # first capacities (tokens per forward, cache rows); both grow x2
-W4A16_MODES = ("plain", "dense")
+W4A16_MODES = ("fast", "plain", "dense")   # INT4 experts: kernels/w4a16_mma.cu, w4a16_plain.cu, dequantized
 
 
 def check_config(cfg: ModelConfig) -> None:
@@ -54,10 +55,11 @@ class CudaEngine:
 
     def __init__(self, use_graph: bool = True, w4a16: str | None = None):
         self.use_graph = use_graph and os.environ.get("KDTR_CUDA_GRAPH", "1") != "0"
-        # INT4 experts: "plain" = the packed weights on the device (w4a16_plain.cu), "dense" = dequantized at load
-        self.w4a16 = w4a16 or os.environ.get("KDTR_W4A16", "plain")
+        # INT4 experts: "fast" = repacked at load for the tensor-core kernel (w4a16_mma.cu, FP32-faithful),
+        # "plain" = the packed weights as stored (w4a16_plain.cu), "dense" = dequantized at load
+        self.w4a16 = w4a16 or "fast"
         if self.w4a16 not in W4A16_MODES:
-            raise CudaEngineError(f"w4a16 mode {self.w4a16!r}: choose one of {', '.join(W4A16_MODES)} (KDTR_W4A16)")
+            raise CudaEngineError(f"w4a16 mode {self.w4a16!r}: choose one of {', '.join(W4A16_MODES)} (--w4a16)")
         self.ops: Ops | None = None
         self.cfg: ModelConfig | None = None
         self.graph = None
@@ -65,20 +67,24 @@ class CudaEngine:
 
     # ------------------------------------------------------------ load and buffers
     def load(self, bundle) -> None:
-        cfg, W = load_weights(bundle, keep_int4=self.w4a16 == "plain")
+        cfg, W = load_weights(bundle, keep_int4=self.w4a16 in ("plain", "fast"))
         check_config(cfg)
         driver()
         self.ops = self.ops or Ops()
         self.cfg = cfg
-        self.layers, self.n_int4 = [], []
+        self.layers, self.n_int4, self.int4_width = [], [], []
         for l in range(cfg.num_hidden_layers):
             arrays, n_int4 = layer_arrays(cfg, W, l)
+            self.int4_width.append(arrays["gate_proj.qw"].shape[1] if n_int4 else 0)      # the experts' I
             moe = l >= cfg.first_k_dense_replace
             if n_int4 not in ((0, cfg.n_routed_experts, cfg.n_routed_experts + cfg.n_shared_experts) if moe else (0, 1)):
                 raise CudaEngineError(f"layer {l}: {n_int4} INT4 expert modules; the engine runs INT4 for all routed "
                                       f"experts (and optionally the shared expert) or none")
+            if n_int4 and self.w4a16 == "fast":
+                arrays = _repack_fast(arrays, l)
             self.layers.append({k: DevBuf.from_array(v) for k, v in arrays.items()})
             self.n_int4.append(n_int4)
+        self._reserve_w4a16()
         self.embed = DevBuf.from_array(W["model.embed_tokens.weight"])
         self.norm = DevBuf.from_array(W["model.norm.weight"])
         self.lm_head = self.embed if cfg.tie_word_embeddings else DevBuf.from_array(W["lm_head.weight"])
@@ -88,6 +94,26 @@ class CudaEngine:
         self._alloc_activations(T_CAP0, S_CAP0)
         self._alloc_cache(S_CAP0)
         self.reset()
+        self._drafter_host = read_drafter(bundle)       # the live DDTree's drafter (cuda_engine/drafter.py)
+
+    def _int4_slots(self, l: int) -> tuple[int, int, int]:
+        """(K routed slots, S slots per token, k4 = how many leading slots run on INT4 weights) of layer l."""
+        c, n_int4 = self.cfg, self.n_int4[l]
+        K, S = (c.num_experts_per_tok, c.num_experts_per_tok + c.n_shared_experts) if l >= c.first_k_dense_replace \
+            else (0, 1)
+        k4 = 0 if n_int4 == 0 else S if n_int4 == (c.n_routed_experts + c.n_shared_experts if K else 1) else K
+        return K, S, k4
+
+    def _reserve_w4a16(self) -> None:
+        """The fast kernel's split-K workspace for a decode step, reserved before any graph capture."""
+        if self.w4a16 != "fast":
+            return
+        need = [(0, 0)]
+        for l, w in enumerate(self.layers):
+            k4 = self._int4_slots(l)[2]
+            if k4:
+                need += [self.ops.w4a16_need(w[k], 1, k4) for k in ("gate_up.mma", "down.mma")]
+        self.ops.w4a16_reserve(max(p for p, _ in need), max(t for _, t in need))
 
     def _alloc_activations(self, T_cap: int, S_cap: int) -> None:
         c, L = self.cfg, self.cfg.num_hidden_layers
@@ -165,6 +191,24 @@ class CudaEngine:
             self.buf["keep"].set(keep.astype(np.int32))
             self.ops.kv_compact(self.cache["ckv"], self.cache["kpe"], self.buf["keep"], keep.size, start)
         self.length = start + keep.size
+
+    def ddtree_generate(self, prompt_ids, pos0: int, n_tokens: int) -> dict:
+        """The engine's own greedy DDTree loop on the GPU (cuda_engine/ddtree.py): its drafter, its trees, its
+        verify forwards, from an empty cache; the records of docs/run-dump.md §2 (`ddtree_live/`)."""
+        from cuda_engine.ddtree import ddtree_run
+
+        return ddtree_run(self, prompt_ids, int(pos0), int(n_tokens))[0]
+
+    def _ddtree_state(self):
+        """The drafter on the device and the verify graph, built on first use after each load()."""
+        dd = getattr(self, "_dd", None)
+        if dd is None or dd.cfg is not self.cfg:
+            from cuda_engine.ddtree import DDTreeState
+
+            if dd is not None:
+                dd.destroy()
+            self._dd = dd = DDTreeState(self, self._drafter_host)
+        return dd
 
     def run_layer(self, layer: int, inputs: dict) -> dict:
         """Layer `layer` alone on golden inputs, with its own temporary cache holding the golden rows."""
@@ -280,8 +324,13 @@ class CudaEngine:
         else:
             K, S, slots = 0, 1, b["dense_slots"]
         n_int4 = self.n_int4[l]                 # INT4 experts stacked first: slots [0, k4) run on packed weights
-        k4 = 0 if n_int4 == 0 else S if n_int4 == (c.n_routed_experts + c.n_shared_experts if K else 1) else K
-        if k4:
+        k4 = self._int4_slots(l)[2]
+        if k4 and self.w4a16 == "fast":         # fused MoE decode path: one launch for gate+up, one for down
+            I = self.int4_width[l]
+            o.w4a16_mma(xm, D, w["gate_up.mma"], I, b["act"], I, mode=1, slot_ids=slots, T=T, S=S, k0=0, nk=k4)
+            o.w4a16_mma(b["act"], I, w["down.mma"], D, b["y_slots"], D, mode=0, slot_ids=slots, T=T, S=S, k0=0,
+                        nk=k4, x_by_slot=True)
+        elif k4:
             o.w4a16_gate_up(xm, w["gate_proj.qw"], w["gate_proj.sc"], w["up_proj.qw"], w["up_proj.sc"], slots,
                             b["act"], T, S, 0, k4)                                    # [T S, I]
             o.w4a16_down(b["act"], w["down_proj.qw"], w["down_proj.sc"], slots, b["y_slots"], T, S, 0, k4)
@@ -329,6 +378,22 @@ class CudaEngine:
         info.update(source_hash=engine_source_hash(), commit=_commit(), fatbin=os.path.basename(str(self.ops.fatbin)),
                     cuda_graph=self.use_graph, w4a16=self.w4a16 if any(self.n_int4) else None)
         return info
+
+
+def _repack_fast(arrays: dict, l: int) -> dict:
+    """Layer arrays with the INT4 experts repacked for w4a16_mma (cuda_engine/w4a16_pack.py) in place of
+    their .qw/.sc: gate+up interleaved for the fused SwiGLU launch, down for the second launch."""
+    from cuda_engine.w4a16_pack import pack_experts, pack_experts_gate_up
+    from kdtr_format.int4 import Int4LayoutError
+
+    a = dict(arrays)
+    try:
+        a["gate_up.mma"] = pack_experts_gate_up(a.pop("gate_proj.qw"), a.pop("gate_proj.sc"), a.pop("up_proj.qw"),
+                                                a.pop("up_proj.sc"))
+        a["down.mma"] = pack_experts(a.pop("down_proj.qw"), a.pop("down_proj.sc"))
+    except Int4LayoutError as e:
+        raise CudaEngineError(f"layer {l}: {e}") from None
+    return a
 
 
 def _commit() -> str:

@@ -19,6 +19,7 @@ WARPS_PER_BLOCK = 8                 # kernels/common.cuh
 BLOCK = (32 * WARPS_PER_BLOCK, 1, 1)
 ATTN_MAX_C, ATTN_MAX_R, ATTN_MAX_N, ATTN_MAX_Q, ATTN_MAX_SPLIT = 512, 128, 256, 2048, 8   # kernels/attention.cu
 ROUTER_MAX_E, ROUTER_MAX_GROUPS, MOE_MAX_SLOTS = 1024, 64, 64   # kernels/moe.cu
+W4A16_CHUNK_WORDS, W4A16_NT, W4A16_TERMS = 144, (1, 2, 4, 8), {"fp32": 3, "bf16": 1}   # kernels/w4a16_mma.cu
 
 # kernel name -> argument types (struct codes: P pointer, i int32, q int64, f float32, d float64)
 SIGNATURES = {
@@ -35,6 +36,8 @@ SIGNATURES = {
     "w4a16_gate_up_kernel": "PPPPPPPiiiiiii",
     "w4a16_down_kernel": "PPPPPiiiiiii",
     "moe_combine_kernel": "PPPPiiiPPPPf",
+    "stream_read_kernel": "PqP",
+    **{f"w4a16_mma_t{t}_n{n}": "PiPP" + "i" * 10 + "PiPPi" for t in (1, 3) for n in (1, 2, 4, 8)},
     "argmax_kernel": "PiP",
     "decode_advance_kernel": "PP",
 }
@@ -42,6 +45,9 @@ SIGNATURES = {
 
 def _ptr(x) -> int:
     return x.ptr if isinstance(x, DevBuf) else int(x)
+
+
+GRID_X_MAX, GRID_YZ_MAX = 2**31 - 1, 65535          # CUDA launch limits (compute capability >= 3.0)
 
 
 def _need(ok: bool, op: str, what: str) -> None:
@@ -83,11 +89,18 @@ class Ops:
         self.launches = 0
         self.capturing = False
         self.debug_sync = os.environ.get("KDTR_CUDA_SYNC") == "1"
+        self._w4_part = self._w4_tick = None          # split-K workspace of w4a16_mma (grown, never freed:
+        self._w4_retired = []                         # a captured graph may still point at an old one)
 
     def _launch(self, name: str, grid, *args, block=BLOCK) -> None:
         grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
         if min(grid) <= 0:
             return                                              # nothing to do (e.g. T = 0 rows)
+        if grid[0] > GRID_X_MAX or max(grid[1:]) > GRID_YZ_MAX:
+            # (token, slot) pairs or rows ride on grid.y / grid.z, whose limit is 65535 on sm_90 and sm_120:
+            # a long prompt on a wide MoE would otherwise fail with the driver's bare "invalid argument".
+            raise CudaEngineError(f"{name}: launch grid {grid} exceeds the device's limits (x <= {GRID_X_MAX}, "
+                                  f"y, z <= {GRID_YZ_MAX}): too many rows (tokens x expert slots) for one forward")
         self.fn[name].prepared_async_call(grid, block, self.stream, *args)
         self.launches += 1
         if self.debug_sync and not self.capturing:
@@ -212,6 +225,88 @@ class Ops:
         nk = S - k0 if nk is None else nk
         self._launch("w4a16_down_kernel", (-(-D // WARPS_PER_BLOCK), T * nk), _ptr(act), qd.ptr, sd.ptr,
                      _ptr(slot_ids), _ptr(y), I, D, S, k0, nk, e_base, g)
+
+    def w4a16_plan(self, Nb: int, G: int, Z: int, ks: int | None = None, M: int = 1) -> tuple[int, int]:
+        """(blocks along the output, k splits) of one w4a16_mma launch of M <= 64 tokens: at M <= 8 a block's
+        8 warps share one block of 32 rows (three blocks per SM), else each warp has its own (two per SM)."""
+        nt = next(n for n in W4A16_NT if 8 * n >= M)
+        gx = Nb if nt == 1 else -(-Nb // WARPS_PER_BLOCK)
+        if ks is None:                                         # as many splits as fill one wave, at least one
+            ks = self._w4_resident(f"w4a16_mma_t3_n{nt}") // (gx * Z)
+        return gx, max(1, min(int(ks), G))
+
+    def _w4_resident(self, name: str) -> int:
+        """Blocks of kernel `name` resident on the whole GPU at once (shared memory and registers per SM)."""
+        drv, f = driver(), self.fn[name]
+        dev = driver_device()
+        smem = dev.get_attribute(drv.device_attribute.MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)
+        regs = dev.get_attribute(drv.device_attribute.MAX_REGISTERS_PER_MULTIPROCESSOR)
+        per_sm = min(smem // (f.shared_size_bytes + 1024), regs // (-(-f.num_regs // 8) * 8 * BLOCK[0]),
+                     2048 // BLOCK[0])
+        return max(1, per_sm) * self.sm_count
+
+    def w4a16_reserve(self, partials: int, tickets: int) -> None:
+        """Make the split-K workspace hold `partials` floats and `tickets` counters (zeroed)."""
+        if self._w4_part is None or self._w4_part.shape[0] < partials or self._w4_tick.shape[0] < tickets:
+            if self.capturing:
+                raise CudaEngineError("w4a16_mma: the split-K workspace must be reserved before graph capture "
+                                      f"({partials} floats, {tickets} tickets)")
+            self._w4_retired += [b for b in (self._w4_part, self._w4_tick) if b is not None]
+            old_p = 0 if self._w4_part is None else self._w4_part.shape[0]
+            old_t = 0 if self._w4_tick is None else self._w4_tick.shape[0]
+            self._w4_part = DevBuf((max(partials, old_p, 1),), np.float32)
+            self._w4_tick = DevBuf.from_array(np.zeros(max(tickets, old_t, 1), np.int32))
+
+    def w4a16_need(self, packed: DevBuf, M: int = 1, Z: int = 1, ks: int | None = None) -> tuple[int, int]:
+        """(partials floats, tickets) one w4a16_mma launch over `packed` needs."""
+        _, Nb, G, _ = packed.shape
+        need = (0, 0)
+        for m in {min(M, 64), M % 64 or 64}:                   # the launches of <= 64 tokens
+            gx, k = self.w4a16_plan(Nb, G, Z, ks, m)
+            if k > 1:
+                need = (max(need[0], Z * k * m * Nb * 32), max(need[1], Z * gx))
+        return need
+
+    def w4a16_mma(self, x, x_stride: int, packed: DevBuf, N: int, out, out_stride: int, M: int = 1, *,
+                  mode: int = 0, numerics: str = "fp32", slot_ids=None, T: int = 1, S: int = 1, k0: int = 0,
+                  nk: int = 1, e_base: int = 0, x_by_slot: bool = False, ks: int | None = None) -> None:
+        """The fast W4A16 GEMM (kernels/w4a16_mma.cu) on weights repacked by cuda_engine/w4a16_pack.py.
+
+        packed int32 [E, Nb, G, 144]; mode 0: out[t, :N] = W x[t] (N <= 32 Nb); mode 1: the fused SwiGLU
+        gate+up, out[t, :N] = silu(Wg x[t]) * (Wu x[t]) (N <= 16 Nb). Without slot_ids: expert 0, M tokens (in
+        launches of at most 64). With slot_ids: the MoE decode path, one (token, slot) pair per grid z over
+        the slots k0 .. k0+nk-1 of T tokens (M = 1), expert slot_ids[ts] - e_base; x row t, or ts when
+        x_by_slot (the down projection's input is per slot); output row ts. numerics: "fp32" (three bf16
+        terms, float32-accurate) or "bf16" (one term: activations rounded to bf16)."""
+        E, Nb, G, words = packed.shape
+        _need(packed.dtype == np.int32 and words == W4A16_CHUNK_WORDS, "w4a16_mma",
+              f"packed weights must be int32 [E, Nb, G, {W4A16_CHUNK_WORDS}], got {packed.dtype} {packed.shape}")
+        _need(numerics in W4A16_TERMS, "w4a16_mma", f"numerics {numerics!r}: choose one of {', '.join(W4A16_TERMS)}")
+        _need(mode in (0, 1) and 0 < N <= (32 if mode == 0 else 16) * Nb, "w4a16_mma",
+              f"mode {mode}, N={N} does not fit {Nb} blocks of 32 rows")
+        _need(x_stride >= 32 * G and x_stride % 2 == 0 and out_stride >= N, "w4a16_mma",
+              f"x_stride {x_stride} < K = {32 * G} (or odd), or out_stride {out_stride} < N = {N}")
+        Z = 1
+        if slot_ids is not None:
+            _need(M == 1 and 0 <= k0 and nk >= 1 and k0 + nk <= S, "w4a16_mma",
+                  f"slots {k0}..{k0 + nk - 1} outside 0..{S - 1} (or M = {M} != 1 on the slot path)")
+            Z = T * nk
+        else:
+            _need(E >= 1 and M >= 1, "w4a16_mma", f"need E >= 1 experts and M >= 1 tokens, got {E}, {M}")
+        self.w4a16_reserve(*self.w4a16_need(packed, M, Z, ks))
+        for m0 in range(0, M, 64):
+            m = min(64, M - m0)
+            nt = next(n for n in W4A16_NT if 8 * n >= m)
+            gx, k = self.w4a16_plan(Nb, G, Z, ks, m)
+            self._launch(f"w4a16_mma_t{W4A16_TERMS[numerics]}_n{nt}", (gx, k, Z), _ptr(x) + 4 * m0 * x_stride,
+                         x_stride, packed.ptr, 0 if slot_ids is None else _ptr(slot_ids), S, k0, nk, e_base,
+                         int(x_by_slot), m, N, Nb, G, k, _ptr(out) + 4 * m0 * out_stride, out_stride,
+                         self._w4_part.ptr, self._w4_tick.ptr, mode)
+
+    def stream_read(self, src_ptr: int, nbytes: int, sink: DevBuf) -> None:
+        """Read nbytes (a multiple of 16) once: the bandwidth floor of kdtr bench w4a16."""
+        _need(nbytes % 16 == 0 and src_ptr % 16 == 0, "stream_read", f"{nbytes} bytes at {src_ptr:#x}: need 16-byte units")
+        self._launch("stream_read_kernel", (8 * self.sm_count,), src_ptr, nbytes // 16, sink.ptr)
 
     def moe_combine(self, y, slot_ids, slot_w, out, T: int, K: int, S: int, h, h_out, w_norm: DevBuf, y_norm,
                     eps: float) -> None:

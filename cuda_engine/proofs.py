@@ -21,9 +21,25 @@ class ProofError(Exception):
     """A GPU proof is missing, lacks its provenance, or was made from other cuda_engine/ sources."""
 
 
-def proof_path(bundle: str | os.PathLike) -> Path:
-    """bundles/model_tiny.kdtr -> bundles/proofs/model_tiny.cuda.kdtr"""
-    return Path(bundle).parent / "proofs" / (Path(bundle).stem + ".cuda.kdtr")
+W4A16_DEFAULT = "fast"
+
+
+def proof_path(bundle: str | os.PathLike, w4a16: str | None = None) -> Path:
+    """bundles/model_tiny.kdtr -> bundles/proofs/model_tiny.cuda.kdtr; an INT4 bundle's proof for a
+    non-default --w4a16 mode M: bundles/proofs/model_int4_tiny.cuda-M.kdtr"""
+    suffix = ".cuda.kdtr" if w4a16 in (None, W4A16_DEFAULT) else f".cuda-{w4a16}.kdtr"
+    return Path(bundle).parent / "proofs" / (Path(bundle).stem + suffix)
+
+
+def is_int4(bundle: str | os.PathLike) -> bool:
+    """Whether the bundle holds INT4 W4A16 weights (its metadata `quantization.method`)."""
+    with open_kdtr(bundle) as f:
+        return (f.metadata.get("quantization") or {}).get("method") == "w4a16"
+
+
+def proof_modes(bundle: str | os.PathLike) -> list[str | None]:
+    """The --w4a16 modes a bundle is proved in: fast (the default) and plain for INT4 bundles, else none."""
+    return [W4A16_DEFAULT, "plain"] if is_int4(bundle) else [None]
 
 
 def engine_info(proof: str | os.PathLike) -> dict:
@@ -46,3 +62,10 @@ def check_provenance(proof: str | os.PathLike, engine_dir: str | os.PathLike = P
                          f"but today's sources hash to {today[:16]}: a change under cuda_engine/ was not re-proved "
                          f"on a GPU; {REPROVE}")
     return info
+
+
+if __name__ == "__main__":                    # cuda_engine/device_run.sh: "MODE PROOF_NAME" per proof of BUNDLE
+    import sys
+
+    for _mode in proof_modes(sys.argv[1]):
+        print(_mode or "-", proof_path(sys.argv[1], _mode).name)

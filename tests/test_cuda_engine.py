@@ -42,11 +42,34 @@ def test_bundle_passes(engine_cls, bundle):
 @pytest.mark.cuda
 @pytest.mark.parametrize("bundle", [b for b in BUNDLES if "int4" in b])
 def test_int4_bundle_passes_on_dequantized_weights_too(engine_cls, bundle):
-    """KDTR_W4A16=dense: the INT4 experts dequantized at load and run by the dense kernels."""
+    """--w4a16 dense: the INT4 experts dequantized at load and run by the dense kernels."""
     from conformance.runner import verify
 
     v = verify(bundle, engine=engine_cls(w4a16="dense"))
     assert v.verdict == "pass", f"{bundle} (w4a16 dense): exit {int(v.exit_code)}"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("bundle", [b for b in BUNDLES if "int4" in b])
+def test_int4_bundle_passes_on_the_plain_kernel(engine_cls, bundle):
+    """--w4a16 plain: the packed weights as stored (w4a16_plain.cu); the default (fast) is test_bundle_passes."""
+    from conformance.runner import verify
+
+    v = verify(bundle, engine=engine_cls(w4a16="plain"))
+    assert v.verdict == "pass", f"{bundle} (w4a16 plain): exit {int(v.exit_code)}"
+
+
+@pytest.mark.cuda
+def test_fast_w4a16_runs_identical_and_graph_changes_no_bit(engine_cls):
+    """The fast kernel's split-K (partials summed by the last block, tickets reset for the next replay) gives
+    the same bits on every run and inside the replayed decode graph."""
+    bundle = "bundles/model_int4_tiny.kdtr"
+    a = collect_with(engine_cls(w4a16="fast"), bundle)
+    b = collect_with(engine_cls(w4a16="fast"), bundle)
+    c = collect_with(engine_cls(w4a16="fast", use_graph=False), bundle)
+    for k in a:
+        assert np.array_equal(a[k], b[k]), f"{k} differs between two identical runs"
+        assert np.array_equal(a[k], c[k]), f"{k} differs with and without the CUDA graph"
 
 
 @pytest.mark.cuda
@@ -110,3 +133,26 @@ def test_unsupported_config_names_the_field_and_limit():
     with pytest.raises(CudaEngineError, match=r"unsupported config: kv_lora_rank = 1024 exceeds the CUDA engine's "
                                               r"limit 512"):
         check_config(dataclasses.replace(PRESETS["k26"], kv_lora_rank=1024))
+
+
+@pytest.mark.cuda
+def test_graph_capture_survives_a_dropped_engines_garbage(engine_cls):
+    """A dropped engine caught in a reference cycle is freed by Python's cycle collector, whenever that runs.
+    If it ran during a stream capture, cuMemFree would invalidate the capture (the suite once failed so, one
+    engine after another in one process). With the collector set to run at nearly every allocation, the
+    second engine's decode graph is still captured and its run matches the first engine's."""
+    import gc
+
+    bundle = "bundles/model_tiny.kdtr"
+    first = engine_cls()
+    a = collect_with(first, bundle)
+    first.cycle = first                                          # only the cycle collector can free it now
+    del first
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        b = collect_with(engine_cls(), bundle)
+    finally:
+        gc.set_threshold(*threshold)
+    for k in a:
+        assert np.array_equal(a[k], b[k]), f"{k} differs after a capture next to collectable garbage"
