@@ -28,6 +28,7 @@ import torch
 from conformance.bundle_model import _bf16_round
 from conformance.goldens import random_prompt
 from refmodel.config import PRESETS
+from refmodel import ddtree
 from refmodel.ddtree import ddtree_generate
 from refmodel.distill import DistillSettings, _train, make_corpus
 from refmodel.drafter import DrafterConfig, drafter_preset
@@ -38,11 +39,27 @@ HELD_OUT_SEED = 1        # prompts of another seed: the drafter never saw them (
 
 
 def evaluate(cfg, W, dcfg, DW, prompts, n=64, budget=32):
-    """Forward ratio, depth histogram and per-offset top-1 accuracy of the drafter's chain."""
+    """Forward ratio; depth histogram; full-depth and off-spine rounds (a rank >= 1 node accepted); per offset,
+    the top-1 accuracy of the drafter's spine (its rank-0 path in the tree: a spine the budget cut short
+    counts as a miss) and the drafter's mean top-1 probability (the tree scores a path by the sum of its
+    rows' log-probabilities, so deep rows that are right but unsure keep the spine out of the budget)."""
     ar = dd = 0
-    depths, hits, tries = [], np.zeros(dcfg.block_size - 1), np.zeros(dcfg.block_size - 1)
-    for p in prompts:
-        r = ddtree_generate(cfg, W, dcfg, DW, p, n, budget=budget)
+    depths, hits, tries, runs = [], np.zeros(dcfg.block_size - 1), np.zeros(dcfg.block_size - 1), []
+    top1_prob = []                                  # per drafter call: each row's largest softmax probability
+    draft_logits = ddtree.draft_logits
+
+    def recording(*a):
+        q = draft_logits(*a)                                                        # [B-1, V]
+        e = np.exp(q - q.max(-1, keepdims=True))
+        top1_prob.append(e.max(-1) / e.sum(-1))
+        return q
+    ddtree.draft_logits = recording                 # ddtree_generate looks it up at call time
+    try:
+        for p in prompts:
+            runs.append(ddtree_generate(cfg, W, dcfg, DW, p, n, budget=budget))
+    finally:
+        ddtree.draft_logits = draft_logits
+    for p, r in zip(prompts, runs):
         ar += n
         dd += r.counters.target_forwards
         depths += [x.accepted_depth for x in r.rounds]
@@ -59,9 +76,11 @@ def evaluate(cfg, W, dcfg, DW, prompts, n=64, budget=32):
                 if x.start + k < len(stream):
                     tries[k - 1] += 1
                     hits[k - 1] += k <= len(spine) and spine[k - 1] == stream[x.start + k]
+    off_spine = sum(int(any(x.ranks[i - 1] > 0 for i in x.accepted[1:])) for r in runs for x in r.rounds)
     return {"ratio": round(ar / dd, 3), "hist": np.bincount(depths, minlength=16).tolist(),
-            "full_depth": int(np.sum(np.array(depths) == dcfg.block_size - 1)),
-            "spine_acc": np.round(hits / np.maximum(tries, 1), 2).tolist()}
+            "full_depth": int(np.sum(np.array(depths) == dcfg.block_size - 1)), "off_spine": off_spine,
+            "spine_acc": np.round(hits / np.maximum(tries, 1), 2).tolist(),
+            "top1_prob": np.round(np.mean(top1_prob, axis=0), 2).tolist()}
 
 
 def perm_oracle_accuracy(cfg, W, prompts, seed, n=64, L=15):

@@ -1,4 +1,5 @@
-"""`kdtr bench engine`: the CUDA engine's decode latency per token (cuda_engine.bench does the work)."""
+"""`kdtr bench engine`: the CUDA engine's decode latency per token (cuda_engine.bench does the work);
+`kdtr bench ddtree`: DDTree vs AR on it (cuda_engine.bench_ddtree); `kdtr bench w4a16`: the W4A16 kernels."""
 from __future__ import annotations
 
 import json
@@ -19,7 +20,8 @@ def bench_cmd() -> None:
 
 @bench_cmd.command("engine")
 @click.argument("bundle", default="bundles/model_tiny.kdtr", type=click.Path(exists=True, dir_okay=False))
-@click.option("--steps", default=200, show_default=True, help="Timed decode steps per variant.")
+@click.option("--steps", default=200, show_default=True, type=click.IntRange(1, 100_000),
+              help="Timed decode steps per variant (times are per step: at least 1).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the numbers here.")
 @click.option("--w4a16", type=click.Choice(W4A16_MODES), default="fast", show_default=True,
               help="INT4 expert kernels of an INT4 bundle (docs/cuda-engine.md).")
@@ -53,10 +55,65 @@ def engine_cmd(bundle, steps, json_path, w4a16) -> None:
             fail_write(e, "kdtr bench engine")
 
 
+@bench_cmd.command("ddtree")
+@click.argument("bundles", nargs=-1, type=click.Path(exists=True, dir_okay=False))
+@click.option("--tokens", default=128, show_default=True, type=click.IntRange(1, 4096),
+              help="Greedy tokens generated per prompt.")
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 100),
+              help="Timed runs per prompt and variant; the best counts.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the numbers here.")
+def ddtree_cmd(bundles, tokens, repeats, json_path) -> None:
+    """DDTree vs AR on the CUDA engine, one run, one device: tokens/s of each over every golden prompt of
+    each bundle (default: bundles/model_tiny.kdtr and bundles/model_int4_tiny.kdtr), the wall-clock speedup,
+    target forwards per token and their ratio, and where a DDTree round's time goes (draft, build, verify,
+    walk, compact, host syncs). AR is the decode step as a CUDA graph replayed back to back."""
+    check_output(json_path, "--json", stream_ok=True)
+    bundles = bundles or ("bundles/model_tiny.kdtr", "bundles/model_int4_tiny.kdtr")
+    from cuda_engine.device import CudaEngineError
+
+    try:
+        from cuda_engine.bench_ddtree import ddtree_speed
+
+        r = ddtree_speed(bundles, tokens, repeats,
+                         progress=lambda b, k, n: click.echo(f"  {b}: prompt {k}/{n}", err=True))
+    except CudaEngineError as e:
+        click.echo(f"kdtr bench ddtree: {e}", err=True)
+        sys.exit(int(ExitCode.ENGINE_ERROR))
+    click.echo(f"{r['device']} (cc {r['compute_capability']}, driver {r['driver']}), {tokens} tokens per prompt, "
+               f"best of {repeats}")
+    for b in r["bundles"]:
+        click.echo(f"{b['bundle']} (budget {b['budget']}, {len(b['prompts'])} prompts):")
+        click.echo(f"  AR (CUDA graph) {b['ar_tokens_per_s']:9.0f} tokens/s   DDTree {b['ddtree_tokens_per_s']:9.0f} "
+                   f"tokens/s   speedup {b['speedup']:.2f}x")
+        click.echo(f"  DDTree with the host tree builder {b['ddtree_host_builder_tokens_per_s']:9.0f} tokens/s   "
+                   f"speedup {b['speedup_host_builder']:.2f}x")
+        click.echo(f"  target forwards per token: AR {b['ar_target_forwards_per_token']:.3f}, DDTree "
+                   f"{b['ddtree_target_forwards_per_token']:.3f} (ratio {b['target_forward_ratio']:.2f}; speedup / "
+                   f"ratio {b['speedup_vs_forward_ratio']:.2f}); {b['tokens_per_round']:.2f} tokens per round")
+        click.echo(f"  per token: AR {b['ar_us_per_token']:.1f} us, DDTree {b['ddtree_us_per_token']:.1f} us; "
+                   f"speedup without the prompt's forward {b['speedup_after_prefill']:.2f}x")
+        if b["round_gpu_us"]:
+            click.echo("  a round on the device (us, events): " + ", ".join(f"{k} {v:.0f}"
+                                                                         for k, v in b["round_gpu_us"].items()))
+        split = ", ".join(f"{k} {v:.0f}" for k, v in b["round_us"].items())
+        click.echo(f"  a round (us, synchronised per phase): {split}; {b['host_syncs_per_round']:.1f} host syncs")
+        click.echo(f"  DDTree stream == AR stream on every prompt: {b['all_streams_equal_ar']}")
+    if json_path:
+        try:
+            write_atomically(json_path, lambda fh: fh.write(json.dumps(r, indent=1).encode("utf-8")),
+                             stream_ok=True)
+        except OSError as e:
+            fail_write(e, "kdtr bench ddtree")
+    if not all(b["all_streams_equal_ar"] for b in r["bundles"]):
+        click.echo("kdtr bench ddtree: the DDTree stream differs from the AR stream", err=True)
+        sys.exit(int(ExitCode.ENGINE_ERROR))
+
+
 @bench_cmd.command("w4a16")
 @click.option("--batches", default="1,2,4,8,16,32,64", show_default=True,
               help="Tokens per launch, comma-separated (1..64 run in one launch each).")
-@click.option("--reps", default=20, show_default=True, help="Graph replays per measurement.")
+@click.option("--reps", default=20, show_default=True, type=click.IntRange(1, 100_000),
+              help="Graph replays per measurement (times are per replay: at least 1).")
 @click.option("--no-moe", is_flag=True, help="Skip the one-token K2.6 MoE layer (it holds ~9.5 GB of INT4 experts).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the numbers here.")
 def w4a16_cmd(batches, reps, no_moe, json_path) -> None:

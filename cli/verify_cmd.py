@@ -45,7 +45,8 @@ def _suffixed(path: str | None, bundle: str, many: bool) -> str | None:
 @click.option("--profile", type=click.Choice(PROFILES),
               help="Tolerance profile the bundle derived (fp32, bf16); default: the engine's dtype.")
 @click.option("--dump", type=click.Path(exists=True, dir_okay=False),
-              help="Judge an external engine's run dump (docs/run-dump.md) instead of running an engine.")
+              help="Judge an external engine's run dump (docs/run-dump.md) instead of running an engine (so "
+                   "--engine, --dtype, --module and --w4a16 do not apply: a usage error).")
 @click.option("--rules", type=click.Path(exists=True, dir_okay=False),
               help="Tolerance overrides: TOML/JSON, glob over check names -> rule (docs/conformance.md).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the JSON report here.")
@@ -76,6 +77,8 @@ def verify_cmd(bundles, engine_name, dtype, module_path, w4a16, profile, dump, r
     check_output(save_dump, "--save-dump")          # a .kdtr needs a regular file (it is seeked)
     if dump and len(bundles) > 1:
         raise click.UsageError("--dump judges one run against one bundle: pass a single BUNDLE")
+    if dump:
+        _refuse_engine_options(engine_name, dtype, module_path, w4a16)
     for path, what in [(b, "bundle") for b in bundles] + ([(dump, "run dump")] if dump else []):
         try:                                        # a FIFO or device: one line and exit 5, before any run
             check_regular(path, what)
@@ -115,6 +118,8 @@ def verify_cmd(bundles, engine_name, dtype, module_path, w4a16, profile, dump, r
                     raise
                 fail_write(e, "kdtr verify --save-dump")
         console.print(f"tolerance profile: {v.info.get('profile', '-')}")
+        if "routing" in v.info:
+            console.print(f"routing: {escape(v.info['routing'])}")
         print_console(v, Console(), verbose=verbose)
         many = len(bundles) > 1
         for path, write in ((json_path, write_json), (junit_path, write_junit), (html_path, write_html)):
@@ -125,6 +130,18 @@ def verify_cmd(bundles, engine_name, dtype, module_path, w4a16, profile, dump, r
                     fail_write(e, "kdtr verify")
         worst = max(worst, v.exit_code, key=_severity)
     sys.exit(int(worst))
+
+
+def _refuse_engine_options(engine_name, dtype, module_path, w4a16) -> None:
+    """With --dump no engine runs: an engine option would be silently ignored (a dump made with --w4a16
+    plain would pass as `--w4a16 fast`), so it is a usage error naming the option."""
+    given = [("--engine", engine_name if engine_name != "auto" else None), ("--dtype", dtype),
+             ("--module", module_path), ("--w4a16", w4a16)]
+    for option, value in given:
+        if value:
+            raise click.UsageError(f"{option} {value} configures an engine that kdtr runs, but --dump judges a run "
+                                   f"already made, as it was made (its metadata engine_info records how): drop "
+                                   f"{option} or drop --dump")
 
 
 def _coverage_fraction(text: str | None) -> float | None:

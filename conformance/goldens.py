@@ -18,9 +18,10 @@ from refmodel.model import KVCache, weights_dtype
 from refmodel.weights import mask_token_id
 
 # Decode steps keep the taps that pin down each layer's state and name the sublayer of a decode-only fault:
-# the cache rows an engine writes, the attention output, the routing decision and the layer output;
+# the cache rows an engine writes, the attention output, the routing scores and decision (the scores let a
+# precision profile judge a decode-step expert flip at a near-tie, as in prefill) and the layer output;
 # prefill keeps every tap. Sizes and the choice: docs/golden-bundles.md.
-AR_TAPS = ("kv_latent", "k_pe", "attn_out", "topk_ids", "resid_out")
+AR_TAPS = ("kv_latent", "k_pe", "attn_out", "router_scores", "topk_ids", "resid_out")
 MARGIN_SAFETY = 4.0     # a greedy margin must exceed this many logits tolerances (a flip needs > 2)
 LONG_PROMPT_LENGTH = 6  # tokens of the long-position prompt
 LONG_NEW_TOKENS = 16    # its greedy stream: 3-4 DDTree rounds at long positions (bundle size: the doc)

@@ -9,8 +9,10 @@
   check fails naming the round. On an equal tree the accepted path, the target's argmax on it and the
   bonus equal the golden ones. The records must also be self-consistent: each round's accepted path and
   bonus are the walk of its verify argmax over its tree, and the rounds produce the stream;
-- `target_forwards`: the live count against the golden count, exact when every round had the golden
-  tree (then the runs are the same), reported otherwise (a near-tie tree may accept another number).
+- `target_forwards`: the reported counters agree with the records, always (counters = [1 + rounds,
+  rounds]: one prefill and one verify forward per round); and the live count against the golden count,
+  exact when every round had the golden tree (then the runs are the same), reported otherwise (a
+  near-tie tree may accept another number).
 
 The live path logits are judged by judge.py's `_path_logits_check`, as the replay's.
 """
@@ -132,13 +134,21 @@ def _trees_check(f, g: str, i: int, out: dict, drafts: GoldenDrafts) -> tuple[Ch
 
 
 def _forwards_check(f, g: str, p: str, out: dict, all_golden: bool) -> CheckResult:
+    """The engine's reported counters against its own records always (1 prefill + one verify per round,
+    docs/run-dump.md), and against the golden count exactly when every round had the golden tree."""
     n = len(f[g + "ar/tokens"])                   # AR: 1 prefill + n - 1 decodes
-    fw, gfw = int(out[p + "counters"][0]), int(f[g + "ddtree/counters"][0])
-    m = {"engine": fw, "golden": gfw, "ar_forwards": n, "engine_ratio": round(n / fw, 4),
-         "golden_ratio": round(n / gfw, 4)}
+    fw, rounds, gfw = int(out[p + "counters"][0]), int(out[p + "counters"][1]), int(f[g + "ddtree/counters"][0])
+    R = len(out[p + "accepted_offsets"]) - 1      # the rounds the records hold
+    m = {"engine": fw, "golden": gfw, "ar_forwards": n, "engine_ratio": round(n / fw, 4) if fw > 0 else None,
+         "golden_ratio": round(n / gfw, 4), "rounds": R}
+    if (fw, rounds) != (1 + R, R):
+        return CheckResult(p + "target_forwards", "fail", "ddtree", m, {"exact": True},
+                           f"counters [{fw}, {rounds}] disagree with the {R} rounds the records hold: expected "
+                           f"[{1 + R}, {R}] (1 prefill + one verify forward per round)")
     if all_golden and fw != gfw:
         return CheckResult(p + "target_forwards", "fail", "ddtree", m, {"exact": True},
                            f"{fw} target forwards with every golden tree, golden {gfw}")
-    msg = "" if all_golden else (f"{fw} target forwards, golden {gfw}: reported, not judged (not every round "
-                                 f"had the golden tree; see the trees check)")
+    msg = "" if all_golden else (f"{fw} target forwards, golden {gfw}: consistent with the {R} rounds of its "
+                                 f"records; not judged against golden (not every round had the golden tree; "
+                                 f"see the trees check)")
     return CheckResult(p + "target_forwards", "pass", "ddtree", m, {"exact": all_golden}, msg)

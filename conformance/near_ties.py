@@ -15,10 +15,10 @@ values are themselves judged numerically.
   stream that leaves the golden one at a candidate j is a near-tie when its token j is the engine's own
   AR token j or the argmax of its own `path_logits[j - 1]`.
 - **An expert set** that differs from the golden one is a near-tie when the engine reported that tap's
-  `router_scores`, the bundle holds golden ones to judge them against (prefill; decode steps keep none,
-  so decode routing stays exact), the engine's set is exactly the top-K of its own scores + the
-  correction bias (`refmodel.model.select_experts`, groups included), and every swapped pair's golden
-  biased scores are within twice the layer's `router_scores` atol.
+  `router_scores`, the bundle holds golden ones to judge them against (a bundle made before decode steps
+  recorded them keeps none for decode, whose routing then stays exact), the engine's set is exactly the
+  top-K of its own scores + the correction bias (`refmodel.model.select_experts`, groups included), and
+  every swapped pair's golden biased scores are within twice the layer's `router_scores` atol.
 
 Under the fp32 profile `kdtr gen` keeps every margin above 4 atol and every routing gap above 4 router
 atol, so nothing is a near-tie and everything stays exact.

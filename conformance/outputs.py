@@ -7,8 +7,11 @@ through the same `validate_outputs`; any problem makes the run unjudgeable: an i
 (conformance/judge.py) only ever sees outputs that passed, so it never meets a missing required record.
 
 Storage dtypes: integer records are int64; float records are stored in the engine's compute dtype
-(float32; bfloat16 as raw uint16 bit patterns; float16). `widened` turns the float records into float32
-(exact) for the judge, which measures ULPs in the compute dtype.
+(float32; bfloat16 as raw uint16 bit patterns; float16), except that `router_scores` may also be float32
+in any engine: routers compute in float32, and rounding their scores to bfloat16 would hide the values
+the engine chose its experts by (a near-tie flip is granted only when those values explain it,
+conformance/near_ties.py). `widened` turns the float records into float32 (exact) for the judge, which
+measures ULPs in the compute dtype.
 
 Legend: P prompt length, n golden tokens, V vocab, E routed experts, R rounds, T tree rows.
 """
@@ -89,7 +92,8 @@ class _Checker:
         self.problems.append(f"{self.p}{name} {msg}")
 
     def get(self, name: str, kind: str, shape: tuple):
-        """`kind` "int" (int64) or "float" (the compute dtype); `shape` entries None = any length. A name
+        """`kind` "int" (int64), "float" (the compute dtype) or "router" (the compute dtype or float32);
+        `shape` entries None = any length. A name
         not reported is a problem: callers ask only for required records, or optional ones present."""
         if self.p + name not in self.out:
             self.bad(name, "is missing (required)")
@@ -97,6 +101,8 @@ class _Checker:
         a = np.asarray(self.out[self.p + name])
         want = "int64" if kind == "int" else self.dtype
         got = storage_name(a, self.dtype)
+        if kind == "router" and got == "float32":                        # routers compute in float32
+            want = got
         dims = ", ".join("*" if s is None else str(s) for s in shape)
         if got != want or a.ndim != len(shape) or any(s is not None and s != d for s, d in zip(shape, a.shape)):
             self.bad(name, f"is {got}{list(a.shape)}, expected {want}[{dims}]")
@@ -174,7 +180,7 @@ def _tap_problems(f, g: str, c: _Checker, cfg: ModelConfig) -> None:
             c.in_range(key, ids, 0, cfg.n_routed_experts, "expert ids")
             _distinct_problems(c, key, ids)
         else:
-            c.get(key, "float", shape)
+            c.get(key, "router" if key.endswith("/router_scores") else "float", shape)
 
 
 def _ddtree_problems(f, g: str, c: _Checker, n: int, V: int, group: str = "ddtree") -> None:

@@ -32,6 +32,9 @@ from refmodel.stored import StoredWeights
 
 PROFILES = ("fp32", "bf16")
 PROFILE_OF_DTYPE = {"float32": "fp32", "bfloat16": "bf16"}
+# Profiles whose reference run held routing to the golden expert sets: the runner holds a live engine's
+# routing alike (conformance/collect.py), so its taps are measured under the conditions of the derivation.
+HOLDS_ROUTING = {"fp32": False, "bf16": True}
 BF16_EPS = 2.0**-7                      # bfloat16 machine epsilon: one ULP at 1.0 (8-bit significand)
 FP32_KEEP = (".mlp.gate.weight", ".mlp.gate.e_score_correction_bias")   # router: float32 in bf16 engines
 

@@ -68,6 +68,15 @@ class Engine(Protocol):
         verify_argmax, accepted, accepted_offsets, round_bonus, counters [target forwards, rounds] and
         path_logits. The runner calls it after the golden replay when the engine has it."""
 
+    def hold_routing(self, ids: dict[int, np.ndarray] | None) -> None:
+        """Optional: the expert sets the NEXT prefill/decode/verify_tree call computes its MoE layers with,
+        {layer: [T, K] int64 expert ids}, a row of -1 meaning "the router decides"; None or a missing layer:
+        the router decides. It holds for that one call. The engine still reports its own router's
+        router_scores, topk_ids and topk_weights; only the experts it runs change, weighted from its own
+        scores at the held ids (normalised and scaled as its router does). The runner holds routing to the
+        golden sets under a profile derived that way (bf16), so a near-tie expert flip is judged once, at
+        its topk_ids, instead of moving every later tap (docs/conformance.md §3a)."""
+
     def run_layer(self, layer: int, inputs: Taps) -> Taps:
         """Optional: engines with supports_teacher_forcing False may omit it. Run layer `layer` alone on golden inputs
         and return its taps, so the runner can tell a local fault from inherited error.
@@ -87,8 +96,9 @@ def check_engine(engine: object) -> list[str]:
     for meth in ("load", "reset", "prefill", "decode", "verify_tree", "compact"):
         if not callable(getattr(engine, meth, None)):
             problems.append(f"method {meth}() missing")
-    if hasattr(engine, "ddtree_generate") and not callable(engine.ddtree_generate):
-        problems.append("ddtree_generate is present but not a method")
+    for meth in ("ddtree_generate", "hold_routing"):
+        if hasattr(engine, meth) and not callable(getattr(engine, meth)):
+            problems.append(f"{meth} is present but not a method")
     if getattr(engine, "supports_teacher_forcing", False) and not callable(
             getattr(engine, "run_layer", None)):
         problems.append("supports_teacher_forcing is True but run_layer() is missing")

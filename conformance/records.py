@@ -7,11 +7,12 @@ import numpy as np
 
 from kdtr_format import KdtrError, Tensor, open_kdtr, write_kdtr
 from refmodel.config import ModelConfig
-from refmodel.ddtree import Tree, visibility
+from refmodel.ddtree import Tree, live_records, offsets, ragged, visibility  # noqa: F401 - the records' one builder
 from refmodel.model import tap_names
 
 BUNDLE_SCHEMA = "kdtr-bundle/2"     # /2: decode-step attn_out, position_offsets, the long-position prompt
 DUMP_SCHEMA = "kdtr-run-dump/1"
+DUMP_ROUTING = ("held", "free")    # metadata "routing": how the run's expert sets were chosen
 
 
 class BundleSchemaError(KdtrError):
@@ -72,33 +73,6 @@ def golden_tree(f, p: str, r: int) -> Tree:
     return Tree(tokens, depths, parents, child_maps, visibility(parents), ranks, np.zeros(len(tokens)))
 
 
-def ragged(rows) -> np.ndarray:
-    """Per-round int records concatenated into one int64 tensor (read back with `offsets`)."""
-    return np.concatenate([np.asarray(x, np.int64).reshape(-1) for x in rows]) if rows else np.zeros(0, np.int64)
-
-
-def offsets(sizes) -> np.ndarray:
-    """[R+1] int64: round r's rows of a ragged tensor are [o[r], o[r+1])."""
-    return np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-
-
-def live_records(tokens, rounds, target_forwards: int) -> dict:
-    """A live DDTree run (refmodel.ddtree Rounds) as the `ddtree_live/` records of docs/run-dump.md §2,
-    names relative to the group: the stream, the trees as the bundle lays them out (row 0 of a round =
-    the root: token -1, parent -1), and per round the verify argmax, accepted path, bonus, path logits."""
-    return {
-        "tokens": np.asarray(tokens, np.int64),
-        "tree_tokens": ragged([[-1] + list(r.tree_tokens) for r in rounds]),
-        "tree_parents": ragged([r.parents for r in rounds]),
-        "verify_argmax": ragged([r.verify_argmax for r in rounds]),
-        "accepted": ragged([r.accepted for r in rounds]),
-        "accepted_offsets": offsets([len(r.accepted) for r in rounds]),
-        "round_bonus": np.asarray([r.bonus for r in rounds], np.int64),
-        "counters": np.array([target_forwards, len(rounds)], np.int64),
-        "path_logits": np.concatenate([r.path_logits for r in rounds]),
-    }
-
-
 # ---------------------------------------------------------------- run dumps
 
 def read_dump(path: str) -> tuple[dict, str]:
@@ -116,6 +90,9 @@ def read_dump(path: str) -> tuple[dict, str]:
         if dtype not in ("float32", "bfloat16", "float16"):
             raise BundleSchemaError(f"metadata dtype {dtype!r}: the engine's compute dtype must be float32, "
                                     f"bfloat16 or float16 (docs/run-dump.md)")
+        if meta.get("routing", "free") not in DUMP_ROUTING:
+            raise BundleSchemaError(f"metadata routing {meta['routing']!r}: must be \"held\" or \"free\", or left "
+                                    f"out (docs/run-dump.md)")
         return {n: np.array(d[n]) for n in d.names}, dtype              # bfloat16 as raw uint16
 
 
@@ -131,13 +108,23 @@ def bundle_as_outputs(d) -> dict:
     return out
 
 
+def dump_routing(path: str) -> str | None:
+    """A run dump's metadata `routing` ("held" or "free"; read_dump validated it), None when the dump
+    does not say how its engine's expert sets were chosen (docs/run-dump.md)."""
+    with open_kdtr(path) as d:
+        return d.metadata.get("routing")
+
+
 def write_dump(out: dict, path: str, engine_name: str, dtype: str, bundle_command: str = "",
-               engine_info: dict | None = None) -> None:
+               engine_info: dict | None = None, routing: str | None = None) -> None:
     """A run dump (docs/run-dump.md) of a live engine's outputs: what an external engine writes.
     engine_info: the engine's own provenance (`dump_metadata()`, e.g. the CUDA engine's device and source
-    hash), stored under metadata "engine_info"."""
+    hash), stored under metadata "engine_info". routing: "held" when the run held its routing to the
+    golden expert sets, "free" when its router chose them (metadata "routing")."""
 
     meta = {"schema": DUMP_SCHEMA, "engine": engine_name, "dtype": dtype, "bundle_command": bundle_command}
+    if routing is not None:
+        meta["routing"] = routing
     if engine_info:
         meta["engine_info"] = engine_info
     bf16 = lambda v: dtype == "bfloat16" and v.dtype == np.uint16  # noqa: E731 - raw bf16 bit patterns

@@ -13,13 +13,13 @@ from __future__ import annotations
 import os
 import time
 
-from conformance.collect import collect
+from conformance.collect import can_hold_routing, collect
 from conformance.judge import coverage_check, judge
 from conformance.localize import localize
 from conformance.outputs import InvalidOutputs
-from conformance.profiles import PROFILE_OF_DTYPE, profile_taps
+from conformance.profiles import HOLDS_ROUTING, PROFILE_OF_DTYPE, profile_taps
 from conformance.protocol import check_engine
-from conformance.records import check_schema, prompts_of, read_dump, write_dump
+from conformance.records import check_schema, dump_routing, prompts_of, read_dump, write_dump
 from conformance.report import CheckResult, make_verdict
 from kdtr_format import KdtrError, open_kdtr
 
@@ -49,9 +49,10 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
         if engine is not None and dump is None:                          # a missing profile: say so before
             profile = profile or PROFILE_OF_DTYPE.get(engine.dtype, "fp32")   # the run, not after it
             profile_taps(f.metadata, profile)
-        dtype = "float32"
+        dtype, hold = "float32", bool(dump is None and HOLDS_ROUTING.get(profile or "", False))
+        held = hold and can_hold_routing(engine)                        # what collect will do
         try:
-            out, dtype = _outputs(f, engine, dump, progress)
+            out, dtype = _outputs(f, engine, dump, progress, hold)
         except KdtrError as e:
             checks.append(CheckResult("dump/integrity", "error", "integrity", message=f"{dump}: {e}"))
             return make_verdict(name, bundle, checks)
@@ -69,7 +70,8 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
             return make_verdict(name, bundle, checks)
         if save_dump and dump is None:
             own = engine.dump_metadata() if callable(getattr(engine, "dump_metadata", None)) else None
-            write_dump(out, save_dump, name, dtype, f.metadata.get("provenance", {}).get("command", ""), own)
+            write_dump(out, save_dump, name, dtype, f.metadata.get("provenance", {}).get("command", ""), own,
+                       routing="held" if held else "free")
         _say_why_unobserved(judged, getattr(engine, "unobserved", None) or {})
         if first is not None and engine is not None and dump is None:
             try:
@@ -78,7 +80,8 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
                 first.cause = f"not localised: run_layer raised {type(e).__name__}: {e}"
         if require_coverage is not None:
             judged.append(coverage_check(judged, require_coverage))
-        info = {"dtype": dtype, "profile": profile, "engine_seconds": round(t1 - t0, 3),
+        info = {"dtype": dtype, "profile": profile, "routing": _routing_info(engine, dump, profile, held),
+                "engine_seconds": round(t1 - t0, 3),
                 "judge_seconds": round(time.perf_counter() - t1, 3), "prompts": len(prompts_of(f)),
                 "bundle_figures": f.metadata.get("figures", {})}
         return make_verdict(name, os.fspath(bundle), checks + judged, first, info)
@@ -92,8 +95,29 @@ def _say_why_unobserved(checks, why: dict) -> None:
             c.message = f"not observable: {why[tap]}"
 
 
-def _outputs(f, engine, dump, progress) -> tuple[dict, str]:
+def _routing_info(engine, dump, profile: str, held: bool) -> str:
+    """How the expert sets the engine computed with were chosen (docs/conformance.md §3a). A live run:
+    what the runner did; a run dump: what its metadata `routing` says (the runner cannot hold a finished
+    run's routing; docs/run-dump.md)."""
+    caveat = (f", but the {profile} profile was derived with routing held to the golden expert sets, so a "
+              f"near-tie expert flip also moves the taps after it") if HOLDS_ROUTING.get(profile, False) else ""
+    if dump is not None:
+        said = dump_routing(dump)
+        if said == "held":
+            return "held to the golden expert sets by the run that wrote this dump (its metadata routing: held)"
+        if said == "free":
+            return "free: the run that wrote this dump let its router choose every expert set" + caveat
+        return "not recorded: the dump's metadata does not say how its expert sets were chosen" + caveat
+    if not held:
+        return ("free: the engine's own router chose every expert set" +
+                (caveat and f"{caveat}; this engine has no hold_routing"))
+    rows = getattr(engine, "held_rows", None)
+    return ("held to the golden expert sets, as the profile was derived" +
+            ("" if rows is None else f"; {rows} row(s) ran the golden experts instead of the engine's own choice"))
+
+
+def _outputs(f, engine, dump, progress, hold: bool = False) -> tuple[dict, str]:
     if dump is not None:
         return read_dump(dump)
     engine.load(f)
-    return collect(engine, f, progress), engine.dtype
+    return collect(engine, f, progress, hold), engine.dtype

@@ -177,6 +177,8 @@ class TorchEngine:
         self.cfg: ModelConfig | None = None
         self.model = None
         self._taps: dict = {}
+        self._held: dict = {}                                            # layer -> [T, K] ids for the next forward
+        self.held_rows = 0                                               # rows that ran held, not own, experts
 
     def describe(self) -> str:
         return f"{self.module or 'transformers DeepseekV3ForCausalLM'}, {self.dtype}, {self.device}"
@@ -188,6 +190,7 @@ class TorchEngine:
         else:
             self.cfg, W = bundle_weights(bundle)
         self.model = build_model(self.cfg, W, self.module, self.dtype, self.device)
+        self.held_rows = 0
         self._inv = _rope_inverse(self.cfg.qk_rope_head_dim)
         self._hook()
         self.reset()
@@ -199,7 +202,7 @@ class TorchEngine:
 
     def _np(self, t: torch.Tensor) -> np.ndarray:
         """A float tensor as the protocol stores it: float32, or for a bfloat16 engine the raw bfloat16
-        bits (uint16). The router's float32 outputs are rounded to bfloat16 there, as a dump stores them."""
+        bits (uint16). (The router's scores stay float32, as it computes them: `_routing`.)"""
         t = t.detach()
         if self.dtype == "bfloat16":
             return t.to(torch.bfloat16).view(torch.int16).cpu().numpy().view(np.uint16)
@@ -242,17 +245,38 @@ class TorchEngine:
             if l >= self.cfg.first_k_dense_replace:
                 if p + "mlp.gate" not in mods:
                     raise TorchEngineError(f"MoE layer {l} has no submodule {p}mlp.gate (the router)")
-                mods[p + "mlp.gate"].register_forward_hook(lambda m, args, o, l=l: self._routing(l, o))
+                mods[p + "mlp.gate"].register_forward_hook(lambda m, args, o, l=l: self._routing(l, m, o))
             mods[p + "mlp"].register_forward_hook(out(f"L{l}/mlp_out"))
             mods[p[:-1]].register_forward_hook(out(f"L{l}/resid_out", lambda o: o[0] if isinstance(o, tuple) else o))
         mods["model.norm"].register_forward_hook(out("final_hidden"))
 
-    def _routing(self, l: int, o) -> None:
-        """transformers' router returns (logits, topk_weights, topk_ids); our scores are the sigmoid."""
+    def _routing(self, l: int, gate, o):
+        """transformers' router returns (logits, topk_weights, topk_ids); our scores are the sigmoid. The
+        taps are the router's own decision; with routing held (hold_routing), a row whose held expert set
+        differs from the router's runs the held experts, weighted from the router's own scores as the
+        router weighs its choice (gathered, normalised when norm_topk_prob, scaled): the replaced output."""
         logits, weights, ids = o
-        self._taps[f"L{l}/router_scores"] = self._np(torch.sigmoid(logits.float()))        # [T, E]
+        scores = torch.sigmoid(logits.float())                                             # [T, E]
+        self._taps[f"L{l}/router_scores"] = scores.detach().cpu().numpy()  # float32 (docs/run-dump.md)
         self._taps[f"L{l}/topk_weights"] = self._np(weights)                               # [T, K]
         self._taps[f"L{l}/topk_ids"] = ids.detach().cpu().numpy().astype(np.int64)         # [T, K]
+        held = self._held.get(l)
+        if held is None:
+            return None
+        held = torch.as_tensor(np.array(held, np.int64), device=ids.device)                # [T, K], -1: own
+        if tuple(held.shape) != tuple(ids.shape):
+            raise TorchEngineError(f"hold_routing: layer {l} got held ids of shape {tuple(held.shape)} for a "
+                                   f"forward routing {tuple(ids.shape)}")
+        own_sets, held_sets = ids.sort(dim=-1).values, held.sort(dim=-1).values
+        swap = (held >= 0).all(dim=-1) & (own_sets != held_sets).any(dim=-1)               # [T]
+        if not bool(swap.any()):
+            return None
+        self.held_rows += int(swap.sum())
+        w = scores.gather(1, held.clamp(min=0))
+        if self.model.config.norm_topk_prob:
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        w = (w * self.model.config.routed_scaling_factor).to(weights.dtype)
+        return logits, torch.where(swap[:, None], w, weights), torch.where(swap[:, None], held, ids)
 
     def _cache_taps(self, cache, layers, T: int) -> None:
         """kv_latent and k_pe: the T rows this forward appended to each layer's cache."""
@@ -282,15 +306,23 @@ class TorchEngine:
     def _mask(self, mask: np.ndarray) -> torch.Tensor:
         return torch.as_tensor(np.asarray(mask), dtype=DTYPES[self.dtype], device=self.device)[None, None]
 
+    def hold_routing(self, ids: dict | None) -> None:
+        """The expert sets the next forward runs ({layer: [T, K]}, -1 rows: the router decides;
+        conformance/protocol.py). The taps still report the router's own decision."""
+        self._held = dict(ids or {})
+
     def _forward(self, ids, positions, mask) -> tuple[np.ndarray, dict]:
         ids = np.array(ids, np.int64).reshape(-1)          # a writable copy for torch
         T, S = len(ids), self.cache.get_seq_length()
         mask = causal_mask(T, S) if mask is None else mask               # [T, S + T] additive
         self._taps = {}
-        with torch.no_grad():
-            out = self.model(input_ids=torch.as_tensor(ids, device=self.device)[None],
-                             position_ids=torch.as_tensor(np.array(positions, np.int64), device=self.device)[None],
-                             attention_mask=self._mask(mask), cache=self.cache, use_cache=True)
+        try:
+            with torch.no_grad():
+                out = self.model(input_ids=torch.as_tensor(ids, device=self.device)[None],
+                                 position_ids=torch.as_tensor(np.array(positions, np.int64), device=self.device)[None],
+                                 attention_mask=self._mask(mask), cache=self.cache, use_cache=True)
+        finally:
+            self._held = {}                                              # held for one call only
         self._cache_taps(self.cache, range(self.cfg.num_hidden_layers), T)
         taps = self._ordered(range(self.cfg.num_hidden_layers), final=True)
         logits = self._np(out.logits[0])                                 # [T, V]

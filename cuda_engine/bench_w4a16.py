@@ -232,7 +232,7 @@ def _row_text(r: dict) -> str:
 
 
 def _aims(out: dict) -> list[dict]:
-    """The issue's aims, each with the measured value and whether it is met."""
+    """The speed aims (docs/cuda-engine.md), each with the measured value and whether it is met."""
     def row(shape, batch):
         return next((r for r in out["rows"] if r["shape"] == shape and r["batch"] == batch), None)
     aims = []

@@ -4,15 +4,20 @@
 #
 #     KDTR_COMMIT=$(git rev-parse HEAD) bash cuda_engine/device_run.sh OUTDIR
 #
-# 1. the GPU tests (every kernel vs its NumPy oracle, the fast W4A16 kernel vs the plain one, the engine end to
-#    end, determinism, graph == no graph); OUTDIR/w4a16_errors.jsonl: both kernels' errors per test case;
-# 2. `kdtr verify BUNDLE --engine cuda --save-dump OUTDIR/<bundle>.cuda.kdtr` for every committed bundle, and
-#    for an INT4 bundle once per --w4a16 mode (fast -> <bundle>.cuda.kdtr, plain -> <bundle>.cuda-plain.kdtr):
+# 1. `kdtr verify BUNDLE --engine cuda --save-dump OUTDIR/<bundle>.cuda.kdtr` for every committed bundle (with
+#    the engine's live DDTree checks), and for an INT4 bundle once per --w4a16 mode (fast -> <bundle>.cuda.kdtr,
+#    plain -> <bundle>.cuda-plain.kdtr):
 #    these are the proofs to commit as bundles/proofs/ (metadata: device, driver, commit, source hash, mode);
-# 3. determinism: a second run's dump is byte-identical to the first;
-# 4. compute-sanitizer memcheck over an end-to-end verify, racecheck over the shared-memory kernels;
+# 2. determinism: a second run's dump is byte-identical to the first;
+# 3. the GPU tests (every kernel vs its NumPy oracle, the fast W4A16 kernel vs the plain one, the engine end to
+#    end, determinism, graph == no graph, the engine's own DDTree: drafter, device tree builder, node context,
+#    determinism); OUTDIR/w4a16_errors.jsonl: both kernels' errors per test case; (after the proofs, so a run
+#    cut short by its time limit still returns them);
+# 4. (last, the slowest) compute-sanitizer memcheck over an end-to-end INT4 verify, racecheck over the
+#    shared-memory kernels;
 # 5. `kdtr bench engine` (decode latency, with and without the CUDA graph, vs the launch floor; an INT4 bundle
-#    in both --w4a16 modes) and `kdtr bench w4a16` (the W4A16 kernels vs floor, cuBLAS, tinygemm; MoE layer);
+#    in both --w4a16 modes), `kdtr bench w4a16` (the W4A16 kernels vs floor, cuBLAS, tinygemm; MoE layer) and
+#    `kdtr bench ddtree` (DDTree vs AR tokens/s on both bundles, one run);
 # 6. `kdtr verify --engine auto` picks cuda.
 # Everything goes to OUTDIR/log; the exit status is 1 when any step failed.
 set -u
@@ -32,8 +37,6 @@ step() { echo "== $*"; local t=$SECONDS; "$@"; local rc=$?; echo "== rc=$rc in $
 
 nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv
 echo "commit ${KDTR_COMMIT:-unknown}"
-KDTR_W4A16_ERRORS="$OUT_DIR/w4a16_errors.jsonl" step python3 -m pytest -q -p no:cacheprovider -m cuda \
-    tests/test_cuda_kernels.py tests/test_cuda_w4a16.py tests/test_cuda_engine.py
 # the proofs: python3 -m cuda_engine.proofs BUNDLE lists "MODE PROOF_NAME" per --w4a16 mode ("- NAME": none)
 for b in bundles/*.kdtr; do
     while read -r mode name; do
@@ -42,18 +45,28 @@ for b in bundles/*.kdtr; do
 done
 step kdtr verify bundles/model_tiny.kdtr --engine cuda --save-dump /tmp/second_run.kdtr
 step cmp "$OUT_DIR/model_tiny.cuda.kdtr" /tmp/second_run.kdtr
-# memcheck: every kernel of a whole verify run. --report-api-errors no: cuda-bindings probes driver entry
-# points with cuGetProcAddress, whose "not found" answers memcheck would count as errors; the engine
-# checks every driver result itself. racecheck (shared-memory hazards, ~50x slower): the attention kernel.
-step timeout 300 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
-    python3 -c 'from cli.main import main; main()' verify bundles/model_tiny.kdtr --engine cuda
-step timeout 300 compute-sanitizer --tool racecheck --kernel-name kns=mla_attention_kernel --error-exitcode 9 \
-    python3 -c 'from cli.main import main; main()' verify bundles/model_tiny.kdtr --engine cuda
+# the GPU tests (after the proofs, so that a run cut short by its time limit still returns them)
+KDTR_W4A16_ERRORS="$OUT_DIR/w4a16_errors.jsonl" step python3 -m pytest -q -p no:cacheprovider -m cuda \
+    tests/test_cuda_kernels.py tests/test_cuda_w4a16.py tests/test_cuda_engine.py tests/test_cuda_ddtree.py
 for b in bundles/*.kdtr; do
     step kdtr bench engine "$b" --json "$OUT_DIR/bench.$(basename "$b" .kdtr).json"
 done
 step kdtr bench engine bundles/model_int4_tiny.kdtr --w4a16 plain --json "$OUT_DIR/bench.model_int4_tiny.plain.json"
 step kdtr bench w4a16 --json "$OUT_DIR/bench.w4a16.json"
+step kdtr bench ddtree bundles/*.kdtr --json "$OUT_DIR/bench.ddtree.json"
+# memcheck: every kernel of a whole verify run (INT4: the fast W4A16 path and the live DDTree included).
+# --report-api-errors no: cuda-bindings probes driver entry points with cuGetProcAddress, whose "not found"
+# answers memcheck would count as errors; the engine checks every driver result itself. racecheck
+# (hazards on shared memory only, ~50x slower), one kernel family at a time: the fast W4A16 kernels (the
+# activation terms staged in shared memory; their split-K tickets and partials are global memory, which
+# racecheck does not see: the bit-identity tests over repeated and graph-replayed runs cover those), the
+# DDTree builder (top-K sort and heap in shared memory) and the attention kernel. Last: the slowest steps.
+step timeout 240 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
+    python3 -c 'from cli.main import main; main()' verify bundles/model_int4_tiny.kdtr --engine cuda
+for k in w4a16_mma ddtree_ mla_attention_kernel; do
+    step timeout 150 compute-sanitizer --tool racecheck --kernel-name kns=$k --error-exitcode 9 \
+        python3 -c 'from cli.main import main; main()' verify bundles/model_int4_tiny.kdtr --engine cuda
+done
 step kdtr verify bundles/model_tiny.kdtr --engine auto
 echo "device_run: $([ $failed -eq 0 ] && echo ALL STEPS PASSED || echo SOME STEP FAILED)"
 exit $failed

@@ -19,6 +19,7 @@ import numpy as np
 
 from cuda_engine.build import engine_source_hash
 from cuda_engine.device import CudaEngineError, DevBuf, device_info, driver
+from cuda_engine.drafter import read_drafter
 from cuda_engine.ops import ATTN_MAX_C, ATTN_MAX_N, ATTN_MAX_Q, ATTN_MAX_R, ATTN_MAX_SPLIT, MOE_MAX_SLOTS, ROUTER_MAX_E, ROUTER_MAX_GROUPS, Ops
 from cuda_engine.weights import layer_arrays, load_weights
 from refmodel.config import ModelConfig
@@ -93,6 +94,7 @@ class CudaEngine:
         self._alloc_activations(T_CAP0, S_CAP0)
         self._alloc_cache(S_CAP0)
         self.reset()
+        self._drafter_host = read_drafter(bundle)       # the live DDTree's drafter (cuda_engine/drafter.py)
 
     def _int4_slots(self, l: int) -> tuple[int, int, int]:
         """(K routed slots, S slots per token, k4 = how many leading slots run on INT4 weights) of layer l."""
@@ -189,6 +191,24 @@ class CudaEngine:
             self.buf["keep"].set(keep.astype(np.int32))
             self.ops.kv_compact(self.cache["ckv"], self.cache["kpe"], self.buf["keep"], keep.size, start)
         self.length = start + keep.size
+
+    def ddtree_generate(self, prompt_ids, pos0: int, n_tokens: int) -> dict:
+        """The engine's own greedy DDTree loop on the GPU (cuda_engine/ddtree.py): its drafter, its trees, its
+        verify forwards, from an empty cache; the records of docs/run-dump.md §2 (`ddtree_live/`)."""
+        from cuda_engine.ddtree import ddtree_run
+
+        return ddtree_run(self, prompt_ids, int(pos0), int(n_tokens))[0]
+
+    def _ddtree_state(self):
+        """The drafter on the device and the verify graph, built on first use after each load()."""
+        dd = getattr(self, "_dd", None)
+        if dd is None or dd.cfg is not self.cfg:
+            from cuda_engine.ddtree import DDTreeState
+
+            if dd is not None:
+                dd.destroy()
+            self._dd = dd = DDTreeState(self, self._drafter_host)
+        return dd
 
     def run_layer(self, layer: int, inputs: dict) -> dict:
         """Layer `layer` alone on golden inputs, with its own temporary cache holding the golden rows."""

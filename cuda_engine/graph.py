@@ -7,6 +7,8 @@ so the engine captures only the shape-stable decode step and re-captures after a
 """
 from __future__ import annotations
 
+import gc
+
 from cuda_engine.device import CudaEngineError
 
 
@@ -48,13 +50,23 @@ def capture(ops, record) -> Graph:
     cu = _cu()
     before = ops.launches
     ops.stream.synchronize()
-    _check(cu.cuStreamBeginCapture(ops.stream.handle, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL),
-           "cuStreamBeginCapture")
-    ops.capturing = True
+    # No device memory may be freed while a stream captures (cuMemFree then invalidates the capture, and
+    # PyCUDA only warns). Python's cycle collector frees the buffers of a dropped engine whenever it runs,
+    # so garbage is collected first and the collector is paused until the capture ends.
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
     try:
-        record()
+        _check(cu.cuStreamBeginCapture(ops.stream.handle, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL),
+               "cuStreamBeginCapture")
+        ops.capturing = True
+        try:
+            record()
+        finally:
+            ops.capturing = False
+            graph = _check(cu.cuStreamEndCapture(ops.stream.handle), "cuStreamEndCapture")
     finally:
-        ops.capturing = False
-        graph = _check(cu.cuStreamEndCapture(ops.stream.handle), "cuStreamEndCapture")
+        if collecting:
+            gc.enable()
     exe = _check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
     return Graph(graph, exe, ops.launches - before)

@@ -47,6 +47,9 @@ def _ptr(x) -> int:
     return x.ptr if isinstance(x, DevBuf) else int(x)
 
 
+GRID_X_MAX, GRID_YZ_MAX = 2**31 - 1, 65535          # CUDA launch limits (compute capability >= 3.0)
+
+
 def _need(ok: bool, op: str, what: str) -> None:
     if not ok:
         raise ValueError(f"{op}: {what}")
@@ -93,6 +96,11 @@ class Ops:
         grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
         if min(grid) <= 0:
             return                                              # nothing to do (e.g. T = 0 rows)
+        if grid[0] > GRID_X_MAX or max(grid[1:]) > GRID_YZ_MAX:
+            # (token, slot) pairs or rows ride on grid.y / grid.z, whose limit is 65535 on sm_90 and sm_120:
+            # a long prompt on a wide MoE would otherwise fail with the driver's bare "invalid argument".
+            raise CudaEngineError(f"{name}: launch grid {grid} exceeds the device's limits (x <= {GRID_X_MAX}, "
+                                  f"y, z <= {GRID_YZ_MAX}): too many rows (tokens x expert slots) for one forward")
         self.fn[name].prepared_async_call(grid, block, self.stream, *args)
         self.launches += 1
         if self.debug_sync and not self.capturing:

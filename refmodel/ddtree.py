@@ -252,3 +252,34 @@ def chain_generate(cfg, W, dcfg, DW, prompt, max_new_tokens: int, record: bool =
 
 def ar_generate(cfg, W, prompt, max_new_tokens: int, record: bool = True) -> GenResult:
     return generate(cfg, W, prompt, max_new_tokens, budget=0, record=record)
+
+
+# Records: a generation's Rounds in the layout golden bundles and run dumps share (docs/golden-bundles.md,
+# docs/run-dump.md §2). One builder, used by the reference engine and the CUDA engine alike.
+
+def ragged(rows) -> np.ndarray:
+    """Per-round int records concatenated into one int64 tensor (read back with `offsets`)."""
+    return np.concatenate([np.asarray(x, np.int64).reshape(-1) for x in rows]) if rows else np.zeros(0, np.int64)
+
+
+def offsets(sizes) -> np.ndarray:
+    """[R+1] int64: round r's rows of a ragged tensor are [o[r], o[r+1])."""
+    return np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+
+
+def live_records(tokens, rounds, target_forwards: int) -> dict:
+    """A live DDTree run (its Rounds) as the `ddtree_live/` records of docs/run-dump.md §2, names relative
+    to the group: the stream, the trees as the bundle lays them out (row 0 of a round = the root: token -1,
+    parent -1), per round the verify argmax, accepted path, bonus, path logits, and counters
+    [target forwards (prefill included), rounds]."""
+    return {
+        "tokens": np.asarray(tokens, np.int64),
+        "tree_tokens": ragged([[-1] + list(r.tree_tokens) for r in rounds]),
+        "tree_parents": ragged([r.parents for r in rounds]),
+        "verify_argmax": ragged([r.verify_argmax for r in rounds]),
+        "accepted": ragged([r.accepted for r in rounds]),
+        "accepted_offsets": offsets([len(r.accepted) for r in rounds]),
+        "round_bonus": np.asarray([r.bonus for r in rounds], np.int64),
+        "counters": np.array([target_forwards, len(rounds)], np.int64),
+        "path_logits": np.concatenate([r.path_logits for r in rounds]),
+    }

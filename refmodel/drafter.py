@@ -20,8 +20,9 @@ Deviations from DFlash (docs/ddtree.md §8; both exist identically here and in r
 * `tiny`'s MLP width is 1024 (the target's is 384): more lookup capacity. Measured at the old settings:
   1024 -> 3.77, 2048 -> 4.20, 4096 -> 4.57 (ratio, 4 golden prompts); with the final settings 2048 x 500
   steps gave 6.40 / 6.32 (4 golden / 8 other prompts) and 1024 x 650 steps 6.40 / 5.89. 1024 is the choice:
-  with decode-step attn_out and the long-position prompt the two bundles fill 31.7 of their 32 MiB, so the
-  drafter (2.9 MiB in each) cannot grow; the distillation settings (refmodel/distill.py) do the rest.
+  with decode-step attn_out and router_scores and the long-position prompt the two bundles fill 31.85 of
+  their 32 MiB, so the drafter (2.9 MiB in each) cannot grow; the distillation settings
+  (refmodel/distill.py) do the rest.
 
 Legend: T block rows (= block_size B), C new context rows, S cached context rows, D hidden,
 F = len(target_layer_ids) * D fused feature width, H query heads, G kv heads, Dh head dim, I MLP width, V vocab.

@@ -53,3 +53,16 @@ def test_w4a16_option_is_for_the_cuda_engine_only():
 
     r = CliRunner().invoke(main, ["verify", "bundles/model_int4_tiny.kdtr", "--engine", "reference", "--w4a16", "plain"])
     assert r.exit_code == 2 and "--w4a16 applies to --engine cuda (or auto) only, not to --engine reference" in r.output
+
+
+@pytest.mark.parametrize("args,option", [(["w4a16", "--reps", "0"], "--reps"), (["w4a16", "--reps", "-3"], "--reps"),
+                                         (["engine", "--steps", "0"], "--steps"),
+                                         (["ddtree", "--tokens", "0"], "--tokens"),
+                                         (["ddtree", "--repeats", "0"], "--repeats")])
+def test_bench_counts_below_one_are_usage_errors(args, option):
+    """Every bench time is divided by a count (replays, steps, runs): 0 would divide by zero on the GPU,
+    so it is refused on the command line, naming the option, before anything runs (no GPU needed)."""
+    r = CliRunner().invoke(main, ["bench", *args])
+    assert r.exit_code == 2, r.output
+    assert f"Invalid value for '{option}'" in r.output and "is not in the range 1<=x<=" in r.output, r.output
+    assert "Traceback" not in r.output

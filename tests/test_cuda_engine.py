@@ -133,3 +133,26 @@ def test_unsupported_config_names_the_field_and_limit():
     with pytest.raises(CudaEngineError, match=r"unsupported config: kv_lora_rank = 1024 exceeds the CUDA engine's "
                                               r"limit 512"):
         check_config(dataclasses.replace(PRESETS["k26"], kv_lora_rank=1024))
+
+
+@pytest.mark.cuda
+def test_graph_capture_survives_a_dropped_engines_garbage(engine_cls):
+    """A dropped engine caught in a reference cycle is freed by Python's cycle collector, whenever that runs.
+    If it ran during a stream capture, cuMemFree would invalidate the capture (the suite once failed so, one
+    engine after another in one process). With the collector set to run at nearly every allocation, the
+    second engine's decode graph is still captured and its run matches the first engine's."""
+    import gc
+
+    bundle = "bundles/model_tiny.kdtr"
+    first = engine_cls()
+    a = collect_with(first, bundle)
+    first.cycle = first                                          # only the cycle collector can free it now
+    del first
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        b = collect_with(engine_cls(), bundle)
+    finally:
+        gc.set_threshold(*threshold)
+    for k in a:
+        assert np.array_equal(a[k], b[k]), f"{k} differs after a capture next to collectable garbage"

@@ -330,3 +330,15 @@ def test_argmax_lowest_index_on_ties(ops, V, T):
     out = dev(np.zeros(T, np.int32))
     run(ops, ops.argmax, dev(logits), V, out, T)
     np.testing.assert_array_equal(out.get(), np.argmax(logits, axis=-1))
+
+
+@pytest.mark.cuda
+def test_a_grid_over_the_launch_limits_is_a_clear_error(ops):
+    """grid.y / grid.z carry rows (tokens x expert slots); past 65535 the driver only says "invalid argument".
+    The launch is refused before it reaches the driver, naming the kernel and the limit."""
+    from cuda_engine.device import CudaEngineError
+
+    before = ops.launches
+    with pytest.raises(CudaEngineError, match=r"argmax_kernel: launch grid \(1, 65536, 1\) exceeds"):
+        ops._launch("argmax_kernel", (1, 65536), 0, 1, 0)
+    assert ops.launches == before, "a refused launch was counted as launched"

@@ -8,7 +8,10 @@ from click.testing import CliRunner
 from cli.main import main
 from cuda_engine.build import BuildError
 from cuda_engine.check import KernelUsage, check_kernels, parse_ptxas
-from cuda_engine.ops import SIGNATURES
+from cuda_engine.drafter import DRAFTER_SIGNATURES
+from cuda_engine.ops import SIGNATURES as ENGINE_SIGNATURES
+
+SIGNATURES = {**ENGINE_SIGNATURES, **DRAFTER_SIGNATURES}      # every kernel: the target's and the drafter's
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 

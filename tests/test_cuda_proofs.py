@@ -2,17 +2,24 @@
 (bundles/proofs/), kdtr re-judges it and it passes, and it was made from today's cuda_engine/ sources
 (a kernel change that was not re-proved fails here, with how to re-prove). No GPU, no pycuda."""
 import glob
+import json
 import shutil
 
 import pytest
 from click.testing import CliRunner
 
 from cli.main import main
+from conformance.outputs import LIVE, LIVE_RECORDS
+from conformance.records import prompts_of
 from cuda_engine.build import PACKAGE_DIR
-from cuda_engine.proofs import ProofError, check_provenance, engine_info, proof_modes, proof_path
+from cuda_engine.proofs import REPROVE, ProofError, check_provenance, engine_info, proof_modes, proof_path
+from kdtr_format import open_kdtr
 
 BUNDLES = sorted(glob.glob("bundles/*.kdtr"))
 PROOFS = [(b, m) for b in BUNDLES for m in proof_modes(b)]      # INT4 bundles: one proof per --w4a16 mode
+# The live DDTree checks that must pass in a CUDA proof's verdict (conformance/judge_live.py; path_logits as
+# the replay's): the engine's own drafter, trees and forward count, judged.
+LIVE_CHECKS = ("tokens", "tokens_vs_own_ar", "trees", "target_forwards", "path_logits")
 
 
 def test_int4_bundles_are_proved_in_both_w4a16_modes():
@@ -20,12 +27,30 @@ def test_int4_bundles_are_proved_in_both_w4a16_modes():
 
 
 @pytest.mark.parametrize("bundle,mode", PROOFS)
-def test_proof_passes_the_bundle(bundle, mode):
+def test_proof_passes_the_bundle(bundle, mode, tmp_path):
+    """The proof passes, and it proves the engine's own DDTree too: `ddtree_live/` records are optional in a
+    run dump (an engine without its own loop omits them), so a proof made without them would pass the rest.
+    The CUDA engine has `ddtree_generate`: its proof holds every live record of every prompt and its verdict
+    the live checks, run."""
     proof = proof_path(bundle, mode)
     info = engine_info(proof)                                     # exists, written by the CUDA engine
     assert info.get("w4a16") == mode, f"{proof} was run with --w4a16 {info.get('w4a16')}, expected {mode}"
-    r = CliRunner().invoke(main, ["verify", bundle, "--dump", str(proof)])
+    with open_kdtr(bundle) as f:
+        prompts = prompts_of(f)
+    with open_kdtr(proof) as d:
+        names = set(d.names)
+    missing = [f"p{i}/{LIVE}/{k}" for i in prompts for k in LIVE_RECORDS if f"p{i}/{LIVE}/{k}" not in names]
+    assert not missing, (f"{proof} lacks {len(missing)} live DDTree records ({', '.join(missing[:4])}, ...): it "
+                         f"was not made by `kdtr verify --engine cuda --save-dump`, whose ddtree_generate writes "
+                         f"them; {REPROVE}")
+    report = tmp_path / "proof.json"
+    r = CliRunner().invoke(main, ["verify", bundle, "--dump", str(proof), "--json", str(report)])
     assert r.exit_code == 0, f"the GPU proof {proof} no longer passes {bundle}:\n{r.output}"
+    checks = {c["name"]: c for c in json.loads(report.read_text())["checks"]}
+    for name in (f"p{i}/{LIVE}/{check}" for i in prompts for check in LIVE_CHECKS):
+        c = checks.get(name, {"status": "absent", "message": "not in the JSON report's checks"})
+        assert c["status"] == "pass", (f"{proof}: the live DDTree check {name} is {c['status']} in the verdict, "
+                                       f"expected pass ({c.get('message')})")
 
 
 @pytest.mark.parametrize("bundle,mode", PROOFS)

@@ -75,6 +75,21 @@ def test_block_anchor_loss_weights_offsets():
     assert float(loss) == pytest.approx((w[1] + w[2]) * np.log(V) / w.sum(), rel=1e-12)
 
 
+def test_block_anchor_loss_prefix_only_drops_rows_after_the_first_miss():
+    V, L = 5, 4
+    logits = torch.zeros(2, 1, L, V, dtype=torch.float64)
+    logits[:, 0, 0, 2] = 50.0                        # offset 1: top-1 2, right in both blocks
+    logits[:, 0, 1, 3] = 50.0                        # offset 2: top-1 3, wrong in block 0, right in block 1
+    ids = torch.tensor([[0, 2, 1, 1, 0], [0, 2, 3, 4, 0]])      # offsets 3, 4 uniform: CE log V
+    full = block_anchor_loss(logits, ids, torch.tensor([[0], [0]]), gamma=7.0)
+    loss = block_anchor_loss(logits, ids, torch.tensor([[0], [0]]), gamma=7.0, after_miss=0.0)
+    w = np.exp(-np.arange(L) / 7.0)
+    miss = 50.0 + np.log1p((V - 1) * np.exp(-50.0))  # CE of a confident wrong top-1
+    # block 0: rows 1, 2 count (row 2 is the first miss), rows 3, 4 do not; block 1: rows 1-3 (row 3 misses)
+    assert float(loss) == pytest.approx((w[1] * miss + w[2] * np.log(V)) / (2 * w.sum()), rel=1e-9)
+    assert float(full) == pytest.approx((w[1] * miss + 2 * (w[2] + w[3]) * np.log(V)) / (2 * w.sum()), rel=1e-9)
+
+
 def test_distill_is_deterministic_and_returns_every_weight():
     W = init_weights(MICRO, 0)
     a = distill_drafter(MICRO, W, MICRO_DRAFTER, seed=5, steps=4, settings=SMALL)

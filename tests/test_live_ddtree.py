@@ -181,3 +181,45 @@ def test_a_live_run_at_a_long_position_offset_decides_as_at_position_0(small_bun
     assert np.array_equal(at0["accepted_offsets"], far["accepted_offsets"])
     diff = np.abs(at0["path_logits"].astype(np.float64) - far["path_logits"])
     assert 0 < diff.max() <= atol
+
+
+# ------------------------------------------------------------------ the reported counters against the records
+
+class _MiscountingEngine(ReferenceEngine):
+    """The reference engine reporting one target forward more than its rounds ran (its records unchanged)."""
+    name = "miscounting"
+
+    def ddtree_generate(self, prompt_ids, pos0, n_tokens):
+        rec = super().ddtree_generate(prompt_ids, pos0, n_tokens)
+        rec["counters"] = rec["counters"] + np.array([1, 0], np.int64)
+        return rec
+
+
+@pytest.mark.parametrize("all_golden", [True, False])
+def test_counters_must_agree_with_the_records_even_when_not_every_tree_is_golden(all_golden):
+    """counters[0] = 1 prefill + one verify per round, whatever the trees were: judged against the records
+    even when (not every tree golden) the count is not judged against the golden one."""
+    from conformance.judge_live import _forwards_check
+
+    with open_kdtr(COMMITTED) as f:
+        e = ReferenceEngine()
+        e.load(f)
+        rec = e.ddtree_generate(np.asarray(f["golden/p1/prompt_ids"]), 0, len(f["golden/p1/ar/tokens"]))
+        p = f"p1/{LIVE}/"
+        R = len(rec["accepted_offsets"]) - 1
+        out = {p + k: v for k, v in rec.items()}
+        ok = _forwards_check(f, "golden/p1/", p, out, all_golden)
+        assert ok.status == "pass" and list(rec["counters"]) == [1 + R, R], ok.message
+        out[p + "counters"] = rec["counters"] + np.array([1, 0], np.int64)
+        bad = _forwards_check(f, "golden/p1/", p, out, all_golden)
+    assert bad.status == "fail" and bad.message == (f"counters [{R + 2}, {R}] disagree with the {R} rounds the "
+                                                    f"records hold: expected [{R + 1}, {R}] (1 prefill + one "
+                                                    f"verify forward per round)")
+
+
+def test_an_engine_miscounting_its_forwards_fails_the_live_target_forwards(small_bundle):
+    v = verify(small_bundle, engine=_MiscountingEngine())
+    bad = [c for c in v.checks if c.status == "fail" and not c.name.endswith("/long_position")]   # its summary
+    assert v.exit_code == ExitCode.DDTREE and {c.name for c in bad} == {
+        f"p{i}/{LIVE}/target_forwards" for i in range(v.info["prompts"])}
+    assert all(" disagree with the " in c.message for c in bad)

@@ -130,7 +130,7 @@ def test_coverage_is_carried_and_skips_are_reported(small_bundle, dump, tmp_path
     n = prompts(small_bundle)                                            # 2 + the long-position prompt
     assert v.exit_code == ExitCode.OK, where(v)                          # skips allowed by default...
     assert v.coverage["prefill"]["run"] == n * 2 < v.coverage["prefill"]["defined"]   # final_hidden, logits
-    assert v.coverage["decode"] == {"run": n, "defined": n * (1 + 4 + 5 * 5)}   # logits; L0 4 taps, L1-5 5
+    assert v.coverage["decode"] == {"run": n, "defined": n * (1 + 4 + 5 * 6)}   # logits; L0 4 taps, L1-5 6
     assert v.coverage["tokens"] == {"run": n, "defined": n}
     buf = io.StringIO()
     print_console(v, Console(file=buf, width=100, color_system=None))

@@ -130,3 +130,15 @@ def test_bad_rules_file_exits_2(small_bundle, tmp_path, filename, text, says):
     r = kdtr("verify", small_bundle, "--engine", "reference", "--rules", tmp_path / filename)
     assert r.exit_code == ExitCode.USAGE, r.output
     assert "Invalid value for --rules" in r.output and says in r.output, r.output
+
+
+@pytest.mark.parametrize("option", [["--w4a16", "fast"], ["--w4a16", "plain"], ["--dtype", "bfloat16"],
+                                    ["--module", "my.port:Model"], ["--engine", "reference"]])
+def test_engine_options_with_dump_are_refused_not_ignored(reports, small_bundle, option):
+    """A dump is judged as it was made: an engine option beside --dump (e.g. a plain-kernel proof checked
+    `--w4a16 fast`) is a usage error naming the option, before anything is judged."""
+    r = kdtr("verify", small_bundle, "--dump", reports[1] / "run.kdtr", *option)
+    assert r.exit_code == ExitCode.USAGE, r.output
+    assert f"{option[0]} {option[1]} configures an engine that kdtr runs, but --dump judges a run already made" \
+        in " ".join(r.output.split()) and no_traceback(r)
+    assert "exit code" not in r.output                                  # refused before any judging

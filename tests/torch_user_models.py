@@ -1,6 +1,10 @@
 """User modules for `--engine torch --module`: ports of transformers' DeepseekV3, some with a planted bug.
 
-`PortForCausalLM` is a faithful port (it must pass). `KRopeBugForCausalLM` rotates k's RoPE dims in
+`PortForCausalLM` is a faithful port (it must pass). `BiasFreeRouterForCausalLM` routes by the sigmoid
+scores alone, ignoring the `e_score_correction_bias` it loads (a router ported from a softmax/aux-loss
+model), and `BiasOnLogitsRouterForCausalLM` adds the bias to the gate's logits instead of the sigmoid
+scores (the same order of experts only where the sigmoid is near-linear): routing bugs that held
+routing must not hide. `KRopeBugForCausalLM` rotates k's RoPE dims in
 (i, i + R/2) pairs, as if they were already de-interleaved, while q keeps the checkpoint's interleaved
 pairs (2i, 2i + 1): a port that fixed the layout on one side only. Everything before the rotated key
 (attn_in, q, kv_latent) is right, so the first divergence must be layer 0's `k_pe`.
@@ -8,7 +12,8 @@ pairs (2i, 2i + 1): a port that fixed the layout on one side only. Everything be
 import torch
 from transformers import DeepseekV3ForCausalLM
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import (DeepseekV3Attention, apply_rotary_pos_emb,
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import (DeepseekV3Attention, DeepseekV3MoE,
+                                                                  DeepseekV3TopkRouter, apply_rotary_pos_emb,
                                                                   apply_rotary_pos_emb_interleave,
                                                                   eager_attention_forward)
 
@@ -50,6 +55,44 @@ class PortForCausalLM(DeepseekV3ForCausalLM):
         super().__init__(config)
         for l, layer in enumerate(self.model.layers):
             layer.self_attn = self.attention(config, l)
+
+
+class BiasFreeRouter(DeepseekV3TopkRouter):
+    """THE BUG: experts chosen by top-K of the sigmoid scores, without the correction bias (one group, as
+    the tiny model has); the weights are gathered, normalised and scaled as transformers does."""
+
+    def choice(self, logits, scores):
+        return scores                                                           # no bias
+
+    def forward(self, hidden_states):
+        logits = torch.nn.functional.linear(hidden_states.view(-1, self.hidden_dim).float(), self.weight.float())
+        scores = logits.sigmoid()                                               # [T, E]
+        ids = torch.topk(self.choice(logits, scores), k=self.top_k, dim=-1, sorted=False)[1]   # [T, K]
+        w = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return logits, w * self.routed_scaling_factor, ids
+
+
+class BiasOnLogitsRouter(BiasFreeRouter):
+    """THE BUG: the correction bias added to the gate's logits, not to the sigmoid scores."""
+
+    def choice(self, logits, scores):
+        return logits + self.e_score_correction_bias
+
+
+class BiasFreeRouterForCausalLM(PortForCausalLM):
+    router = BiasFreeRouter
+
+    def __init__(self, config):
+        super().__init__(config)
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, DeepseekV3MoE):
+                layer.mlp.gate = self.router(config)
+
+
+class BiasOnLogitsRouterForCausalLM(BiasFreeRouterForCausalLM):
+    router = BiasOnLogitsRouter
 
 
 class KRopeBugForCausalLM(PortForCausalLM):
