@@ -391,12 +391,13 @@ def _rounds_check(f, g: str, i: int, out: dict, upto: int | None = None, tie: in
         acc_g = np.asarray(f[g + "ddtree/accepted"][ga[r]:ga[r + 1]])
         acc_e = np.asarray(out[p + "accepted"])[eo[r]:eo[r + 1]]
         if not np.array_equal(acc_g, acc_e):
-            return fail(r, f"accepted rows {acc_e.tolist()} but golden {acc_g.tolist()}")
+            return fail(r, f"accepted rows {_rows(acc_e)} but golden {_rows(acc_g)}")
         post_g = np.asarray(f[g + "ddtree/verify_argmax"][go[r]:go[r + 1]])
         post_e = np.asarray(out[p + "verify_argmax"])[et[r]:et[r + 1]]   # same tree, so same rows
         if not np.array_equal(post_g[acc_g], post_e[acc_g]):
-            return fail(r, f"target argmax on the accepted path {post_e[acc_g].tolist()} but golden "
-                           f"{post_g[acc_g].tolist()}")
+            d = int(np.flatnonzero(post_g[acc_g] != post_e[acc_g])[0])     # accepted row d sits at depth d
+            return fail(r, f"target argmax on the accepted path differs first at depth {d}: {post_e[acc_g[d]]}, "
+                           f"golden {post_g[acc_g[d]]} (accepted rows {_rows(acc_g)})")
         off_path += int(np.count_nonzero(post_g != post_e))
         if int(out[p + "round_bonus"][r]) != int(f[g + "ddtree/round_bonus"][r]):
             return fail(r, f"bonus {int(out[p + 'round_bonus'][r])}, golden {int(f[g + 'ddtree/round_bonus'][r])}")
@@ -405,6 +406,18 @@ def _rounds_check(f, g: str, i: int, out: dict, upto: int | None = None, tie: in
     later = "" if upto is None else f"rounds from {upto} on not compared: the stream left the golden one at a near-tie"
     return CheckResult(p + "rounds", "pass", "ddtree", {"rounds": R, "off_path_argmax_differences": off_path},
                        {"exact": True}, later)
+
+
+def _rows(a) -> str:
+    """Row indices as text, a run of three or more consecutive rows as first..last: [0..9, 16]."""
+    a, parts, i = [int(x) for x in a], [], 0
+    while i < len(a):
+        j = i
+        while j + 1 < len(a) and a[j + 1] == a[j] + 1:
+            j += 1
+        parts += [f"{a[i]}..{a[j]}"] if j - i >= 2 else [str(x) for x in a[i:j + 1]]
+        i = j + 1
+    return "[" + ", ".join(parts) + "]"
 
 
 def coverage_check(checks: list[CheckResult], required: float) -> CheckResult:

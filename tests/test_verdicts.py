@@ -227,7 +227,7 @@ def test_a_failing_run_prints_a_screenful_not_a_flood():
     lines = text.count("\n")
     assert lines <= 100, text
     assert "first divergence: p0/prefill/L2/mlp_out" in text and "cause: local" in text
-    assert "p0  L2     ..........XX  ....X" in text and "p0  L0-L1  all pass" in text   # decode: c k o i h
+    assert "p0  L2     ..........XX  .....X" in text and "p0  L0-L1  all pass" in text   # decode: c k o s i h
     assert text.count("\n  p") >= 10 and "numeric failures, worst first (10 of" in text
     assert "tokens FAIL p0/ar/tokens: step" in text and "ddtree FAIL p0/ddtree/rounds" in text
     assert text.rstrip().endswith("exit code 3 (TOKENS)")
