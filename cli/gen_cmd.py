@@ -5,6 +5,7 @@ import json
 import os
 import shlex
 import sys
+import time
 
 import click
 from rich.console import Console
@@ -70,11 +71,16 @@ class _Bars:
 
     def __init__(self, progress: Progress):
         self.p, self.tasks = progress, {}
+        self.lines = not progress.console.is_terminal     # a log file: a line per finished stage instead
+        self.t0 = time.monotonic()
 
     def __call__(self, stage, done, total, info):
         if stage not in self.tasks:
             self.tasks[stage] = self.p.add_task(stage, total=total, info="")
         self.p.update(self.tasks[stage], completed=done, info="" if info is None else f"loss {info:.3f}")
+        if self.lines and done >= total:
+            self.p.console.print(f"{time.monotonic() - self.t0:8.1f} s  {stage}: {done}/{total} done",
+                                 soft_wrap=True, markup=False, highlight=False)
 
 
 @click.command("gen")
@@ -100,10 +106,14 @@ class _Bars:
 @click.option("--long-position", type=click.IntRange(0), default=LONG_POSITION_OFFSET, show_default=True,
               help="First position of the long-position prompt (a random prompt whose cache holds only its own "
                    "rows); 0: none. docs/golden-bundles.md says why this offset.")
+@click.option("--bf16-profile", type=bool, default=None, metavar="yes|no",
+              help="Derive the bf16 precision profile (default: yes; it reruns every prompt in bf16, which "
+                   "the real-shape slice skips for time). A value, not a flag, so the command recorded in "
+                   "the bundle reruns as written.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Weights, drafter and prompt seed.")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="The bundle to write (atomically).")
 def gen_cmd(preset, quant, int4_scope, checkpoint, model_path, prompts_file, prompt_ids, num_prompts,
-            max_new_tokens, budget, distill_steps, long_position, seed, out):
+            max_new_tokens, budget, distill_steps, long_position, bf16_profile, seed, out):
     """Generate a golden bundle: model, prompts, per-layer goldens, AR stream and DDTree rounds.
 
     The goldens are the float64 reference on the stored weights; tolerances are derived from a float32 run
@@ -119,7 +129,8 @@ def gen_cmd(preset, quant, int4_scope, checkpoint, model_path, prompts_file, pro
     command = _canonical_command(click.get_current_context())
     s = GenSettings(preset=preset, quant=quant, int4_scope=int4_scope, seed=seed, prompts=prompts,
                     num_prompts=num_prompts, max_new_tokens=max_new_tokens, budget=budget,
-                    distill_steps=distill_steps, long_position=long_position, command=command)
+                    distill_steps=distill_steps, long_position=long_position, command=command,
+                    bf16_profile=bf16_profile is not False)
     console = Console(stderr=True)
     cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             TextColumn("{task.fields[info]}"))

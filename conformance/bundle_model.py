@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kdtr_format import bfloat16_to_float32, float32_to_bfloat16, open_kdtr
-from refmodel.config import PRESETS, ModelConfig
+from refmodel.config import PRESETS, SLICE_OF, ModelConfig, slice_shrinkage
 from refmodel.drafter import DrafterConfig, drafter_preset, init_drafter
 from refmodel.quant import dequantize_model, quant_config, quantize_model
+from refmodel.stored import StoredWeights, generate_stored
 from refmodel.weights import construction_info, init_weights, mask_token_id
 
 # The long-position prompt's first position (docs/golden-bundles.md, "The long-position prompt": why 1.5 * 2^17).
@@ -36,12 +37,14 @@ class GenSettings:
     distill_steps: int = 1000
     long_position: int = LONG_POSITION_OFFSET   # first position of the long-position prompt; 0: no such prompt
     command: str = ""                     # provenance: the command line that made the bundle
+    bf16_profile: bool = True             # derive the bf16 precision profile (a bf16 reference run per prompt)
 
 
 @dataclass
 class Model:
     cfg: ModelConfig
-    W: dict                               # as stored: float32 arrays (+ int32 .qw, float32 .sc for INT4)
+    W: dict                               # as stored: float32 arrays (+ int32 .qw, float32 .sc for INT4),
+                                          # or a StoredWeights (a real-shape slice: bf16 + INT4, never float64)
     dcfg: DrafterConfig
     DW: dict                              # float32 drafter weights, bfloat16-representable (stored bf16)
     meta: dict = field(default_factory=dict)   # construction, quantization, provenance of the weights
@@ -49,8 +52,20 @@ class Model:
 
 # ---------------------------------------------------------------- the model
 
-def _f32(W: dict) -> dict:
+def _f32(W) -> dict:
+    if isinstance(W, StoredWeights):
+        return W.astype(np.float32)                      # the same stored bytes, upcast to float32 per access
     return {k: (v.astype(np.float32) if v.dtype.kind == "f" else v) for k, v in W.items()}
+
+
+def as_stored(W) -> StoredWeights:
+    """The model's weights as the float64 oracle reads them: upcast (INT4 dequantized) per access, never
+    the whole model in float64; the values are exactly dequantize_model's (refmodel/stored.py)."""
+    return W.astype(np.float64) if isinstance(W, StoredWeights) else StoredWeights.from_arrays(W, np.float64)
+
+
+def stored_names(W) -> list[str]:
+    return W.stored_names() if isinstance(W, StoredWeights) else list(W)
 
 
 def model_from_preset(s: GenSettings, progress=None) -> Model:
@@ -59,12 +74,39 @@ def model_from_preset(s: GenSettings, progress=None) -> Model:
         raise GenError(f"unknown preset {s.preset!r}; choose one of {sorted(PRESETS)}")
     if s.preset == "k26":
         raise GenError("preset 'k26' has the real K2.6 dimensions (1T parameters) and cannot be generated "
-                       "whole; use --preset tiny or --from-checkpoint")
+                       "whole; use --preset k26-slice (its true shapes, 3 layers), tiny or --from-checkpoint")
+    if s.preset in SLICE_OF:
+        return _slice_model(s, progress)
     cfg = PRESETS[s.preset]
     W = _f32(init_weights(cfg, s.seed))
     dcfg = drafter_preset(s.preset)
     DW = _distill(cfg, W, dcfg, s, progress)
     return Model(cfg, W, dcfg, DW, {"construction": construction_info(cfg, s.seed)})
+
+
+def _slice_model(s: GenSettings, progress=None) -> Model:
+    """A real-shape slice (docs/golden-bundles.md, "The real-shape slice"): the golden construction drawn
+    tensor by tensor and stored as K2.6 ships it (routed experts INT4 W4A16 g32 with bf16 scales,
+    everything else bfloat16), with an untrained drafter."""
+    if s.quant == "fp32":
+        raise GenError(f"--preset {s.preset} stores its routed experts INT4 as K2.6 ships them; pass "
+                       f"--quant int4 or leave --quant out")
+    if s.distill_steps:
+        raise GenError(f"--preset {s.preset}: the drafter cannot be distilled on the CPU at hidden size "
+                       f"{PRESETS[s.preset].hidden_size}; pass --distill-steps 0 (an untrained drafter: the "
+                       f"DDTree records stay exact)")
+    cfg = PRESETS[s.preset]
+    report = None if progress is None else (lambda done, total: progress("weights", done, total, None))
+    W = generate_stored(cfg, s.seed, dense="bfloat16", int4_scope="experts", progress=report)
+    dcfg = drafter_preset(s.preset)
+    DW = _bf16_round(init_drafter(dcfg, s.seed))
+    meta = {"construction": construction_info(cfg, s.seed),
+            "quantization": dict(quant_config("experts"), other_weights="bfloat16 (round to nearest even "
+                                 "from the float64 draw), as K2.6 ships its non-expert weights"),
+            "slice": {"of": SLICE_OF[s.preset], "preset": s.preset, "shrunk": slice_shrinkage(s.preset),
+                      "kept": "every other config field equals the full model's (model_config)",
+                      "drafter": "untrained (refmodel.drafter DRAFTER_PRESETS[preset]), stored bfloat16"}}
+    return Model(cfg, W, dcfg, DW, meta)
 
 
 def model_from_kdtr(path: str, s: GenSettings, progress=None) -> Model:
@@ -151,12 +193,12 @@ def apply_quant(m: Model, s: GenSettings) -> Model:
     if s.quant is None:
         return m
     if s.quant == "fp32":
-        if any(k.endswith(".qw") for k in m.W):
+        if any(k.endswith(".qw") for k in stored_names(m.W)):
             raise GenError("the model is INT4 already; pass --quant int4 (or leave --quant out) to keep it so")
         return m
     if s.quant != "int4":
         raise GenError(f"--quant {s.quant!r}: choose fp32 or int4")
-    if any(k.endswith(".qw") for k in m.W):
+    if any(k.endswith(".qw") for k in stored_names(m.W)):
         return m
     W = quantize_model(dequantize_model(m.W), m.cfg, s.int4_scope)
     W = {k: (v if k.endswith(".qw") else v.astype(np.float32)) for k, v in W.items()}
@@ -165,4 +207,4 @@ def apply_quant(m: Model, s: GenSettings) -> Model:
 
 def quant_of(m: Model) -> str:
     """"int4" when the target holds packed INT4 weights, else "fp32" (the tolerance multiplier's key)."""
-    return "int4" if any(k.endswith(".qw") for k in m.W) else "fp32"
+    return "int4" if any(k.endswith(".qw") for k in stored_names(m.W)) else "fp32"

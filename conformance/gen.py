@@ -20,8 +20,9 @@ from typing import Callable
 import numpy as np
 
 # The CLI, the tests and conformance.profiles take the model sources and golden runs from here too.
-from conformance.bundle_model import (GenError, GenSettings, Model, apply_quant, default_drafter,  # noqa: F401
-                                      model_from_checkpoint, model_from_kdtr, model_from_preset, quant_of)
+from conformance.bundle_model import (GenError, GenSettings, Model, apply_quant, as_stored,  # noqa: F401
+                                      default_drafter, model_from_checkpoint, model_from_kdtr,
+                                      model_from_preset, quant_of)
 from conformance.goldens import (AR_TAPS, LONG_NEW_TOKENS, MAX_REDRAWS, PromptGoldens,  # noqa: F401
                                  baseline_errors, check_decisive, check_prompt, decisive_atols,
                                  golden_for_prompt, long_prompt, manifest, random_prompt, run_reference)
@@ -30,7 +31,7 @@ from conformance.records import BUNDLE_SCHEMA, offsets, ragged
 from kdtr_format import Tensor, write_kdtr
 from refmodel.config import PRESETS  # noqa: F401 - tests pick the preset config through this module
 from refmodel.model import tap_names
-from refmodel.quant import dequantize_model
+from refmodel.stored import StoredWeights
 
 
 # ---------------------------------------------------------------- the bundle's records
@@ -65,13 +66,7 @@ def _store(name: str, v: np.ndarray):
 
 def bundle_tensors(m: Model, pgs: list[PromptGoldens]):
     """Yields (name, array) in the bundle's fixed order: weights, drafter, then goldens per prompt."""
-    for k, v in m.W.items():
-        if k.endswith(".sc"):
-            yield k, Tensor(_bf16_bits(v), dtype="bfloat16")            # K2.6 stores the scales bf16
-        elif k.endswith(".qw"):
-            yield k, Tensor(v, int4_shape=(v.shape[0], v.shape[1] * 8))
-        else:
-            yield k, v
+    yield from _weight_tensors(m.W)
     for k, v in m.DW.items():
         yield k, Tensor(_bf16_bits(v), dtype="bfloat16")
     for i, pg in enumerate(pgs):
@@ -83,6 +78,21 @@ def bundle_tensors(m: Model, pgs: list[PromptGoldens]):
             yield p + k, _store(k, v)
         for k, v in ddtree_tensors(pg.ddtree).items():
             yield p + k, v
+
+
+def _weight_tensors(W):
+    """The target's weights as stored: INT4 `.qw` packed, scales and any bfloat16 tensor (a slice's
+    StoredWeights keeps raw bits) as bfloat16, everything else float32."""
+    items = W.stored_items() if isinstance(W, StoredWeights) else ((k, v, None) for k, v in W.items())
+    for k, v, dtype in items:
+        if k.endswith(".qw"):
+            yield k, Tensor(v, int4_shape=(v.shape[0], v.shape[1] * 8))
+        elif dtype == "bfloat16":
+            yield k, Tensor(v, dtype="bfloat16")                         # raw bits already
+        elif k.endswith(".sc"):
+            yield k, Tensor(_bf16_bits(v), dtype="bfloat16")            # K2.6 stores the scales bf16
+        else:
+            yield k, v
 
 
 def _bf16_bits(x: np.ndarray) -> np.ndarray:
@@ -167,11 +177,14 @@ def plan_prompts(m: Model, s: GenSettings) -> list[Slot]:
 def decisive_goldens(m: Model, W64: dict, s: GenSettings, slots: list[Slot], progress=None):
     """Goldens for every slot; a random prompt that fails check_decisive is redrawn (the tolerances depend
     on the whole prompt set: judge, redraw, repeat), an explicit one is an error. W64: the model's weights
-    dequantized to float64. Returns (goldens, manifest)."""
-    run = lambda sl, p: golden_for_prompt(m, W64, p, sl.n, s.budget, sl.pos0)  # noqa: E731
+    in float64 (as_stored: upcast per matmul). Returns (goldens, manifest)."""
+    def run(i, sl, p):
+        tick = None if progress is None else (lambda phase, done, total: progress(f"p{i} {phase}", done, total, None))
+        return golden_for_prompt(m, W64, p, sl.n, s.budget, sl.pos0, tick)
+
     pgs = []
     for i, sl in enumerate(slots):
-        pgs.append(run(sl, sl.prompt))
+        pgs.append(run(i, sl, sl.prompt))
         if progress:
             progress("goldens", i + 1, len(slots), None)
     draws = [0] * len(pgs)
@@ -187,7 +200,7 @@ def decisive_goldens(m: Model, W64: dict, s: GenSettings, slots: list[Slot], pro
             draws[i] += 1
             if progress:
                 progress(f"redraw p{i}: {why[:60]}", 1, 1, None)
-            pgs[i] = run(slots[i], slots[i].candidate(draws[i]))
+            pgs[i] = run(i, slots[i], slots[i].candidate(draws[i]))
 
 
 # ---------------------------------------------------------------- the bundle
@@ -195,11 +208,17 @@ def decisive_goldens(m: Model, W64: dict, s: GenSettings, slots: list[Slot], pro
 def generate_bundle(m: Model, s: GenSettings, out: str, progress=None) -> dict:
     """Goldens for every prompt, rejection of undecisive prompts, tolerance manifest, atomic write.
     Returns the summary figures (also stored in the metadata)."""
-    W64 = dequantize_model(m.W)
+    W64 = as_stored(m.W)                     # float64 per tensor as a matmul reads it, never the whole model
     pgs, man = decisive_goldens(m, W64, s, plan_prompts(m, s), progress)
     # Precision profiles beyond fp32 (conformance/profiles.py): same prompts, same rule, other dtypes.
-    man["profiles"] = {"bf16": bf16_profile(m.cfg, W64, [(pg.prompt, pg.tokens, pg.g64, pg.pos0) for pg in pgs],
-                                            quant_of(m))}
+    man["profiles"] = {}
+    if s.bf16_profile:
+        if progress:
+            progress("bf16 profile", 0, 1, None)
+        man["profiles"]["bf16"] = bf16_profile(m.cfg, W64, [(pg.prompt, pg.tokens, pg.g64, pg.pos0) for pg in pgs],
+                                               quant_of(m))
+        if progress:
+            progress("bf16 profile", 1, 1, None)
     meta = {
         "schema": BUNDLE_SCHEMA,
         "model_config": m.cfg.to_dict(),

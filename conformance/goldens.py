@@ -14,7 +14,7 @@ from conformance.tolerance import DEFAULT_FLOOR_ULPS, DEFAULT_MULTIPLIER, Derive
 from refmodel.config import ModelConfig
 from refmodel.ddtree import ddtree_generate
 from refmodel.generate import decode_one_token, prefill, top2_margin
-from refmodel.model import KVCache
+from refmodel.model import KVCache, weights_dtype
 from refmodel.weights import mask_token_id
 
 # Decode steps keep the taps that pin down each layer's state and name the sublayer of a decode-only fault:
@@ -43,17 +43,19 @@ def routing_gap(cfg, W: dict, taps: dict) -> float:
 
 
 def run_reference(cfg, W: dict, prompt, n: int, tokens=None, ar_taps=AR_TAPS, pos0: int = 0,
-                  routing: dict | None = None):
+                  routing: dict | None = None, tick=None):
     """Prefill at positions pos0.., then n-1 decode forwards: greedy (tokens=None) or fed the given tokens
     (teacher forcing). Works in the dtype of W: float64 for the goldens, float32 for the baseline. Returns
     (arrays keyed by bundle names relative to golden/p{i}/: prefill/..., ar/logits, ar/L{l}/{tap}; the
     tokens; each decision's top-1/top-2 margin; the smallest routing gap of all forwards). `routing`:
     goldens holding prefill/L{l}/topk_ids and ar/L{l}/topk_ids, whose expert sets every forward then
-    runs (the bf16 profile's noise measurement, conformance/profiles.py)."""
-    cache, taps = KVCache(cfg, dtype=W["model.embed_tokens.weight"].dtype), {}
+    runs (the bf16 profile's noise measurement, conformance/profiles.py). tick(done, n): after each forward."""
+    cache, taps = KVCache(cfg, dtype=weights_dtype(W)), {}
     rows = [prefill(cfg, W, prompt, cache, taps=taps, pos0=pos0, forced_ids=_forced(cfg, routing, "prefill", None))]
     out = {f"prefill/{k}": v for k, v in taps.items()}
     gap = routing_gap(cfg, W, taps)
+    if tick:
+        tick(1, n)
     toks = [int(np.argmax(rows[0]))] if tokens is None else [int(t) for t in tokens]
     steps: dict[str, list] = {}
     for s in range(n - 1):
@@ -63,6 +65,8 @@ def run_reference(cfg, W: dict, prompt, n: int, tokens=None, ar_taps=AR_TAPS, po
         gap = min(gap, routing_gap(cfg, W, taps))
         if tokens is None:
             toks.append(int(np.argmax(rows[-1])))
+        if tick:
+            tick(s + 2, n)
         for l in range(cfg.num_hidden_layers):
             for t in ar_taps:
                 if f"L{l}/{t}" in taps:
@@ -111,12 +115,17 @@ class PromptGoldens:
     pos0: int = 0           # position of the first prompt token (cache row j at pos0 + j)
 
 
-def golden_for_prompt(m: Model, W64: dict, prompt, n: int, budget: int, pos0: int = 0) -> PromptGoldens:
-    """W64: the model's weights dequantized to float64 (once per bundle, not per prompt)."""
-    g64, tokens, margins, gap = run_reference(m.cfg, W64, prompt, n, pos0=pos0)
-    g32, _, _, _ = run_reference(m.cfg, _f32(W64), prompt, n, tokens=tokens, pos0=pos0)
+def golden_for_prompt(m: Model, W64: dict, prompt, n: int, budget: int, pos0: int = 0,
+                      tick=None) -> PromptGoldens:
+    """W64: the model's weights in float64 (refmodel.stored.StoredWeights: upcast per matmul). tick(phase,
+    done, total): progress of the float64, float32 and DDTree runs."""
+    step = (lambda phase: None) if tick is None else (lambda phase: lambda d, t: tick(phase, d, t))
+    g64, tokens, margins, gap = run_reference(m.cfg, W64, prompt, n, pos0=pos0, tick=step("float64"))
+    g32, _, _, _ = run_reference(m.cfg, _f32(W64), prompt, n, tokens=tokens, pos0=pos0, tick=step("float32"))
     DW64 = {k: v.astype(np.float64) for k, v in m.DW.items()}
     dd = ddtree_generate(m.cfg, W64, m.dcfg, DW64, prompt, n, budget=budget, pos0=pos0)
+    if tick:
+        tick("ddtree", 1, 1)
     return PromptGoldens(np.asarray(prompt, np.int64), tokens, margins, gap, g64, baseline_errors(g64, g32), dd,
                          pos0)
 

@@ -28,6 +28,7 @@ import numpy as np
 
 from conformance.tolerance import DEFAULT_FLOOR_ULPS, DEFAULT_MULTIPLIER, DerivedTolerance
 from kdtr_format import bfloat16_to_float32, float32_to_bfloat16
+from refmodel.stored import StoredWeights
 
 PROFILES = ("fp32", "bf16")
 PROFILE_OF_DTYPE = {"float32": "fp32", "bfloat16": "bf16"}
@@ -107,18 +108,21 @@ class Fp32Array(_Precision):
     stay in float32, as transformers' router does (`F.linear(hidden.float(), weight.float())`)."""
 
 
-def bf16_weights(W64: dict) -> dict:
+def bf16_weights(W64) -> dict:
     """The weights a bf16 engine holds: every float tensor rounded to bfloat16 (Bf16Array), except the
-    router gate and its bias (Fp32Array: the router runs in float32 on the bf16 hidden state)."""
-    out = {}
-    for k, v in W64.items():
-        if v.dtype.kind != "f":
-            out[k] = v
-        elif k.endswith(FP32_KEEP):
-            out[k] = np.asarray(v, np.float32).view(Fp32Array)
-        else:
-            out[k] = round_bf16(v).view(Bf16Array)
-    return out
+    router gate and its bias (Fp32Array: the router runs in float32 on the bf16 hidden state). A
+    StoredWeights stays lazy: each tensor is made so when a forward reads it."""
+    if isinstance(W64, StoredWeights):
+        return W64.astype(np.float32).with_transform(_bf16_tensor)
+    return {k: _bf16_tensor(k, v) for k, v in W64.items()}
+
+
+def _bf16_tensor(k: str, v: np.ndarray) -> np.ndarray:
+    if v.dtype.kind != "f":
+        return v
+    if k.endswith(FP32_KEEP):
+        return np.asarray(v, np.float32).view(Fp32Array)
+    return round_bf16(v).view(Bf16Array)
 
 
 def bf16_ulp(magnitude: float) -> float:

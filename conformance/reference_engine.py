@@ -17,18 +17,13 @@ from refmodel.config import ModelConfig
 from refmodel.ddtree import Tree, build_ddtree, draft_logits, prefill, verify_round
 from refmodel.drafter import DrafterConfig
 from refmodel.model import KVCache, block, causal_mask, forward, rope_cos_sin
-from refmodel.quant import dequantize_model
+from refmodel.stored import StoredWeights
 
 
-def bundle_weights(f) -> tuple[ModelConfig, dict]:
-    """(cfg, float64 dense weights) of an open bundle: INT4 `.qw`/`.sc` dequantized exactly."""
-    cfg = ModelConfig.from_dict(f.metadata["model_config"])
-    W = {}
-    for n in f.names:
-        if n.startswith(("golden/", "drafter.")):
-            continue
-        W[n] = np.array(f[n]) if f.info(n).int4_shape is not None else np.array(f.get(n), dtype=np.float64)
-    return cfg, dequantize_model(W)
+def bundle_weights(f, dtype=np.float64) -> tuple[ModelConfig, StoredWeights]:
+    """(cfg, weights) of an open bundle: the stored tensors memory-mapped, each upcast to `dtype` when a
+    forward reads it (INT4 `.qw`/`.sc` dequantized exactly), so the model is never whole in `dtype`."""
+    return ModelConfig.from_dict(f.metadata["model_config"]), StoredWeights.from_kdtr(f, dtype)
 
 
 def bundle_drafter(f) -> tuple[DrafterConfig, dict, dict]:
@@ -53,8 +48,7 @@ class ReferenceEngine:
         if isinstance(bundle, (str, os.PathLike)):
             with open_kdtr(bundle) as f:
                 return self.load(f)
-        self.cfg, W = bundle_weights(bundle)
-        self.W = {k: v.astype(self.np_dtype) for k, v in W.items()}
+        self.cfg, self.W = bundle_weights(bundle, self.np_dtype)     # memory-mapped, upcast per matmul
         self.dcfg, DW, self.ddtree_settings = bundle_drafter(bundle)
         self.DW = {k: v.astype(self.np_dtype) for k, v in DW.items()}
         self.reset()

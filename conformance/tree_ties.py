@@ -35,7 +35,7 @@ from conformance.reference_engine import bundle_drafter, bundle_weights
 from conformance.tolerance import DerivedTolerance, derive_tolerance
 from refmodel.ddtree import build_ddtree
 from refmodel.drafter import DrafterCache, drafter_forward, target_features
-from refmodel.model import forward
+from refmodel.model import forward, weights_dtype
 
 
 def replay_drafts(cfg, W: dict, dcfg, DW: dict, f, i: int) -> list[np.ndarray]:
@@ -48,7 +48,7 @@ def replay_drafts(cfg, W: dict, dcfg, DW: dict, f, i: int) -> list[np.ndarray]:
     ids = np.concatenate([f[p + "prompt_ids"], f[p + "ddtree/tokens"]]).astype(np.int64)    # [P + n]
     _, hiddens = forward(cfg, W, ids, pos0 + np.arange(len(ids)))
     feats = target_features(dcfg, hiddens)                              # [P + n, F]
-    cache, done, drafts = DrafterCache(dcfg, W["model.embed_tokens.weight"].dtype), 0, []
+    cache, done, drafts = DrafterCache(dcfg, weights_dtype(W)), 0, []
     for start in np.asarray(f[p + "ddtree/round_start"]):
         block = [int(ids[start])] + [dcfg.mask_token_id] * (dcfg.block_size - 1)   # the round's root
         drafts.append(drafter_forward(dcfg, DW, W, block, feats[done:start], cache, int(start), pos0))

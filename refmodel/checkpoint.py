@@ -30,6 +30,7 @@ from kdtr_format import Tensor, open_kdtr, write_kdtr
 from kdtr_format.paths import open_regular
 from refmodel.config import ModelConfig
 from refmodel.quant import SCOPES, is_quantized, quant_config
+from refmodel.stored import StoredWeights
 from refmodel.weights import expected_shapes
 
 PREFIX = "language_model."                          # K2.5 / K2.6 wrapper prefix of the text model
@@ -357,20 +358,13 @@ def _provenance(ckpt_dir: str, raw_cfg: dict, paths: list[str], dropped: int) ->
     }
 
 
-def load_model(path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """(cfg, W) from an imported .kdtr: dense tensors as float64, INT4 linears kept as `.qw` (int32) and
-    `.sc` (float32, exact bf16 values) for refmodel.quant.dequantize_model."""
+def load_model(path, dtype=np.float64) -> tuple[ModelConfig, StoredWeights]:
+    """(cfg, W) from an imported .kdtr: every tensor memory-mapped as stored (bf16 raw, INT4 `.qw`/`.sc`
+    packed) and upcast to `dtype` one tensor at a time as a forward reads it (refmodel/stored.py), so a
+    real checkpoint never has to fit in memory in float64. `dequantize_model(W)` still gives the dense
+    float64 dict (for a small model)."""
     with open_kdtr(path) as f:
         if "config" not in f.metadata:
             raise CheckpointError(f"{path}: no 'config' in the metadata; not a model file from kdtr import")
         cfg = ModelConfig.from_dict(f.metadata["config"])
-        W = {}
-        for name in f.names:
-            info = f.info(name)
-            if info.int4_shape is not None:
-                W[name] = np.array(f[name])                         # packed int32 [out, in/8]
-            elif name.endswith(".sc") and name[:-3] + ".qw" in f:
-                W[name] = np.array(f.get(name), dtype=np.float32)   # bf16 -> float32 exactly
-            else:
-                W[name] = np.array(f.get(name), dtype=np.float64)
-    return cfg, W
+        return cfg, StoredWeights.from_kdtr(f, dtype, skip=())    # the views outlive the closed file

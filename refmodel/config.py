@@ -191,5 +191,24 @@ PRESETS = {
                 norm_topk_prob=True, routed_scaling_factor=2.827, rope_theta=50000.0,
                 rope_scaling=dict(_KIMI_ROPE), max_position_embeddings=262144, rms_norm_eps=1e-5,
                 tie_word_embeddings=False),
+    # K2.6's true per-layer shapes and config values, shrunk only where one CPU machine must: 3 layers (the
+    # dense first layer and two MoE layers), 32 routed experts (top-8 stays a real choice) and an 8192-token
+    # vocabulary. SLICE_OF names the model it slices; docs/golden-bundles.md ("The real-shape slice").
+    "k26-slice": ModelConfig(vocab_size=8192, hidden_size=7168, intermediate_size=18432,
+                moe_intermediate_size=2048, num_hidden_layers=3, num_attention_heads=64, q_lora_rank=1536,
+                kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                n_routed_experts=32, num_experts_per_tok=8, n_shared_experts=1, first_k_dense_replace=1,
+                n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.827,
+                rope_theta=50000.0, rope_scaling=dict(_KIMI_ROPE), max_position_embeddings=262144,
+                rms_norm_eps=1e-5, tie_word_embeddings=False),
 }
 
+# A slice preset -> the full model it is cut from (the bundle records every field that differs).
+SLICE_OF = {"k26-slice": "k26"}
+
+
+def slice_shrinkage(name: str) -> dict:
+    """{field: {"full": value in the full model, "slice": value here}} for every config field a slice
+    preset changes; JSON-ready, for bundle metadata."""
+    cut, full = PRESETS[name].to_dict(), PRESETS[SLICE_OF[name]].to_dict()
+    return {k: {"full": full[k], "slice": v} for k, v in cut.items() if v != full[k]}

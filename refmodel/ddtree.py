@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from refmodel.drafter import DrafterCache, DrafterConfig, drafter_forward, target_features
-from refmodel.model import KVCache, forward
+from refmodel.model import KVCache, forward, weights_dtype
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -181,7 +181,7 @@ def prefill(cfg, W, prompt, dcfg: DrafterConfig | None = None, pos0: int = 0) ->
     P = len(prompt)
     if P < 1:
         raise ValueError("prompt must hold at least one token")
-    dtype = W["model.embed_tokens.weight"].dtype       # float64 oracle; float32 for the reference engine
+    dtype = weights_dtype(W)       # float64 oracle; float32 for the reference engine
     cache = KVCache(cfg, dtype)
     logits, hiddens = forward(cfg, W, np.asarray(prompt, dtype=np.int64), pos0 + np.arange(P), cache)  # [P, V]
     ctx = None if dcfg is None else target_features(dcfg, hiddens)                           # [P, F]

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from refmodel.config import ModelConfig
-from refmodel.model import KVCache, forward
+from refmodel.model import KVCache, forward, weights_dtype
 
 
 @dataclass
@@ -50,7 +50,7 @@ def greedy_generate(cfg: ModelConfig, W: dict, prompt_ids, max_new_tokens: int, 
     if len(prompt_ids) < 1 or max_new_tokens < 1:
         raise ValueError(f"greedy_generate: need a prompt of >= 1 token and max_new_tokens >= 1, got "
                          f"{len(prompt_ids)} and {max_new_tokens}")
-    cache, taps = KVCache(cfg, W["model.embed_tokens.weight"].dtype), []
+    cache, taps = KVCache(cfg, weights_dtype(W)), []
     step_taps = {} if collect_taps else None
     logits = prefill(cfg, W, prompt_ids, cache, absorbed, step_taps, pos0)
     all_logits, tokens = [logits], [int(np.argmax(logits))]

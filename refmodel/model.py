@@ -36,6 +36,19 @@ def _tap(taps: dict | None, l: int, name: str, value: np.ndarray) -> None:
 
 # ---------------------------------------------------------------- primitives
 
+def weights_dtype(W) -> np.dtype:
+    """The compute dtype of a weight mapping: a refmodel.stored.StoredWeights says it, a dict's
+    embedding carries it."""
+    dtype = getattr(W, "dtype", None)
+    return np.dtype(dtype) if dtype is not None else W["model.embed_tokens.weight"].dtype
+
+
+def embed_rows(W, ids: np.ndarray) -> np.ndarray:
+    """Embedding rows [T, D] of ids [T]; a StoredWeights upcasts only these rows."""
+    rows = getattr(W, "rows", None)
+    return rows("model.embed_tokens.weight", ids) if rows is not None else W["model.embed_tokens.weight"][ids]
+
+
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return w * (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps))
 
@@ -293,12 +306,12 @@ def forward(cfg: ModelConfig, W: dict, ids, positions, cache: KVCache | None = N
         raise ValueError(f"forward: token ids must be in [0, {cfg.vocab_size}), got {ids.min()}..{ids.max()}")
     if mask is None:
         mask = causal_mask(T, S_cache)                                   # [T, S]
-    dtype = W["model.embed_tokens.weight"].dtype                         # float64 oracle or float32 engine
+    dtype = weights_dtype(W)                                             # float64 oracle or float32 engine
     mask = np.asarray(mask, dtype=dtype)
     if mask.shape != (T, S_cache + T):
         raise ValueError(f"forward: mask shape {mask.shape} must be [T, S_cache + T] = {(T, S_cache + T)}")
     cos, sin = rope_cos_sin(cfg, positions, dtype) if cos_sin is None else cos_sin   # [T, R/2] each
-    h = W["model.embed_tokens.weight"][ids]                              # [T] -> [T, D]
+    h = embed_rows(W, ids)                                               # [T] -> [T, D]
     hiddens = [h]
     for l in range(cfg.num_hidden_layers):
         h = block(cfg, W, l, h, cos, sin, cache, mask, absorbed, taps, (forced_ids or {}).get(l))

@@ -70,17 +70,26 @@ def _mlp_shapes(p: str, D: int, I: int) -> dict[str, tuple[int, int]]:
 
 def init_weights(cfg: ModelConfig, seed: int, alpha: float = 1.0) -> dict[str, np.ndarray]:
     """Float64 weights for cfg, deterministic in (cfg, seed, alpha). Untied configs get the golden construction."""
+    return {name: w for _, _, name, w in iter_weights(cfg, seed, alpha)}
+
+
+def iter_weights(cfg: ModelConfig, seed: int, alpha: float = 1.0):
+    """init_weights one tensor at a time: yields (index, count, name, float64 array) in expected_shapes
+    order, so a caller can store each tensor (bf16, INT4) before the next is drawn. Only the embedding is
+    held back (lm_head, drawn last, copies its rows)."""
     rng = np.random.Generator(np.random.PCG64(seed))
-    V, D = cfg.vocab_size, cfg.hidden_size
+    V = cfg.vocab_size
     perm = rng.permutation(V - 1)                      # drawn first: perm depends on (V, seed) only
-    W = {}
-    for name, shape in expected_shapes(cfg).items():
-        W[name] = _draw(rng, cfg, name, shape, alpha)
-    if not cfg.tie_word_embeddings:
-        head = W["lm_head.weight"]                     # drawn as N(0, 1/D); row V-1 kept (scaled down)
-        head[perm] = W["model.embed_tokens.weight"][: V - 1] * _head_scale(cfg)   # [V-1, D]
-        head[V - 1] *= MASK_ROW_SCALE
-    return W
+    shapes = expected_shapes(cfg)
+    embed = None
+    for i, (name, shape) in enumerate(shapes.items()):
+        w = _draw(rng, cfg, name, shape, alpha)
+        if name == "model.embed_tokens.weight":
+            embed = w
+        if name == "lm_head.weight" and not cfg.tie_word_embeddings:
+            w[perm] = embed[: V - 1] * _head_scale(cfg)  # drawn as N(0, 1/D); row V-1 kept (scaled down)
+            w[V - 1] *= MASK_ROW_SCALE
+        yield i, len(shapes), name, w
 
 
 def _head_scale(cfg: ModelConfig) -> float:
