@@ -148,6 +148,11 @@ class StoredWeights(MutableMapping):
     def __len__(self) -> int:
         return len(self._order)
 
+    def upcast_nbytes(self) -> int:
+        """Bytes the whole model would take upcast to `dtype` (computed from the stored shapes)."""
+        n = sum(a.size for a, _ in self._dense.values()) + sum(o * i for _, _, (o, i) in self._int4.values())
+        return int(n) * self.dtype.itemsize
+
     # -- what is stored --
 
     def stored_names(self) -> list[str]:

@@ -65,13 +65,22 @@ def test_ddtree_is_bit_identical(tiny_model):
         assert ra.accepted == rb.accepted and list(ra.verify_argmax) == list(rb.verify_argmax)
 
 
+@pytest.mark.parametrize("upcast_once", [True, False])
 @pytest.mark.parametrize("bundle", ["small_bundle", "small_int4_bundle"])
-def test_reference_engine_reads_the_bundle_mapped(bundle, request):
-    """The engine's float32 weights equal the old float64-then-float32 dict, tensor by tensor."""
+def test_reference_engine_reads_the_bundle_mapped(bundle, upcast_once, request, monkeypatch):
+    """The engine's float32 weights equal the old float64-then-float32 dict, tensor by tensor: a small model
+    upcast once at load (a dict), and one over the limit kept as stored (upcast per matmul)."""
+    import conformance.reference_engine as ref_engine
+
+    if not upcast_once:
+        monkeypatch.setattr(ref_engine, "UPCAST_ONCE_BYTES", 0)
     with open_kdtr(request.getfixturevalue(bundle)) as f:
         e = ReferenceEngine()
         e.load(f)
-        assert isinstance(e.W, StoredWeights) and e.W.dtype == np.float32
+        if upcast_once:
+            assert type(e.W) is dict and all(v.dtype == np.float32 for v in e.W.values())
+        else:
+            assert isinstance(e.W, StoredWeights) and e.W.dtype == np.float32
         old = {}
         for n in f.names:
             if not n.startswith(("golden/", "drafter.")):
