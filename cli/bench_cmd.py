@@ -13,6 +13,14 @@ from cuda_engine.engine import W4A16_MODES
 from kdtr_format.paths import write_atomically
 
 
+def _write_json(path: str, r: dict, command: str) -> None:
+    """A benchmark's `--json` report, written atomically; an unwritable path is one line and exit 2."""
+    try:
+        write_atomically(path, lambda fh: fh.write(json.dumps(r, indent=1).encode("utf-8")), stream_ok=True)
+    except OSError as e:
+        fail_write(e, command)
+
+
 @click.group("bench")
 def bench_cmd() -> None:
     """Benchmarks that need a GPU."""
@@ -48,11 +56,7 @@ def engine_cmd(bundle, steps, json_path, w4a16) -> None:
                f"{r['prepared_vs_graph']:.2f}x faster than prepared)")
     click.echo(f"graph and prepared generate the same tokens: {r['same_tokens_graph_and_prepared']}")
     if json_path:
-        try:
-            write_atomically(json_path, lambda fh: fh.write(json.dumps(r, indent=1).encode("utf-8")),
-                             stream_ok=True)
-        except OSError as e:
-            fail_write(e, "kdtr bench engine")
+        _write_json(json_path, r, "kdtr bench engine")
 
 
 @bench_cmd.command("ddtree")
@@ -99,11 +103,7 @@ def ddtree_cmd(bundles, tokens, repeats, json_path) -> None:
         click.echo(f"  a round (us, synchronised per phase): {split}; {b['host_syncs_per_round']:.1f} host syncs")
         click.echo(f"  DDTree stream == AR stream on every prompt: {b['all_streams_equal_ar']}")
     if json_path:
-        try:
-            write_atomically(json_path, lambda fh: fh.write(json.dumps(r, indent=1).encode("utf-8")),
-                             stream_ok=True)
-        except OSError as e:
-            fail_write(e, "kdtr bench ddtree")
+        _write_json(json_path, r, "kdtr bench ddtree")
     if not all(b["all_streams_equal_ar"] for b in r["bundles"]):
         click.echo("kdtr bench ddtree: the DDTree stream differs from the AR stream", err=True)
         sys.exit(int(ExitCode.ENGINE_ERROR))
@@ -140,8 +140,4 @@ def w4a16_cmd(batches, reps, no_moe, json_path) -> None:
         sys.exit(int(ExitCode.ENGINE_ERROR))
     click.echo(table(r))
     if json_path:
-        try:
-            write_atomically(json_path, lambda fh: fh.write(json.dumps(r, indent=1).encode("utf-8")),
-                             stream_ok=True)
-        except OSError as e:
-            fail_write(e, "kdtr bench w4a16")
+        _write_json(json_path, r, "kdtr bench w4a16")
