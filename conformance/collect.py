@@ -25,7 +25,7 @@ def can_hold_routing(engine) -> bool:
 
 class HeldRouting:
     """The golden expert sets of one prompt, handed to an engine's `hold_routing` before each forward
-    (conformance/protocol.py) when the profile was derived with routing held (profiles.HOLDS_ROUTING):
+    (conformance/protocol.py) when the profile was derived with routing held (profiles.holds_routing):
     like teacher-forced tokens, it keeps a near-tie expert flip from moving every later tap, so those
     taps are judged under the conditions their tolerance was derived in. `on` False: hands nothing."""
 

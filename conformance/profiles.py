@@ -32,9 +32,7 @@ from refmodel.stored import StoredWeights
 
 PROFILES = ("fp32", "bf16")
 PROFILE_OF_DTYPE = {"float32": "fp32", "bfloat16": "bf16"}
-# Profiles whose reference run held routing to the golden expert sets: the runner holds a live engine's
-# routing alike (conformance/collect.py), so its taps are measured under the conditions of the derivation.
-HOLDS_ROUTING = {"fp32": False, "bf16": True}
+ROUTING = ("free", "held")                # metadata.tolerances.routing: how the fp32 baseline run routed
 BF16_EPS = 2.0**-7                      # bfloat16 machine epsilon: one ULP at 1.0 (8-bit significand)
 FP32_KEEP = (".mlp.gate.weight", ".mlp.gate.e_score_correction_bias")   # router: float32 in bf16 engines
 
@@ -194,6 +192,17 @@ def reference_errors(g64: dict, gb: dict, baseline_errors) -> dict:
         if g.dtype.kind in "iu":
             out[k] = {"mismatches": int(np.count_nonzero((np.sort(g, -1) != np.sort(gb[k], -1)).any(-1)))}
     return out
+
+
+def holds_routing(meta: dict, profile: str) -> bool:
+    """Whether `profile`'s reference run held routing to the golden expert sets, so that the runner holds a
+    live engine's routing alike (conformance/collect.py) and its taps are measured under the conditions of
+    the derivation: the bf16 profile always; the fp32 profile when the bundle's `tolerances.routing` is
+    "held" (`kdtr gen --routing-near-ties held`: a bundle whose golden routing has near-ties; absent =
+    "free", every routing decision decisive). The value is validated by records.check_schema."""
+    if profile == "bf16":
+        return True
+    return profile == "fp32" and meta.get("tolerances", {}).get("routing", "free") == "held"
 
 
 def profile_taps(meta: dict, profile: str) -> dict:

@@ -38,6 +38,10 @@ def check_schema(f, path: str) -> None:
             raise BundleSchemaError(f"{path}: metadata lacks {key!r}; regenerate the bundle with `kdtr gen`")
     if not prompts_of(f):
         raise BundleSchemaError(f"{path}: no golden/p{{i}}/prompt_ids tensor; regenerate the bundle with `kdtr gen`")
+    routing = meta["tolerances"].get("routing", "free") if isinstance(meta["tolerances"], dict) else "free"
+    if routing not in ("free", "held"):
+        raise BundleSchemaError(f"{path}: metadata tolerances.routing is {str(routing)[:40]!r}, must be \"held\" or "
+                                f"\"free\" (or left out); regenerate the bundle with `kdtr gen`")
     offs = meta["position_offsets"]
     if not (isinstance(offs, list) and len(offs) > max(prompts_of(f))
             and all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offs)):

@@ -2,8 +2,10 @@
 
 It is the CI-side proof that a correct fp32 engine passes the bundle's tolerances, and the engine that
 fault injection (conformance/faults.py) wraps. Implements conformance.protocol.Engine, teacher forcing
-included (run_layer feeds a layer its golden input and golden cache rows), and the optional live DDTree
-(`ddtree_generate`: refmodel/ddtree.py's loop in float32 with the bundle's own drafter).
+included (run_layer feeds a layer its golden input and golden cache rows), the optional held routing
+(`hold_routing`: the next forward runs the given expert sets, as refmodel's `forced_ids` does for the
+profiles' noise measurements) and the optional live DDTree (`ddtree_generate`: refmodel/ddtree.py's loop
+in float32 with the bundle's own drafter, its router always free).
 """
 from __future__ import annotations
 
@@ -46,6 +48,8 @@ class ReferenceEngine:
         self.cfg: ModelConfig | None = None
         self.W: dict = {}
         self.cache: KVCache | None = None
+        self._held: dict = {}                 # layer -> [T, K] expert ids for the next forward (-1 rows: own)
+        self.held_rows = 0                    # rows that ran held experts other than the router's own set
 
     def load(self, bundle) -> None:
         if isinstance(bundle, (str, os.PathLike)):
@@ -57,6 +61,7 @@ class ReferenceEngine:
         self.W = dict(W.items()) if W.upcast_nbytes() <= UPCAST_ONCE_BYTES else W
         self.dcfg, DW, self.ddtree_settings = bundle_drafter(bundle)
         self.DW = {k: v.astype(self.np_dtype) for k, v in DW.items()}
+        self.held_rows = 0
         self.reset()
 
     def reset(self) -> None:
@@ -67,10 +72,23 @@ class ReferenceEngine:
         long positions: docs/golden-bundles.md, the long-position prompt)."""
         return rope_cos_sin(self.cfg, np.asarray(positions, np.int64), self.np_dtype)
 
+    def hold_routing(self, ids: dict | None) -> None:
+        """The expert sets the next forward runs ({layer: [T, K]}, a row of -1: the router decides;
+        conformance/protocol.py). The taps still report the router's own choice (refmodel.model.moe)."""
+        self._held = {int(l): np.asarray(v, np.int64) for l, v in (ids or {}).items()}
+
     def _forward(self, ids, positions, mask=None):
-        taps = {}
+        taps, held, self._held = {}, self._held or {}, {}                # held for one call only
+        T = len(np.asarray(ids).reshape(-1))
+        for l, v in held.items():
+            if v.shape != (T, self.cfg.num_experts_per_tok):
+                raise ValueError(f"hold_routing: layer {l} got held ids of shape {v.shape} for a forward of "
+                                 f"{T} tokens; expected [{T}, {self.cfg.num_experts_per_tok}]")
         logits, _ = forward(self.cfg, self.W, ids, positions, self.cache, mask, taps=taps,
-                            cos_sin=self._cos_sin(positions))
+                            cos_sin=self._cos_sin(positions), forced_ids=held or None)
+        for l, v in held.items():                                        # rows whose held set is not its own
+            own = np.sort(taps[f"L{l}/topk_ids"], -1)
+            self.held_rows += int(np.count_nonzero((v >= 0).all(-1) & (np.sort(v, -1) != own).any(-1)))
         return logits, taps
 
     def prefill(self, ids, positions):

@@ -17,7 +17,7 @@ from conformance.collect import can_hold_routing, collect
 from conformance.judge import coverage_check, judge
 from conformance.localize import localize
 from conformance.outputs import InvalidOutputs
-from conformance.profiles import HOLDS_ROUTING, PROFILE_OF_DTYPE, profile_taps
+from conformance.profiles import PROFILE_OF_DTYPE, holds_routing, profile_taps
 from conformance.protocol import check_engine
 from conformance.records import check_schema, dump_routing, prompts_of, read_dump, write_dump
 from conformance.report import CheckResult, make_verdict
@@ -49,7 +49,7 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
         if engine is not None and dump is None:                          # a missing profile: say so before
             profile = profile or PROFILE_OF_DTYPE.get(engine.dtype, "fp32")   # the run, not after it
             profile_taps(f.metadata, profile)
-        dtype, hold = "float32", bool(dump is None and HOLDS_ROUTING.get(profile or "", False))
+        dtype, hold = "float32", bool(dump is None and holds_routing(f.metadata, profile or ""))
         held = hold and can_hold_routing(engine)                        # what collect will do
         try:
             out, dtype = _outputs(f, engine, dump, progress, hold)
@@ -80,7 +80,8 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
                 first.cause = f"not localised: run_layer raised {type(e).__name__}: {e}"
         if require_coverage is not None:
             judged.append(coverage_check(judged, require_coverage))
-        info = {"dtype": dtype, "profile": profile, "routing": _routing_info(engine, dump, profile, held),
+        info = {"dtype": dtype, "profile": profile,
+                "routing": _routing_info(engine, dump, profile, held, holds_routing(f.metadata, profile)),
                 "engine_seconds": round(t1 - t0, 3),
                 "judge_seconds": round(time.perf_counter() - t1, 3), "prompts": len(prompts_of(f)),
                 "bundle_figures": f.metadata.get("figures", {})}
@@ -95,12 +96,12 @@ def _say_why_unobserved(checks, why: dict) -> None:
             c.message = f"not observable: {why[tap]}"
 
 
-def _routing_info(engine, dump, profile: str, held: bool) -> str:
+def _routing_info(engine, dump, profile: str, held: bool, derived_held: bool) -> str:
     """How the expert sets the engine computed with were chosen (docs/conformance.md §3a). A live run:
     what the runner did; a run dump: what its metadata `routing` says (the runner cannot hold a finished
-    run's routing; docs/run-dump.md)."""
+    run's routing; docs/run-dump.md). `derived_held`: the profile was derived with routing held."""
     caveat = (f", but the {profile} profile was derived with routing held to the golden expert sets, so a "
-              f"near-tie expert flip also moves the taps after it") if HOLDS_ROUTING.get(profile, False) else ""
+              f"near-tie expert flip also moves the taps after it") if derived_held else ""
     if dump is not None:
         said = dump_routing(dump)
         if said == "held":

@@ -230,11 +230,15 @@ def select_experts(cfg: ModelConfig, choice: np.ndarray) -> np.ndarray:
 def route(cfg: ModelConfig, W: dict, l: int, x: np.ndarray,
           forced: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Sigmoid noaux_tc router: (scores [T, E] unbiased, ids [T, K], weights [T, K]). `forced` [T, K]:
-    use these expert ids instead of the router's choice (weights still from this run's scores)."""
+    use these expert ids instead of the router's choice (weights still from this run's scores); a row of
+    -1 leaves that row to the router."""
     p = f"model.layers.{l}.mlp.gate."
     scores = sigmoid(linear(x, W[p + "weight"]))                         # [T, D] -> [T, E]
     choice = scores + W[p + "e_score_correction_bias"]                   # bias chooses experts, never weighs them
-    ids = select_experts(cfg, choice) if forced is None else np.asarray(forced)  # [T, E] -> [T, K]
+    ids = select_experts(cfg, choice)                                    # [T, E] -> [T, K]
+    if forced is not None:
+        forced = np.asarray(forced, np.int64)                            # [T, K]
+        ids = np.where((forced < 0).all(-1, keepdims=True), ids, forced)
     weights = np.take_along_axis(scores, ids, axis=-1)                   # [T, K], unbiased
     if cfg.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
