@@ -23,10 +23,10 @@ import numpy as np
 from conformance.coverage import coverage, coverage_text, skip_reasons, skipped
 from conformance.metrics import logits_metrics
 from conformance.judge_live import live_checks
-from conformance.near_ties import (explains_flip, logits_atol, own_choice, routing_near_ties, stream_near_tie,
-                                   token_near_ties)
+from conformance.near_ties import (explains_flip, logits_atol, own_choice, routing_near_ties, routing_tie_row,
+                                   stream_near_tie, token_near_ties)
 from conformance.outputs import LIVE, InvalidOutputs, has_live, tree_offsets, validate_outputs, widened
-from conformance.profiles import profile_taps
+from conformance.profiles import holds_routing, profile_taps
 from conformance.records import numeric_keys, position_offset, prompts_of
 from conformance.report import CheckResult, Divergence
 from conformance.tolerance import DerivedTolerance, Rule, check_tap, judges_nothing, resolve_rule
@@ -103,10 +103,11 @@ def judge(f, out: dict, overrides=(), dtype: str = "float32",
         checks.append(_token_check(f, g, i, out, near, logits_atol(man)))
         ar_ok = all(c.status == "pass" for c in checks if c.name == f"p{i}/ar/logits")
         checks += _ddtree_checks(f, g, i, out, overrides, dtype, ar_ok, man, near)
-        if has_live(out, i):
-            checks += live_checks(f, g, i, out, drafts, ar_ok)
+        if has_live(out, i):                     # its router runs freely: judged up to a routing near-tie
+            tie_row = routing_tie_row(f, g, man, cfg) if holds_routing(meta, profile) else None
+            checks += live_checks(f, g, i, out, drafts, ar_ok, tie_row)
             checks.append(_path_logits_check(f, g, f"p{i}/{LIVE}/", out, overrides, dtype,
-                                             "ddtree" if ar_ok else "numeric", man))
+                                             "ddtree" if ar_ok else "numeric", man, tie_row=tie_row))
     checks += long_position_checks(f, checks)
     return checks, first
 
@@ -336,29 +337,37 @@ def _rounds_before(f, g: str, tie: int | None) -> int | None:
 
 
 def _path_logits_check(f, g: str, p: str, out: dict, overrides, dtype, kind: str, man: dict,
-                       tie: int | None = None) -> CheckResult:
+                       tie: int | None = None, tie_row: int | None = None) -> CheckResult:
     """The tree forward's logits on the committed rows, against the golden AR logits with the AR logits
     tolerance. Committed row j sits at position P + j and predicts token j + 1: in exact arithmetic it is
     AR row j + 1 (docs/run-dump.md §4). Argmax checks alone would let a tree-only numeric bug smaller
     than the token margins pass; this catches it. Compared while the engine's stream is golden. `kind`:
     "ddtree" when the AR logits passed (the tree path alone is off: a DDTree failure), else "numeric"
-    (the same drift as the AR path, not a DDTree-specific fault)."""
+    (the same drift as the AR path, not a DDTree-specific fault). `tie_row`: a live loop's rows from this
+    cache row on are not compared (a near-tie golden routing decision may move them: judge_live.py)."""
     name = p + "path_logits"
     got = out[name]
     gold_ar, mine, gold = f[g + "ar/logits"], np.asarray(out[p + "tokens"]), np.asarray(f[g + "ar/tokens"])
     n = min(len(mine), len(gold))
     bad = np.nonzero(mine[:n] != gold[:n])[0]
     k = min(len(got), len(gold_ar) - 1, int(bad[0]) if bad.size else n)
+    P = len(f[g + "prompt_ids"])
+    if tie_row is not None:                                              # committed row j is cache row P + j
+        k = min(k, max(0, tie_row - P))
     derived = manifest_rule(man.get("ar/logits"))
     rule = resolve_rule(name, derived, overrides)
     why = judges_nothing(np.asarray(gold_ar[1:1 + k]), rule, dtype) if k else (
         "not compared: no committed row while the engine's stream is golden"
-        + ("" if tie is None else f" (it left the golden stream at near-tie token {tie})"))
+        + ("" if tie is None else f" (it left the golden stream at near-tie token {tie})")
+        + ("" if tie_row is None else f" and before cache row {tie_row}, the first near-tie golden routing "
+                                      f"decision (the live loop routes freely)"))
     if why:
         return CheckResult(name, "skip", kind, {"rows": k}, rule.to_dict(), why)
     r = check_tap(np.asarray(gold_ar[1:1 + k]), np.asarray(got[:k]), rule, dtype,
                   derived=derived if isinstance(derived, DerivedTolerance) else None)
     r.metrics["rows"] = k
+    if tie_row is not None:
+        r.metrics["routing_tie_row"] = tie_row
     return CheckResult(name, "pass" if r.passed else "fail", kind, r.metrics, rule.to_dict(),
                        "; ".join(r.failures), r.min_passing)
 

@@ -20,8 +20,14 @@ values are themselves judged numerically.
   top-K of its own scores + the correction bias (`refmodel.model.select_experts`, groups included), and
   every swapped pair's golden biased scores are within twice the layer's `router_scores` atol.
 
-Under the fp32 profile `kdtr gen` keeps every margin above 4 atol and every routing gap above 4 router
-atol, so nothing is a near-tie and everything stays exact.
+Under the fp32 profile `kdtr gen` keeps every margin above 4 atol, so no token is a near-tie, and, unless
+the bundle was made with `--routing-near-ties held` (metadata `tolerances.routing` "held"), every routing
+gap above 4 router atol, so no expert set is one either and everything stays exact.
+
+- **The live DDTree** (an engine's own loop, conformance/judge_live.py) runs its router freely: tree rows
+  have no golden expert sets to hold. Under a profile that holds routing, the first golden routing decision
+  of a prompt that is a near-tie (`routing_tie_row`) is where the live run may legitimately part from the
+  golden one: the live checks judge exactly what lies before it and only self-consistency after it.
 """
 from __future__ import annotations
 
@@ -107,3 +113,23 @@ def own_choice(j: int, token: int, own_ar: np.ndarray, path_logits: np.ndarray) 
     if j < len(own_ar) and int(own_ar[j]) == token:
         return True
     return 1 <= j <= len(path_logits) and int(np.argmax(np.asarray(path_logits[j - 1]))) == token
+
+
+def routing_tie_row(f, g: str, man: dict, cfg) -> int | None:
+    """The first cache row of prompt g (prefill row r, or P + s for decode step s) whose golden routing
+    decision, in any MoE layer, is a near-tie of the profile: the golden K-th vs (K+1)-th biased score gap
+    within twice that tap's router_scores atol, so an engine within the profile may choose another set
+    there. None when every recorded routing decision of the prompt is decisive (a decode step whose
+    router_scores the bundle does not record counts as decisive: such bundles hold no near-ties)."""
+    P, K, first = len(f[g + "prompt_ids"]), cfg.num_experts_per_tok, None
+    for l in range(cfg.first_k_dense_replace, cfg.num_hidden_layers):
+        bias = np.asarray(f.get(f"model.layers.{l}.mlp.gate.e_score_correction_bias"), np.float64)   # [E]
+        for phase, row0 in (("prefill", 0), ("ar", P)):
+            key = f"{phase}/L{l}/router_scores"
+            if g + key not in f or K >= bias.shape[0]:
+                continue
+            top = -np.sort(-(np.asarray(f[g + key], np.float64) + bias), axis=-1)    # [T, E] descending
+            near = np.nonzero(top[:, K - 1] - top[:, K] <= 2 * _atol(man.get(key)))[0]
+            if near.size and (first is None or row0 + int(near[0]) < first):
+                first = row0 + int(near[0])
+    return first

@@ -18,7 +18,7 @@ from kdtr_format import open_kdtr
 from refmodel.config import ModelConfig
 from refmodel.ddtree import Tree, build_ddtree, draft_logits, prefill, verify_round
 from refmodel.drafter import DrafterConfig
-from refmodel.model import KVCache, block, causal_mask, forward, rope_cos_sin
+from refmodel.model import KVCache, block, causal_mask, expert_weights, forward, rope_cos_sin
 from refmodel.stored import StoredWeights
 
 
@@ -48,7 +48,7 @@ class ReferenceEngine:
         self.cfg: ModelConfig | None = None
         self.W: dict = {}
         self.cache: KVCache | None = None
-        self._held: dict = {}                 # layer -> [T, K] expert ids for the next forward (-1 rows: own)
+        self._held_ids: dict = {}             # layer -> [T, K] expert ids for the next forward (-1 rows: own)
         self.held_rows = 0                    # rows that ran held experts other than the router's own set
 
     def load(self, bundle) -> None:
@@ -74,11 +74,12 @@ class ReferenceEngine:
 
     def hold_routing(self, ids: dict | None) -> None:
         """The expert sets the next forward runs ({layer: [T, K]}, a row of -1: the router decides;
-        conformance/protocol.py). The taps still report the router's own choice (refmodel.model.moe)."""
-        self._held = {int(l): np.asarray(v, np.int64) for l, v in (ids or {}).items()}
+        conformance/protocol.py). The taps still report the router's own choice: its scores, its expert
+        ids (refmodel.model.moe) and the weights of those ids."""
+        self._held_ids = {int(l): np.asarray(v, np.int64) for l, v in (ids or {}).items()}
 
     def _forward(self, ids, positions, mask=None):
-        taps, held, self._held = {}, self._held or {}, {}                # held for one call only
+        taps, held, self._held_ids = {}, self._held_ids, {}             # held for one call only
         T = len(np.asarray(ids).reshape(-1))
         for l, v in held.items():
             if v.shape != (T, self.cfg.num_experts_per_tok):
@@ -87,8 +88,10 @@ class ReferenceEngine:
         logits, _ = forward(self.cfg, self.W, ids, positions, self.cache, mask, taps=taps,
                             cos_sin=self._cos_sin(positions), forced_ids=held or None)
         for l, v in held.items():                                        # rows whose held set is not its own
-            own = np.sort(taps[f"L{l}/topk_ids"], -1)
-            self.held_rows += int(np.count_nonzero((v >= 0).all(-1) & (np.sort(v, -1) != own).any(-1)))
+            own = taps[f"L{l}/topk_ids"]
+            self.held_rows += int(np.count_nonzero((v >= 0).all(-1) & (np.sort(v, -1) != np.sort(own, -1)).any(-1)))
+            # the taps report the router's own decision (conformance/protocol.py): its weights too
+            taps[f"L{l}/topk_weights"] = expert_weights(self.cfg, taps[f"L{l}/router_scores"], own)
         return logits, taps
 
     def prefill(self, ids, positions):

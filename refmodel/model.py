@@ -239,10 +239,16 @@ def route(cfg: ModelConfig, W: dict, l: int, x: np.ndarray,
     if forced is not None:
         forced = np.asarray(forced, np.int64)                            # [T, K]
         ids = np.where((forced < 0).all(-1, keepdims=True), ids, forced)
+    return scores, ids, expert_weights(cfg, scores, ids)
+
+
+def expert_weights(cfg: ModelConfig, scores: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """The weights [T, K] of experts `ids` [T, K] from unbiased scores [T, E]: gathered, renormalised
+    (norm_topk_prob), scaled by routed_scaling_factor."""
     weights = np.take_along_axis(scores, ids, axis=-1)                   # [T, K], unbiased
     if cfg.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
-    return scores, ids, weights * cfg.routed_scaling_factor
+    return weights * cfg.routed_scaling_factor
 
 
 def moe(cfg: ModelConfig, W: dict, l: int, x: np.ndarray, taps: dict | None,
