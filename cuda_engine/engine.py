@@ -64,6 +64,8 @@ class CudaEngine:
         self.cfg: ModelConfig | None = None
         self.graph = None
         self.length = 0                       # cached rows (host mirror of meta[0] between forwards)
+        self._held_ids: dict = {}             # layer -> [T, K] expert ids for the next forward (hold_routing)
+        self.held_rows = 0                    # rows that ran held experts other than the router's own set
 
     # ------------------------------------------------------------ load and buffers
     def load(self, bundle) -> None:
@@ -93,6 +95,7 @@ class CudaEngine:
         self.T_cap = self.S_cap = 0
         self._alloc_activations(T_CAP0, S_CAP0)
         self._alloc_cache(S_CAP0)
+        self.held_rows = 0
         self.reset()
         self._drafter_host = read_drafter(bundle)       # the live DDTree's drafter (cuda_engine/drafter.py)
 
@@ -122,11 +125,16 @@ class CudaEngine:
         E, S = c.n_routed_experts, c.num_experts_per_tok + c.n_shared_experts
         I = max(c.intermediate_size, c.moe_intermediate_size)
         f, i = np.float32, np.int32
+        K = c.num_experts_per_tok
         per_layer = {"attn_in": D, "q": H * A, "qkv_a": c.q_lora_rank + C + R, "kv_latent": C, "attn_out": D, "resid_attn": D,
-                     "mlp_in": D, "router_scores": E, "slot_w": S, "mlp_out": D, "resid_out": D}
+                     "mlp_in": D, "router_scores": E, "slot_w": S, "own_w": K, "mlp_out": D, "resid_out": D}
         self.buf = {k: DevBuf((L, T_cap, w), f) for k, w in per_layer.items()}
         self.buf["slot_ids"] = DevBuf((L, T_cap, S), i)
-        self.layer_keys = list(per_layer) + ["slot_ids"]             # the [L, T_cap, width] tap buffers
+        self.buf["own_ids"] = DevBuf((L, T_cap, K), i)               # the router's own choice: topk_ids
+        self.layer_keys = list(per_layer) + ["slot_ids", "own_ids"]  # the [L, T_cap, width] tap buffers
+        # held routing: the expert ids the next forward runs, -1 = the router's choice (kernels/moe.cu);
+        # all -1 except during a held forward, so a decode graph or the DDTree loop never runs stale ids
+        self.buf["held"] = DevBuf.from_array(np.full((L, T_cap, K), -1, i))
         for k, shape, dt in (("x0", (T_cap, D), f), ("cq", (T_cap, c.q_lora_rank), f),
                              ("o", (T_cap, H * U), f),
                              ("act", (T_cap * S, I), f), ("y_slots", (T_cap * S, D), f), ("final", (T_cap, D), f),
@@ -169,6 +177,12 @@ class CudaEngine:
     # ------------------------------------------------------------ the protocol
     def reset(self) -> None:
         self.length = 0
+
+    def hold_routing(self, ids: dict | None) -> None:
+        """The expert sets the next prefill/decode/verify_tree runs ({layer: [T, K]}, a row of -1: the router
+        decides; conformance/protocol.py). The router still reports its own scores, ids and weights; the
+        MoE runs the held ids, weighted from its own scores there (kernels/moe.cu, router_kernel)."""
+        self._held_ids = {int(l): np.asarray(v, np.int64) for l, v in (ids or {}).items()}
 
     def prefill(self, ids, positions):
         return self._forward(ids, positions, None)
@@ -260,18 +274,45 @@ class CudaEngine:
             if mask.shape != (T, self.length + T):
                 raise ValueError(f"verify_tree: mask shape {mask.shape} must be [T, S_cache + T] = "
                                  f"{(T, self.length + T)}")
+        held, self._held_ids = self._held_ids, {}                                     # held for one call only
         self._ensure(T, self.length + T)
         self._set_inputs(ids, positions, self.length, mask)
-        if T == 1 and mask is None and self.use_graph:
-            self._decode_graph().launch(self.ops.stream)
-        else:
-            self._launch_forward(T, masked=mask is not None, argmax_out=self.buf["argmax"])
-        self.ops.stream.synchronize()
+        self._set_held(held, T)
+        try:
+            if T == 1 and mask is None and self.use_graph:
+                self._decode_graph().launch(self.ops.stream)
+            else:
+                self._launch_forward(T, masked=mask is not None, argmax_out=self.buf["argmax"])
+            self.ops.stream.synchronize()
+        finally:
+            if held:                                                                  # back to "router decides"
+                self.buf["held"].set(np.full(self.buf["held"].shape, -1, np.int32))
         self.length += T
         logits = self.buf["logits"].get()[:T].copy()                                 # [T, V]
         taps = self._taps(T)
         taps["logits"] = logits.copy()
+        for l, v in held.items():                                                     # rows whose held set is
+            own = np.sort(taps[f"L{l}/topk_ids"], -1)                                 # not the router's own
+            self.held_rows += int(np.count_nonzero((v >= 0).all(-1) & (np.sort(v, -1) != own).any(-1)))
         return logits, taps
+
+    def _set_held(self, held: dict, T: int) -> None:
+        """Write this forward's held expert ids into the device buffer the router reads (checked first)."""
+        if not held:
+            return
+        c = self.cfg
+        K, E = c.num_experts_per_tok, c.n_routed_experts
+        rows = np.full(self.buf["held"].shape, -1, np.int32)                           # [L, T_cap, K]
+        for l, v in held.items():
+            if not c.first_k_dense_replace <= l < c.num_hidden_layers or v.shape != (T, K):
+                raise ValueError(f"hold_routing: layer {l}, held ids of shape {v.shape}: need an MoE layer in "
+                                 f"[{c.first_k_dense_replace}, {c.num_hidden_layers}) and shape [{T}, {K}]")
+            ok = ((v >= 0) & (v < E)).all(-1) | (v == -1).all(-1)                     # [T]
+            if not ok.all():
+                raise ValueError(f"hold_routing: layer {l}: each row must be {K} expert ids in [0, {E}) or all "
+                                 f"-1, got {v[~ok][0].tolist()}")
+            rows[l, :T] = v
+        self.buf["held"].set(rows)
 
     def _decode_graph(self):
         """The decode step (T = 1) captured once; the argmax feeds ids[0] and the advance kernel moves the
@@ -319,7 +360,7 @@ class CudaEngine:
             K, S = c.num_experts_per_tok, c.num_experts_per_tok + c.n_shared_experts
             o.router(xm, w["gate"], w["bias"], b["router_scores"].view(l), b["slot_ids"].view(l),       # [T, D] -> [T, E]
                      b["slot_w"].view(l), T, K, S, c.n_group, c.topk_group, c.norm_topk_prob,
-                     c.routed_scaling_factor)
+                     c.routed_scaling_factor, b["held"].view(l), b["own_ids"].view(l), b["own_w"].view(l))
             slots = b["slot_ids"].view(l)
         else:
             K, S, slots = 0, 1, b["dense_slots"]
@@ -357,8 +398,8 @@ class CudaEngine:
         values = {"attn_in": host["attn_in"][l], "q": host["q"][l].reshape(T, H, A),
                   "kv_latent": host["kv_latent"][l], "k_pe": host["qkv_a"][l][:, QC:], "attn_out": host["attn_out"][l],
                   "resid_attn": host["resid_attn"][l], "mlp_in": host["mlp_in"][l],
-                  "router_scores": host["router_scores"][l], "topk_ids": host["slot_ids"][l][:, :K].astype(np.int64),
-                  "topk_weights": host["slot_w"][l][:, :K], "mlp_out": host["mlp_out"][l],
+                  "router_scores": host["router_scores"][l], "topk_ids": host["own_ids"][l].astype(np.int64),
+                  "topk_weights": host["own_w"][l], "mlp_out": host["mlp_out"][l],
                   "resid_out": host["resid_out"][l]}
         return {f"L{l}/{t}": np.ascontiguousarray(values[t]) for t in tap_names(c, l)}
 

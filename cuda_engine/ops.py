@@ -30,7 +30,7 @@ SIGNATURES = {
     "mla_latent_kernel": "PiiiPPfPPPPPPPd",
     "mla_attention_kernel": "PiPPPPdPPPPPPiPiPPPiiiiif",
     "kv_compact_kernel": "PPPiiiii",
-    "router_kernel": "PPiPPPPiiiiiif",
+    "router_kernel": "PPiPPPPiiiiiifPPP",
     "swiglu_gate_up_kernel": "PPPPPiiiiii",
     "expert_down_kernel": "PPPPiiiiii",
     "w4a16_gate_up_kernel": "PPPPPPPiiiiiii",
@@ -179,14 +179,19 @@ class Ops:
 
     # ------------------------------------------------------------ MoE
     def router(self, x, gate: DevBuf, bias: DevBuf, scores, slot_ids, slot_w, T: int, K: int, S: int, n_group: int,
-               topk_group: int, norm_topk_prob: bool, scale: float) -> None:
-        """Router GEMV (gate [E, D]) and selection for x [T, D]: scores [T, E], slots [T, S] (ids, weights)."""
+               topk_group: int, norm_topk_prob: bool, scale: float, held=None, own_ids=None, own_w=None) -> None:
+        """Router GEMV (gate [E, D]) and selection for x [T, D]: scores [T, E], slots [T, S] (ids, weights).
+        Held routing: held [T, K] int32 (a row of -1: the router's choice) sets the routed slots; own_ids
+        [T, K] int32 and own_w [T, K] receive the router's own choice and weights (kernels/moe.cu)."""
         E, D = gate.shape
         _need(bias.shape == (E,), "router", f"bias {bias.shape} != ({E},)")
         _need(E <= ROUTER_MAX_E and n_group <= ROUTER_MAX_GROUPS, "router",
               f"n_routed_experts={E} (max {ROUTER_MAX_E}), n_group={n_group} (max {ROUTER_MAX_GROUPS})")
+        _need((own_ids is None) == (own_w is None), "router", "own_ids and own_w come together")
+        null = lambda b: 0 if b is None else _ptr(b)  # noqa: E731 - an absent optional buffer: a null pointer
         self._launch("router_kernel", (T,), _ptr(x), gate.ptr, D, bias.ptr, _ptr(scores), _ptr(slot_ids),
-                     _ptr(slot_w), E, K, S, n_group, topk_group, int(norm_topk_prob), scale)
+                     _ptr(slot_w), E, K, S, n_group, topk_group, int(norm_topk_prob), scale, null(held),
+                     null(own_ids), null(own_w))
 
     # Expert GEMVs run over the slots k0 .. k0+nk-1 of each token's S slots (all by default); the expert of
     # slot (t, k) is slot_ids[t, k] - e_base in the given stack.

@@ -239,6 +239,38 @@ def test_router(ops, cfg_name, changes, T):
     np.testing.assert_array_equal(w.get()[:, K], 1.0)
 
 
+@pytest.mark.parametrize("cfg_name,changes,T", [ROUTER[1], ROUTER[2], ROUTER[4]])
+def test_router_held(ops, cfg_name, changes, T):
+    """Held rows (every other row; the others -1) run the held ids in the slots, weighted from the router's
+    own scores there (refmodel's forced routing); own_ids / own_w keep the router's own choice."""
+    import dataclasses
+
+    cfg = dataclasses.replace(PRESETS[cfg_name], **changes)
+    D, E, K = cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok
+    rng = np.random.default_rng(E + K + 1)
+    x, gate, bias = rand(rng, T, D), rand(rng, E, D, scale=D ** -0.5), rand(rng, E, scale=0.1)
+    held = np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int32)       # [T, K]
+    held[1::2] = -1                                                                      # the router decides
+    p = "model.layers.1.mlp.gate."
+    W64 = {p + "weight": gate.astype(np.float64), p + "e_score_correction_bias": bias.astype(np.float64)}
+    W32 = {p + "weight": gate, p + "e_score_correction_bias": bias}
+    _, own64, own_w64 = route(cfg, W64, 1, x.astype(np.float64))
+    _, _, own_w32 = route(cfg, W32, 1, x)
+    _, ids64, w64 = route(cfg, W64, 1, x.astype(np.float64), forced=held)
+    _, _, w32 = route(cfg, W32, 1, x, forced=held)
+    S = K + 1
+    sc, ids, w = dev(np.zeros((T, E), np.float32)), dev(np.zeros((T, S), np.int32)), dev(np.zeros((T, S), np.float32))
+    own_ids, own_w = dev(np.zeros((T, K), np.int32)), dev(np.zeros((T, K), np.float32))
+    run(ops, ops.router, dev(x), dev(gate), dev(bias), sc, ids, w, T, K, S, cfg.n_group, cfg.topk_group,
+        cfg.norm_topk_prob, cfg.routed_scaling_factor, dev(held, np.int32), own_ids, own_w)
+    case = f"router held {cfg_name} {changes} T={T}"
+    np.testing.assert_array_equal(ids.get()[:, :K], ids64, err_msg=case)
+    np.testing.assert_array_equal(own_ids.get(), own64, err_msg=case)
+    check(case + " weights", w.get()[:, :K], w64, w32)
+    check(case + " own weights", own_w.get(), own_w64, own_w32)
+    np.testing.assert_array_equal(w.get()[:, K], 1.0)
+
+
 def moe_oracle(x, Wg, Wu, Wd, ids, w, K):
     """refmodel.moe's sum: routed slots in ascending expert id (weighted), then the unweighted slots."""
     T, S = ids.shape

@@ -16,6 +16,14 @@
 //                          per token through one SM) a separate GEMV would be the faster choice.
 //                          warp 0 selects: K rounds of a warp
 //                          argmax with ties to the lower id (the oracle's stable order).
+//                          Held routing (optional; the conformance runner's hold_routing): own_ids/own_w
+//                          [T, K] receive the router's own choice and its weights (the topk_ids and
+//                          topk_weights taps); a row of held [T, K] whose first id is >= 0 replaces the
+//                          experts the slots run by the held ones, weighted from this router's scores at
+//                          those ids (renormalised, scaled) as refmodel's forced routing does; a row of -1
+//                          keeps the router's choice. held lives in a device buffer, so a captured decode
+//                          graph reads whatever the host wrote for this replay. Null pointers: no hold, no
+//                          own copy (the slots are then the router's choice).
 //   swiglu_gate_up_kernel: act[t, k] = silu(Wg[e] x[t]) * (Wu[e] x[t]), e = slot_ids[t, k] - e_base  [T * S, I],
 //                          for the slots k0 .. k0+nk-1 (all S; or, when the routed experts are INT4
 //                          (w4a16_plain.cu), only the dense shared expert's slot, e_base = E).
@@ -38,7 +46,8 @@ extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
 router_kernel(const float* __restrict__ x, const float* __restrict__ gate, int D, const float* __restrict__ bias,
               float* __restrict__ scores, int* __restrict__ slot_ids, float* __restrict__ slot_w, int E, int K, int S,
               int n_group,
-              int topk_group, int norm_topk_prob, float routed_scaling_factor) {
+              int topk_group, int norm_topk_prob, float routed_scaling_factor, const int* __restrict__ held,
+              int* __restrict__ own_ids, float* __restrict__ own_w) {
     __shared__ float choice[ROUTER_MAX_E];
     __shared__ unsigned char taken[ROUTER_MAX_E];
     __shared__ float gscore[ROUTER_MAX_GROUPS];
@@ -99,6 +108,19 @@ router_kernel(const float* __restrict__ x, const float* __restrict__ gate, int D
         sum += ssc[bi];
     }
     if (lane != 0) return;
+    if (own_ids != nullptr)                                   // the router's own choice: the taps
+        for (int k = 0; k < K; ++k) {
+            own_ids[(size_t)t * K + k] = id_sel[k];
+            own_w[(size_t)t * K + k] = (norm_topk_prob ? w_sel[k] / (sum + 1e-20f) : w_sel[k]) * routed_scaling_factor;
+        }
+    if (held != nullptr && held[(size_t)t * K] >= 0) {        // a held row: run these experts instead
+        sum = 0.0f;
+        for (int k = 0; k < K; ++k) {
+            id_sel[k] = held[(size_t)t * K + k];
+            w_sel[k] = ssc[id_sel[k]];
+            sum += w_sel[k];
+        }
+    }
     for (int k = 0; k < K; ++k) {
         float w = w_sel[k];
         if (norm_topk_prob) w = w / (sum + 1e-20f);
