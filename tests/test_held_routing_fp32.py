@@ -226,3 +226,16 @@ def test_the_live_stream_may_leave_the_golden_one_only_from_the_near_tie_on(near
         assert tokens_check(None).status == "fail"
         late = tokens_check(row + 1)
         assert late.status == "fail" and f"at token {first}" in late.message
+
+
+def test_a_bundle_with_another_routing_value_is_an_invalid_file(small_bundle, tmp_path):
+    from kdtr_format import Tensor, write_kdtr
+
+    bad = tmp_path / "sideways.kdtr"
+    with open_kdtr(small_bundle) as f:
+        meta = dict(f.metadata, tolerances=dict(f.metadata["tolerances"], routing="sideways"))
+        write_kdtr(bad, ((n, Tensor(np.asarray(f[n]), dtype=f.info(n).dtype, int4_shape=f.info(n).int4_shape))
+                         for n in f.names), meta)
+    v = verify(str(bad), engine=ReferenceEngine())
+    assert v.exit_code == ExitCode.INVALID_FILE
+    assert "metadata tolerances.routing is 'sideways', must be \"held\" or \"free\" (or left out)" in v.checks[-1].message
