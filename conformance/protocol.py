@@ -74,8 +74,9 @@ class Engine(Protocol):
         the router decides. It holds for that one call. The engine still reports its own router's
         router_scores, topk_ids and topk_weights; only the experts it runs change, weighted from its own
         scores at the held ids (normalised and scaled as its router does). The runner holds routing to the
-        golden sets under a profile derived that way (bf16), so a near-tie expert flip is judged once, at
-        its topk_ids, instead of moving every later tap (docs/conformance.md §3a)."""
+        golden sets under a profile derived that way (bf16; fp32 on a bundle made with
+        `kdtr gen --routing-near-ties held`), so a near-tie expert flip is judged once, at its topk_ids,
+        instead of moving every later tap (docs/conformance.md §3a)."""
 
     def run_layer(self, layer: int, inputs: Taps) -> Taps:
         """Optional: engines with supports_teacher_forcing False may omit it. Run layer `layer` alone on golden inputs
