@@ -103,8 +103,8 @@ def judge(f, out: dict, overrides=(), dtype: str = "float32",
         checks.append(_token_check(f, g, i, out, near, logits_atol(man)))
         ar_ok = all(c.status == "pass" for c in checks if c.name == f"p{i}/ar/logits")
         checks += _ddtree_checks(f, g, i, out, overrides, dtype, ar_ok, man, near)
-        if has_live(out, i):                     # its router runs freely: judged up to a routing near-tie
-            tie_row = routing_tie_row(f, g, man, cfg) if holds_routing(meta, profile) else None
+        if has_live(out, i):     # its router runs freely: on a held fp32 bundle, judged up to a routing near-tie
+            tie_row = routing_tie_row(f, g, man, cfg) if profile == "fp32" and holds_routing(meta, profile) else None
             checks += live_checks(f, g, i, out, drafts, ar_ok, tie_row)
             checks.append(_path_logits_check(f, g, f"p{i}/{LIVE}/", out, overrides, dtype,
                                              "ddtree" if ar_ok else "numeric", man, tie_row=tie_row))

@@ -16,8 +16,8 @@
 
 The live path logits are judged by judge.py's `_path_logits_check`, as the replay's.
 
-Under a profile that holds routing (bf16; fp32 on a bundle made with `--routing-near-ties held`), the live
-loop's router still runs freely (tree rows have no golden expert sets), so a correct engine may pick another
+On an fp32 bundle made with `--routing-near-ties held` (judged with the fp32 profile), the live loop's
+router still runs freely (tree rows have no golden expert sets), so a correct engine may pick another
 expert set at a near-tie golden routing decision and from there compute another, equally valid, run.
 `tie_row` (near_ties.routing_tie_row: the prompt's first cache row whose golden routing is a near-tie) draws
 the line: every check above is exact for what depends only on cache rows before it (stream tokens up to

@@ -25,9 +25,10 @@ the bundle was made with `--routing-near-ties held` (metadata `tolerances.routin
 gap above 4 router atol, so no expert set is one either and everything stays exact.
 
 - **The live DDTree** (an engine's own loop, conformance/judge_live.py) runs its router freely: tree rows
-  have no golden expert sets to hold. Under a profile that holds routing, the first golden routing decision
-  of a prompt that is a near-tie (`routing_tie_row`) is where the live run may legitimately part from the
-  golden one: the live checks judge exactly what lies before it and only self-consistency after it.
+  have no golden expert sets to hold. On a bundle whose fp32 routing is held, the first golden routing
+  decision of a prompt that is a near-tie (`routing_tie_row`) is where the live run may legitimately part
+  from the golden one: the live checks judge exactly what lies before it and only self-consistency after
+  it. (The bf16 profile keeps its exact live checks: docs/conformance.md §8.)
 """
 from __future__ import annotations
 
