@@ -175,7 +175,9 @@ def test_an_engine_whose_own_scores_take_the_other_side_of_a_near_tie_passes(nea
     assert c.metrics.get("near_tie_rows") == [STEP], (c.metrics, c.message)
     assert e.held_rows >= 1                                              # it ran the golden set there
     live = next(c for c in v.checks if c.name == f"p{PROMPT}/{LIVE}/tokens")
-    print(f"\nnudged engine: {c.message}; live: {live.message}")
+    trees = next(c for c in v.checks if c.name == f"p{PROMPT}/{LIVE}/trees")
+    print(f"\nnudged engine: {c.message}; live: {live.message}; trees: {trees.message}")
+    assert trees.metrics["after_routing_tie"] >= 1 and trees.metrics["compared"] > trees.metrics["after_routing_tie"]
 
 
 def test_the_same_engine_flipping_a_decisive_decision_fails(near_tie_bundle):
