@@ -12,7 +12,8 @@ decode step 2 of prompt 1, layer 1's K-th and (K+1)-th biased golden scores are 
   (its flip is a near-tie at topk_ids; later taps ran the golden experts); the same engine pushed to flip a
   decisive decision fails at router_scores and topk_ids;
 - the live DDTree (its router free) is judged exactly before the first near-tie routing row and for
-  self-consistency after it (conformance/judge_live.py).
+  self-consistency after it (conformance/judge_live.py);
+- run dumps say how their run routed; a bundle whose `tolerances.routing` is neither value is invalid.
 """
 import numpy as np
 import pytest
@@ -241,3 +242,19 @@ def test_a_bundle_with_another_routing_value_is_an_invalid_file(small_bundle, tm
     v = verify(str(bad), engine=ReferenceEngine())
     assert v.exit_code == ExitCode.INVALID_FILE
     assert "metadata tolerances.routing is 'sideways', must be \"held\" or \"free\" (or left out)" in v.checks[-1].message
+
+
+def test_run_dumps_of_a_held_bundle_say_how_they_routed(near_tie_bundle, tmp_path):
+    """--save-dump records the held run as held; a dump that ran free is judged with the caveat."""
+    from conformance.records import read_dump, write_dump
+
+    path, dump = near_tie_bundle[0], str(tmp_path / "run.kdtr")
+    assert verify(path, engine=ReferenceEngine(), save_dump=dump).exit_code == ExitCode.OK
+    v = verify(path, dump=dump)
+    assert v.exit_code == ExitCode.OK
+    assert v.info["routing"].startswith("held to the golden expert sets by the run that wrote this dump")
+    out, _ = read_dump(dump)
+    write_dump(out, dump, "reference", "float32", routing="free")
+    v = verify(path, dump=dump)
+    assert v.info["routing"].startswith("free: the run that wrote this dump let its router choose every expert "
+                                        "set, but the fp32 profile was derived with routing held"), v.info["routing"]
