@@ -32,7 +32,7 @@ from conformance.records import BUNDLE_SCHEMA, offsets, ragged
 from kdtr_format import Tensor, write_kdtr
 from refmodel.config import PRESETS  # noqa: F401 - tests pick the preset config through this module
 from refmodel.model import tap_names
-from refmodel.stored import StoredWeights
+from refmodel.stored import StoredWeights, upcast_if_fits
 
 ROUTING_NEAR_TIES = ("forbid", "held")   # kdtr gen --routing-near-ties (docs/conformance.md, section 3a)
 
@@ -186,6 +186,8 @@ def decisive_goldens(m: Model, W64: dict, s: GenSettings, slots: list[Slot], pro
         return golden_for_prompt(m, W64, p, sl.n, s.budget, sl.pos0, tick, hold_routing=held)
 
     held = routing_held(s)
+    if isinstance(W64, StoredWeights):       # the whole model in float64 once, where memory allows (same values)
+        W64 = upcast_if_fits(W64)
     pgs = []
     for i, sl in enumerate(slots):
         pgs.append(run(i, sl, sl.prompt))

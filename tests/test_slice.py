@@ -198,3 +198,20 @@ def test_held_routing_keeps_prompts_that_forbid_rejects():
     assert check_decisive(pg, 1e-3, 1e-5, routing_held=True) is None
     pg.margins = np.array([1.0, 1e-6])                                     # token margins stay decisive
     assert "margin" in check_decisive(pg, 1e-3, 1e-5, routing_held=True)
+
+
+def test_gen_bytes_do_not_depend_on_upcasting_once_or_per_matmul(mini_slice, tmp_path, monkeypatch):
+    """`kdtr gen` upcasts the model once where memory allows (refmodel.stored.upcast_if_fits), else per
+    matmul: the same bytes either way, so the path a machine takes never changes a bundle."""
+    import refmodel.stored as stored
+    shas = []
+    for avail in (0, 1 << 50):                       # nothing available: per matmul; plenty: once
+        monkeypatch.setattr(stored, "available_memory", lambda avail=avail: avail)
+        W = stored.StoredWeights.from_arrays({"a": np.ones((2, 2), np.float32)})
+        assert isinstance(stored.upcast_if_fits(W), dict) == (avail > 0)
+        out = tmp_path / "s.kdtr"                    # one path: the command recorded in the bundle names it
+        r = gen(out, "--bf16-profile", "no", "--routing-near-ties", "held")
+        assert r.exit_code == 0, r.output
+        shas.append(sha256(out))
+        out.unlink()
+    assert shas[0] == shas[1]
