@@ -32,7 +32,6 @@ from refmodel.stored import StoredWeights
 
 PROFILES = ("fp32", "bf16")
 PROFILE_OF_DTYPE = {"float32": "fp32", "bfloat16": "bf16"}
-ROUTING = ("free", "held")                # metadata.tolerances.routing: how the fp32 baseline run routed
 BF16_EPS = 2.0**-7                      # bfloat16 machine epsilon: one ULP at 1.0 (8-bit significand)
 FP32_KEEP = (".mlp.gate.weight", ".mlp.gate.e_score_correction_bias")   # router: float32 in bf16 engines
 
