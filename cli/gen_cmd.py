@@ -110,10 +110,15 @@ class _Bars:
               help="Derive the bf16 precision profile (default: yes; it reruns every prompt in bf16, which "
                    "the real-shape slice skips for time). A value, not a flag, so the command recorded in "
                    "the bundle reruns as written.")
+@click.option("--routing-near-ties", type=click.Choice(["forbid", "held"]), default=None,
+              help="forbid (the default): redraw a prompt with a routing decision near a tie (within 4x the router tolerance). "
+                   "held: keep it; the float32 baseline and a live engine run the golden expert sets, and the "
+                   "engine's own choice is judged by the near-tie rules (docs/conformance.md, section 3a). "
+                   "For real-shape models, where 8th/9th-expert near-ties are common.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Weights, drafter and prompt seed.")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="The bundle to write (atomically).")
 def gen_cmd(preset, quant, int4_scope, checkpoint, model_path, prompts_file, prompt_ids, num_prompts,
-            max_new_tokens, budget, distill_steps, long_position, bf16_profile, seed, out):
+            max_new_tokens, budget, distill_steps, long_position, bf16_profile, routing_near_ties, seed, out):
     """Generate a golden bundle: model, prompts, per-layer goldens, AR stream and DDTree rounds.
 
     The goldens are the float64 reference on the stored weights; tolerances are derived from a float32 run
@@ -130,7 +135,7 @@ def gen_cmd(preset, quant, int4_scope, checkpoint, model_path, prompts_file, pro
     s = GenSettings(preset=preset, quant=quant, int4_scope=int4_scope, seed=seed, prompts=prompts,
                     num_prompts=num_prompts, max_new_tokens=max_new_tokens, budget=budget,
                     distill_steps=distill_steps, long_position=long_position, command=command,
-                    bf16_profile=bf16_profile is not False)
+                    bf16_profile=bf16_profile is not False, routing_near_ties=routing_near_ties or "forbid")
     console = Console(stderr=True)
     cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             TextColumn("{task.fields[info]}"))

@@ -38,6 +38,8 @@ class GenSettings:
     long_position: int = LONG_POSITION_OFFSET   # first position of the long-position prompt; 0: no such prompt
     command: str = ""                     # provenance: the command line that made the bundle
     bf16_profile: bool = True             # derive the bf16 precision profile (a bf16 reference run per prompt)
+    routing_near_ties: str = "forbid"     # forbid: reject prompts with near-tie routing; held: judge them
+                                          # (the fp32 baseline and live engines run the golden expert sets)
 
 
 @dataclass

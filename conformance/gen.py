@@ -25,13 +25,16 @@ from conformance.bundle_model import (GenError, GenSettings, Model, apply_quant,
                                       model_from_preset, quant_of)
 from conformance.goldens import (AR_TAPS, LONG_NEW_TOKENS, MAX_REDRAWS, PromptGoldens,  # noqa: F401
                                  baseline_errors, check_decisive, check_prompt, decisive_atols,
-                                 golden_for_prompt, long_prompt, manifest, random_prompt, run_reference)
+                                 golden_for_prompt, long_prompt, manifest, random_prompt,
+                                 routing_near_tie_count, run_reference)
 from conformance.profiles import bf16_profile
 from conformance.records import BUNDLE_SCHEMA, offsets, ragged
 from kdtr_format import Tensor, write_kdtr
 from refmodel.config import PRESETS  # noqa: F401 - tests pick the preset config through this module
 from refmodel.model import tap_names
-from refmodel.stored import StoredWeights
+from refmodel.stored import StoredWeights, upcast_if_fits
+
+ROUTING_NEAR_TIES = ("forbid", "held")   # kdtr gen --routing-near-ties (docs/conformance.md, section 3a)
 
 
 # ---------------------------------------------------------------- the bundle's records
@@ -180,8 +183,11 @@ def decisive_goldens(m: Model, W64: dict, s: GenSettings, slots: list[Slot], pro
     in float64 (as_stored: upcast per matmul). Returns (goldens, manifest)."""
     def run(i, sl, p):
         tick = None if progress is None else (lambda phase, done, total: progress(f"p{i} {phase}", done, total, None))
-        return golden_for_prompt(m, W64, p, sl.n, s.budget, sl.pos0, tick)
+        return golden_for_prompt(m, W64, p, sl.n, s.budget, sl.pos0, tick, hold_routing=held)
 
+    held = routing_held(s)
+    if isinstance(W64, StoredWeights):       # the whole model in float64 once, where memory allows (same values)
+        W64 = upcast_if_fits(W64)
     pgs = []
     for i, sl in enumerate(slots):
         pgs.append(run(i, sl, sl.prompt))
@@ -189,8 +195,8 @@ def decisive_goldens(m: Model, W64: dict, s: GenSettings, slots: list[Slot], pro
             progress("goldens", i + 1, len(slots), None)
     draws = [0] * len(pgs)
     while True:
-        man = manifest(pgs, quant_of(m))
-        rejected = [(i, why) for i, pg in enumerate(pgs) if (why := check_decisive(pg, *decisive_atols(man)))]
+        man = manifest(pgs, quant_of(m), held)
+        rejected = [(i, why) for i, pg in enumerate(pgs) if (why := check_decisive(pg, *decisive_atols(man), held))]
         if not rejected:
             return pgs, man
         if any(slots[i].candidate is None or draws[i] + 1 >= MAX_REDRAWS for i, _ in rejected):
@@ -201,6 +207,12 @@ def decisive_goldens(m: Model, W64: dict, s: GenSettings, slots: list[Slot], pro
             if progress:
                 progress(f"redraw p{i}: {why[:60]}", 1, 1, None)
             pgs[i] = run(i, slots[i], slots[i].candidate(draws[i]))
+
+
+def routing_held(s: GenSettings) -> bool:
+    if s.routing_near_ties not in ROUTING_NEAR_TIES:
+        raise GenError(f"routing near-ties {s.routing_near_ties!r}: choose one of {', '.join(ROUTING_NEAR_TIES)}")
+    return s.routing_near_ties == "held"
 
 
 # ---------------------------------------------------------------- the bundle
@@ -219,6 +231,9 @@ def generate_bundle(m: Model, s: GenSettings, out: str, progress=None) -> dict:
                                                quant_of(m))
         if progress:
             progress("bf16 profile", 1, 1, None)
+    fig = figures(pgs, m.dcfg.block_size - 1)
+    if routing_held(s):      # how many golden routing decisions are near-ties, left to the near-tie rules
+        fig["routing_near_ties"] = routing_near_tie_count(m.cfg, W64, pgs, decisive_atols(man)[1])
     meta = {
         "schema": BUNDLE_SCHEMA,
         "model_config": m.cfg.to_dict(),
@@ -231,7 +246,7 @@ def generate_bundle(m: Model, s: GenSettings, out: str, progress=None) -> dict:
         "prompts": len(pgs), "max_new_tokens": s.max_new_tokens,
         "position_offsets": [int(pg.pos0) for pg in pgs],
         "tolerances": man,
-        "figures": figures(pgs, m.dcfg.block_size - 1),
+        "figures": fig,
         "provenance": {"generator": f"kdtr {_version()}", "command": s.command, "seed": s.seed,
                        "numpy": np.__version__, "python": platform.python_version()},
         **{k: v for k, v in m.meta.items() if k != "quantization"},

@@ -214,3 +214,26 @@ def _bf16_bits_by_rows(w: np.ndarray, rows: int = 1024) -> np.ndarray:
     for r in range(0, w.shape[0], rows):
         out[r:r + rows] = bf16_bits(bf16_round(w[r:r + rows]))
     return out
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available now (Linux MemAvailable), None where the system does not say."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def upcast_if_fits(W: StoredWeights, copies: float = 1.5, share: float = 0.6):
+    """W upcast once into a plain dict when `copies` x its upcast size (1.5: the float64 model plus a
+    float32 copy of it) fits in `share` of the memory available now; else W itself, upcast per matmul.
+    The values are the same either way (module docstring), so a generator's bytes do not depend on which
+    machine took which path; only its time and memory do."""
+    avail = available_memory()
+    if avail is None or copies * W.upcast_nbytes() > share * avail:
+        return W
+    return dict(W.items())

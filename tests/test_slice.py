@@ -8,6 +8,9 @@ import hashlib
 import shlex
 from pathlib import Path
 
+from types import SimpleNamespace
+
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -15,6 +18,8 @@ import refmodel.config as config
 import refmodel.drafter as drafter
 from cli.main import main
 from conformance.exit_codes import ExitCode
+from conformance.goldens import PromptGoldens, check_decisive, routing_near_tie_count
+from conformance.tolerance import DerivedTolerance
 from conformance.reference_engine import ReferenceEngine
 from conformance.runner import verify
 from kdtr_format import open_kdtr
@@ -132,3 +137,81 @@ def test_real_shape_slice_regenerates_to_its_manifest_sha256(tmp_path):
     assert got == want
     v = verify(str(out), engine=ReferenceEngine())
     assert v.exit_code == ExitCode.OK, [(c.name, c.message) for c in v.checks if c.status != "pass"]
+
+
+def test_held_routing_bundle_records_its_rule_and_near_ties(mini_slice, tmp_path):
+    """--routing-near-ties held: the manifest says so, the near-tie count matches the stored scores, and the
+    default (forbid) writes neither key, so bundles made without the option are unchanged."""
+    a, b = tmp_path / "held.kdtr", tmp_path / "forbid.kdtr"
+    r = gen(a, "--bf16-profile", "no", "--routing-near-ties", "held")
+    assert r.exit_code == 0, r.output
+    assert gen(b, "--bf16-profile", "no").exit_code == 0
+    with open_kdtr(b) as f:
+        assert "routing" not in f.metadata["tolerances"] and "routing_near_ties" not in f.metadata["figures"]
+        assert "--routing-near-ties" not in f.metadata["provenance"]["command"]
+    with open_kdtr(a) as f:
+        man, cfg = f.metadata["tolerances"], mini_slice
+        assert man["routing"] == "held" and "--routing-near-ties held" in f.metadata["provenance"]["command"]
+        reach = 4 * max(DerivedTolerance.from_dict(e).rule().atol for k, e in man["taps"].items()
+                        if k.endswith("/router_scores"))
+        K, want = cfg.num_experts_per_tok, 0
+        for i in range(f.metadata["prompts"]):
+            for l in range(cfg.first_k_dense_replace, cfg.num_hidden_layers):
+                bias = np.asarray(f.get(f"model.layers.{l}.mlp.gate.e_score_correction_bias"), np.float64)
+                for phase in ("prefill", "ar"):
+                    s = np.asarray(f.get(f"golden/p{i}/{phase}/L{l}/router_scores"), np.float64) + bias
+                    part = np.partition(s, s.shape[-1] - K - 1, axis=-1)[:, s.shape[-1] - K - 1:]  # top K+1
+                    kth, next_ = np.sort(part, axis=-1)[:, 1], np.sort(part, axis=-1)[:, 0]
+                    want += int(np.sum(kth - next_ < reach))
+        assert f.metadata["figures"]["routing_near_ties"] == want
+
+
+def test_routing_near_tie_count_counts_gaps_under_four_router_atols(mini_slice):
+    """Built scores: row gaps (K-th minus (K+1)-th biased score) of 0, 3.9, 4.1 and 10 router atols."""
+    cfg, atol = mini_slice, 1e-3
+    E, K, L = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.first_k_dense_replace
+    bias = np.linspace(-0.01, 0.01, E)
+    W64 = {f"model.layers.{l}.mlp.gate.e_score_correction_bias": bias for l in range(cfg.num_hidden_layers)}
+    base = np.arange(E, 0, -1) * 1.0                      # descending, gaps of 1 between neighbours
+    rows = []
+    for g in (0.0, 3.9, 4.1, 10.0):
+        r = base.copy()
+        r[K] = r[K - 1] - g * atol                        # the (K+1)-th sits g atols under the K-th
+        rows.append(r - bias)                             # stored unbiased: the count adds the bias back
+    scores = np.array(rows)
+    g64 = {f"prefill/L{l}/router_scores": scores for l in range(L, cfg.num_hidden_layers)}
+    g64.update({f"ar/L{l}/router_scores": scores[:1] for l in range(L, cfg.num_hidden_layers)})
+    pg = SimpleNamespace(g64=g64)
+    moe = cfg.num_hidden_layers - L
+    assert routing_near_tie_count(cfg, W64, [pg], atol) == moe * (2 + 1)        # 0 and 3.9 (+ decode's 0)
+
+
+def test_held_routing_keeps_prompts_that_forbid_rejects():
+    """check_decisive: a routing gap under 4x the router atol rejects a prompt unless routing is held."""
+    pg = PromptGoldens(prompt=np.array([1]), tokens=np.array([3, 4]), margins=np.array([1.0, 1.0]),
+                       routing_gap=1e-6, g64={}, errors={"prefill/L1/topk_ids": {"mismatches": 1}},
+                       ddtree=SimpleNamespace(tokens=[3, 4]))
+    assert "from a tie" in check_decisive(pg, 1e-3, 1e-5)
+    assert check_decisive(pg, 1e-3, 1e-5, routing_held=True) is None
+    pg.routing_gap = 1.0
+    assert "already picks other experts" in check_decisive(pg, 1e-3, 1e-5)
+    assert check_decisive(pg, 1e-3, 1e-5, routing_held=True) is None
+    pg.margins = np.array([1.0, 1e-6])                                     # token margins stay decisive
+    assert "margin" in check_decisive(pg, 1e-3, 1e-5, routing_held=True)
+
+
+def test_gen_bytes_do_not_depend_on_upcasting_once_or_per_matmul(mini_slice, tmp_path, monkeypatch):
+    """`kdtr gen` upcasts the model once where memory allows (refmodel.stored.upcast_if_fits), else per
+    matmul: the same bytes either way, so the path a machine takes never changes a bundle."""
+    import refmodel.stored as stored
+    shas = []
+    for avail in (0, 1 << 50):                       # nothing available: per matmul; plenty: once
+        monkeypatch.setattr(stored, "available_memory", lambda avail=avail: avail)
+        W = stored.StoredWeights.from_arrays({"a": np.ones((2, 2), np.float32)})
+        assert isinstance(stored.upcast_if_fits(W), dict) == (avail > 0)
+        out = tmp_path / "s.kdtr"                    # one path: the command recorded in the bundle names it
+        r = gen(out, "--bf16-profile", "no", "--routing-near-ties", "held")
+        assert r.exit_code == 0, r.output
+        shas.append(sha256(out))
+        out.unlink()
+    assert shas[0] == shas[1]
