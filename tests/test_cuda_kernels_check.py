@@ -65,8 +65,8 @@ def test_w4a16_wrapper_tables_match_the_kernel_entries():
     from cuda_engine.ops import W4A16_MAX_TOKENS, W4A16_ROW_BLOCKS
 
     text = (KERNEL_DIR / "w4a16_mma.cu").read_text()
-    entries = re.findall(r"w4a16_mma_t(\d)_m(\d+)\(W4A16_ARGS\) \{ w4a16_mma_body<(\d+), (\d), (?:true|false), (\d), \d>",
-                         text)
+    entry = r"w4a16_mma_t(\d)_m(\d+)\(W4A16_ARGS\) \{ w4a16_mma_body<(\d+), (\d), (?:true|false), (\d), \d>"
+    entries = re.findall(entry, text)           # (terms, most tokens, MT, TERMS, WS) per entry
     assert {(int(t), int(m)) for t, m, *_ in entries} == {(t, m) for t, ms in W4A16_MAX_TOKENS.items() for m in ms}
     for t, m, mt, terms, ws in entries:
         rpb = next(r for top, r in W4A16_ROW_BLOCKS.items() if top >= int(m))
