@@ -13,14 +13,17 @@ prompts, tolerances) and this one (which prompts, the redraw loop, the bundle's 
 """
 from __future__ import annotations
 
+import multiprocessing
+import os
 import platform
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
 # The CLI, the tests and conformance.profiles take the model sources and golden runs from here too.
-from conformance.bundle_model import (GenError, GenSettings, Model, apply_quant, as_stored,  # noqa: F401
+from conformance.bundle_model import (GenError, GenSettings, Model, _f32, apply_quant, as_stored,  # noqa: F401
                                       default_drafter, model_from_checkpoint, model_from_kdtr,
                                       model_from_preset, quant_of)
 from conformance.goldens import (AR_TAPS, LONG_NEW_TOKENS, MAX_REDRAWS, PromptGoldens,  # noqa: F401
@@ -180,19 +183,13 @@ def plan_prompts(m: Model, s: GenSettings) -> list[Slot]:
 def decisive_goldens(m: Model, W64: dict, s: GenSettings, slots: list[Slot], progress=None):
     """Goldens for every slot; a random prompt that fails check_decisive is redrawn (the tolerances depend
     on the whole prompt set: judge, redraw, repeat), an explicit one is an error. W64: the model's weights
-    in float64 (as_stored: upcast per matmul). Returns (goldens, manifest)."""
-    def run(i, sl, p):
-        tick = None if progress is None else (lambda phase, done, total: progress(f"p{i} {phase}", done, total, None))
-        return golden_for_prompt(m, W64, p, sl.n, s.budget, sl.pos0, tick, hold_routing=held)
-
+    in float64 (as_stored: upcast per matmul; upcast once here where memory allows). Returns (goldens,
+    manifest)."""
     held = routing_held(s)
     if isinstance(W64, StoredWeights):       # the whole model in float64 once, where memory allows (same values)
         W64 = upcast_if_fits(W64)
-    pgs = []
-    for i, sl in enumerate(slots):
-        pgs.append(run(i, sl, sl.prompt))
-        if progress:
-            progress("goldens", i + 1, len(slots), None)
+    runs = _GoldenRuns(m, W64, s.budget, held, progress)
+    pgs = runs.many([(i, sl.prompt, sl.n, sl.pos0) for i, sl in enumerate(slots)])
     draws = [0] * len(pgs)
     while True:
         man = manifest(pgs, quant_of(m), held)
@@ -206,7 +203,61 @@ def decisive_goldens(m: Model, W64: dict, s: GenSettings, slots: list[Slot], pro
             draws[i] += 1
             if progress:
                 progress(f"redraw p{i}: {why[:60]}", 1, 1, None)
-            pgs[i] = run(i, slots[i], slots[i].candidate(draws[i]))
+        redo = runs.many([(i, slots[i].candidate(draws[i]), slots[i].n, slots[i].pos0) for i, _ in rejected])
+        for (i, _), pg in zip(rejected, redo):
+            pgs[i] = pg
+
+
+CORES_PER_JOB = 4       # a golden run is mostly one core (einsum) with BLAS bursts: leave them room
+_FORKED: tuple | None = None    # (model, W64, W32, budget, held) for worker processes: inherited by fork
+
+
+class _GoldenRuns:
+    """The golden runs of many prompts: in this process, or, where the model was upcast once (a plain dict,
+    shared copy-on-write) and the machine has CORES_PER_JOB cores per prompt, one forked worker per prompt.
+    Each prompt's run is the same computation either way, so the bytes do not depend on the choice."""
+
+    def __init__(self, m: Model, W64, budget: int, held: bool, progress=None):
+        self.m, self.W64, self.budget, self.held, self.progress = m, W64, budget, held, progress
+        self.W32 = _f32(W64)                 # one float32 copy (a view computed per access when W64 is stored)
+
+    def jobs(self, n: int) -> int:
+        if n < 2 or not isinstance(self.W64, dict) or "fork" not in multiprocessing.get_all_start_methods():
+            return 1
+        return max(1, min(n, (os.cpu_count() or 1) // CORES_PER_JOB))
+
+    def many(self, items: list[tuple]) -> list[PromptGoldens]:
+        """items: (index, prompt, new tokens, first position) -> their goldens, in order."""
+        jobs, out = self.jobs(len(items)), [None] * len(items)
+        if jobs == 1:
+            for k, (i, prompt, n, pos0) in enumerate(items):
+                tick = None if self.progress is None else (
+                    lambda phase, done, total, i=i: self.progress(f"p{i} {phase}", done, total, None))
+                out[k] = golden_for_prompt(self.m, self.W64, prompt, n, self.budget, pos0, tick,
+                                           hold_routing=self.held, W32=self.W32)
+                self._done(k + 1, len(items))
+            return out
+        global _FORKED
+        _FORKED = (self.m, self.W64, self.W32, self.budget, self.held)
+        try:
+            with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+                futures = {pool.submit(_golden_job, item): k for k, item in enumerate(items)}
+                for done, fut in enumerate(as_completed(futures), 1):
+                    out[futures[fut]] = fut.result()
+                    self._done(done, len(items))
+        finally:
+            _FORKED = None
+        return out
+
+    def _done(self, done: int, total: int):
+        if self.progress:
+            self.progress("goldens", done, total, None)
+
+
+def _golden_job(item: tuple) -> PromptGoldens:
+    m, W64, W32, budget, held = _FORKED
+    i, prompt, n, pos0 = item
+    return golden_for_prompt(m, W64, prompt, n, budget, pos0, None, hold_routing=held, W32=W32)
 
 
 def routing_held(s: GenSettings) -> bool:

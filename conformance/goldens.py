@@ -116,14 +116,15 @@ class PromptGoldens:
 
 
 def golden_for_prompt(m: Model, W64: dict, prompt, n: int, budget: int, pos0: int = 0,
-                      tick=None, hold_routing: bool = False) -> PromptGoldens:
+                      tick=None, hold_routing: bool = False, W32=None) -> PromptGoldens:
     """W64: the model's weights in float64 (refmodel.stored.StoredWeights: upcast per matmul). tick(phase,
     done, total): progress of the float64, float32 and DDTree runs. `hold_routing`: the float32 baseline
     runs the float64 run's expert sets (a bundle whose routing near-ties are judged, not forbidden), so its
-    errors are arithmetic noise, never an expert swapped at a near-tie."""
+    errors are arithmetic noise, never an expert swapped at a near-tie. W32: the same weights in float32
+    (default `_f32(W64)`; a caller running many prompts passes one copy)."""
     step = (lambda phase: None) if tick is None else (lambda phase: lambda d, t: tick(phase, d, t))
     g64, tokens, margins, gap = run_reference(m.cfg, W64, prompt, n, pos0=pos0, tick=step("float64"))
-    g32, _, _, _ = run_reference(m.cfg, _f32(W64), prompt, n, tokens=tokens, pos0=pos0,
+    g32, _, _, _ = run_reference(m.cfg, _f32(W64) if W32 is None else W32, prompt, n, tokens=tokens, pos0=pos0,
                                  routing=g64 if hold_routing else None, tick=step("float32"))
     DW64 = {k: v.astype(np.float64) for k, v in m.DW.items()}
     dd = ddtree_generate(m.cfg, W64, m.dcfg, DW64, prompt, n, budget=budget, pos0=pos0)

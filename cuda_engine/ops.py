@@ -19,7 +19,11 @@ WARPS_PER_BLOCK = 8                 # kernels/common.cuh
 BLOCK = (32 * WARPS_PER_BLOCK, 1, 1)
 ATTN_MAX_C, ATTN_MAX_R, ATTN_MAX_N, ATTN_MAX_Q, ATTN_MAX_SPLIT = 512, 128, 256, 2048, 8   # kernels/attention.cu
 ROUTER_MAX_E, ROUTER_MAX_GROUPS, MOE_MAX_SLOTS = 1024, 64, 64   # kernels/moe.cu
-W4A16_CHUNK_WORDS, W4A16_NT, W4A16_TERMS = 144, (1, 2, 4, 8), {"fp32": 3, "bf16": 1}   # kernels/w4a16_mma.cu
+W4A16_CHUNK_WORDS, W4A16_TERMS = 144, {"fp32": 3, "bf16": 1}   # kernels/w4a16_mma.cu
+# kernels/w4a16_mma.cu's entries w4a16_mma_t<terms>_m<most tokens>, and the row blocks (of 32 rows) one block
+# covers at that many tokens (8 warps split a row block's k range up to 8 tokens, fewer warps above)
+W4A16_MAX_TOKENS = {3: (2, 5, 8, 16, 32, 64), 1: (8, 16, 32, 64)}
+W4A16_ROW_BLOCKS = {8: 1, 16: 2, 32: 4, 64: 8}
 
 # kernel name -> argument types (struct codes: P pointer, i int32, q int64, f float32, d float64)
 SIGNATURES = {
@@ -37,7 +41,7 @@ SIGNATURES = {
     "w4a16_down_kernel": "PPPPPiiiiiii",
     "moe_combine_kernel": "PPPPiiiPPPPf",
     "stream_read_kernel": "PqP",
-    **{f"w4a16_mma_t{t}_n{n}": "PiPP" + "i" * 10 + "PiPPi" for t in (1, 3) for n in (1, 2, 4, 8)},
+    **{f"w4a16_mma_t{t}_m{m}": "PiPP" + "i" * 10 + "PiPPi" for t, ms in W4A16_MAX_TOKENS.items() for m in ms},
     "argmax_kernel": "PiP",
     "decode_advance_kernel": "PP",
 }
@@ -231,13 +235,20 @@ class Ops:
         self._launch("w4a16_down_kernel", (-(-D // WARPS_PER_BLOCK), T * nk), _ptr(act), qd.ptr, sd.ptr,
                      _ptr(slot_ids), _ptr(y), I, D, S, k0, nk, e_base, g)
 
-    def w4a16_plan(self, Nb: int, G: int, Z: int, ks: int | None = None, M: int = 1) -> tuple[int, int]:
-        """(blocks along the output, k splits) of one w4a16_mma launch of M <= 64 tokens: at M <= 8 a block's
-        8 warps share one block of 32 rows (three blocks per SM), else each warp has its own (two per SM)."""
-        nt = next(n for n in W4A16_NT if 8 * n >= M)
-        gx = Nb if nt == 1 else -(-Nb // WARPS_PER_BLOCK)
+    def w4a16_kernel(self, M: int, numerics: str = "fp32") -> tuple[str, int]:
+        """(entry name, row blocks per block) of the w4a16_mma launch for M <= 64 tokens."""
+        t = W4A16_TERMS[numerics]
+        m = next(m for m in W4A16_MAX_TOKENS[t] if m >= M)
+        return f"w4a16_mma_t{t}_m{m}", next(r for mm, r in W4A16_ROW_BLOCKS.items() if mm >= M)
+
+    def w4a16_plan(self, Nb: int, G: int, Z: int, ks: int | None = None, M: int = 1,
+                   numerics: str = "fp32") -> tuple[int, int]:
+        """(blocks along the output, k splits) of one w4a16_mma launch of M <= 64 tokens."""
+        _, rpb = self.w4a16_kernel(M, numerics)
+        gx = -(-Nb // rpb)
         if ks is None:                                         # as many splits as fill one wave, at least one
-            ks = self._w4_resident(f"w4a16_mma_t3_n{nt}") // (gx * Z)
+            # (the FP32-faithful entry's residency for both numerics: the same splits, the same summing order)
+            ks = self._w4_resident(self.w4a16_kernel(M)[0]) // (gx * Z)
         return gx, max(1, min(int(ks), G))
 
     def _w4_resident(self, name: str) -> int:
@@ -262,12 +273,13 @@ class Ops:
             self._w4_part = DevBuf((max(partials, old_p, 1),), np.float32)
             self._w4_tick = DevBuf.from_array(np.zeros(max(tickets, old_t, 1), np.int32))
 
-    def w4a16_need(self, packed: DevBuf, M: int = 1, Z: int = 1, ks: int | None = None) -> tuple[int, int]:
+    def w4a16_need(self, packed: DevBuf, M: int = 1, Z: int = 1, ks: int | None = None,
+                   numerics: str = "fp32") -> tuple[int, int]:
         """(partials floats, tickets) one w4a16_mma launch over `packed` needs."""
         _, Nb, G, _ = packed.shape
         need = (0, 0)
         for m in {min(M, 64), M % 64 or 64}:                   # the launches of <= 64 tokens
-            gx, k = self.w4a16_plan(Nb, G, Z, ks, m)
+            gx, k = self.w4a16_plan(Nb, G, Z, ks, m, numerics)
             if k > 1:
                 need = (max(need[0], Z * k * m * Nb * 32), max(need[1], Z * gx))
         return need
@@ -289,6 +301,7 @@ class Ops:
         _need(numerics in W4A16_TERMS, "w4a16_mma", f"numerics {numerics!r}: choose one of {', '.join(W4A16_TERMS)}")
         _need(mode in (0, 1) and 0 < N <= (32 if mode == 0 else 16) * Nb, "w4a16_mma",
               f"mode {mode}, N={N} does not fit {Nb} blocks of 32 rows")
+        _need(G <= 65535, "w4a16_mma", f"{G} groups of 32 input columns: at most 65535 (K <= 2097120)")
         _need(x_stride >= 32 * G and x_stride % 2 == 0 and out_stride >= N, "w4a16_mma",
               f"x_stride {x_stride} < K = {32 * G} (or odd), or out_stride {out_stride} < N = {N}")
         Z = 1
@@ -298,12 +311,11 @@ class Ops:
             Z = T * nk
         else:
             _need(E >= 1 and M >= 1, "w4a16_mma", f"need E >= 1 experts and M >= 1 tokens, got {E}, {M}")
-        self.w4a16_reserve(*self.w4a16_need(packed, M, Z, ks))
+        self.w4a16_reserve(*self.w4a16_need(packed, M, Z, ks, numerics))
         for m0 in range(0, M, 64):
             m = min(64, M - m0)
-            nt = next(n for n in W4A16_NT if 8 * n >= m)
-            gx, k = self.w4a16_plan(Nb, G, Z, ks, m)
-            self._launch(f"w4a16_mma_t{W4A16_TERMS[numerics]}_n{nt}", (gx, k, Z), _ptr(x) + 4 * m0 * x_stride,
+            gx, k = self.w4a16_plan(Nb, G, Z, ks, m, numerics)
+            self._launch(self.w4a16_kernel(m, numerics)[0], (gx, k, Z), _ptr(x) + 4 * m0 * x_stride,
                          x_stride, packed.ptr, 0 if slot_ids is None else _ptr(slot_ids), S, k0, nk, e_base,
                          int(x_by_slot), m, N, Nb, G, k, _ptr(out) + 4 * m0 * out_stride, out_stride,
                          self._w4_part.ptr, self._w4_tick.ptr, mode)

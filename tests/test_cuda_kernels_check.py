@@ -54,3 +54,20 @@ ptxas info    : Function properties for __internal_helper
     assert row.problems() == ["k (k.cu, sm_120): spills (20 bytes stored, 24 bytes loaded)",
                               "k (k.cu, sm_120): 255 registers x 512 threads > 65536 per SM"]
     assert KernelUsage("sm_90", "f.cu", "ok", registers=40, threads=256).problems() == []
+
+
+def test_w4a16_wrapper_tables_match_the_kernel_entries():
+    """ops.py picks a w4a16_mma entry by token count and sizes its grid by the entry's row blocks per block:
+    both tables must say what kernels/w4a16_mma.cu instantiates (a mismatch would launch too few blocks)."""
+    import re
+
+    from cuda_engine.build import KERNEL_DIR
+    from cuda_engine.ops import W4A16_MAX_TOKENS, W4A16_ROW_BLOCKS
+
+    text = (KERNEL_DIR / "w4a16_mma.cu").read_text()
+    entry = r"w4a16_mma_t(\d)_m(\d+)\(W4A16_ARGS\) \{ w4a16_mma_body<(\d+), (\d), (?:true|false), (\d), \d>"
+    entries = re.findall(entry, text)           # (terms, most tokens, MT, TERMS, WS) per entry
+    assert {(int(t), int(m)) for t, m, *_ in entries} == {(t, m) for t, ms in W4A16_MAX_TOKENS.items() for m in ms}
+    for t, m, mt, terms, ws in entries:
+        rpb = next(r for top, r in W4A16_ROW_BLOCKS.items() if top >= int(m))
+        assert (int(mt), int(terms), 8 // int(ws)) == (int(m), int(t), rpb), f"w4a16_mma_t{t}_m{m}"

@@ -82,8 +82,11 @@ def fast_linear(ops, x, packed, N, numerics="fp32", ks=None):
 @pytest.mark.parametrize("N,K,M", [
     (8, 96, 1), (8, 96, 3),            # n = 8 (one m16 tile, mostly padding), k = 3 groups
     (40, 224, 17),                     # k = 7 groups: no split divides it evenly; batch 17 (3 token tiles)
+    (72, 160, 8), (40, 224, 6),        # 6..8 tokens: 3 terms as columns over 3 column tiles (a token's terms
+                                       # straddle two tiles)
+    (40, 224, 12),                     # 9..16 tokens: a column per token, 4 warps per row block
     (72, 160, 64),                     # batch 64 (the 8-tile kernel)
-    (2048, 7168, 1), (2048, 7168, 3), (2048, 7168, 64),    # K2.6 expert gate (or up)
+    (2048, 7168, 1), (2048, 7168, 3), (2048, 7168, 8), (2048, 7168, 64),    # K2.6 expert gate (or up)
     (7168, 2048, 1), (7168, 2048, 17),                    # K2.6 expert down
     (200, 32, 130),                    # one group; 130 tokens: three launches of <= 64
 ])

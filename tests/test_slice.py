@@ -215,3 +215,27 @@ def test_gen_bytes_do_not_depend_on_upcasting_once_or_per_matmul(mini_slice, tmp
         shas.append(sha256(out))
         out.unlink()
     assert shas[0] == shas[1]
+
+
+def test_gen_bytes_do_not_depend_on_forked_prompt_jobs(mini_slice, tmp_path, monkeypatch):
+    """On a machine with CORES_PER_JOB cores per prompt, the prompts' golden runs go to forked workers:
+    the same bytes as one after the other."""
+    import conformance.gen as gen_mod
+    pools = []
+
+    class Pool(gen_mod.ProcessPoolExecutor):
+        def __init__(self, jobs, **kw):
+            pools.append(jobs)
+            super().__init__(jobs, **kw)
+
+    monkeypatch.setattr(gen_mod, "ProcessPoolExecutor", Pool)
+    shas = []
+    for cores in (1, 64):
+        monkeypatch.setattr(gen_mod.os, "cpu_count", lambda cores=cores: cores)
+        out = tmp_path / "s.kdtr"
+        r = gen(out, "--bf16-profile", "no", "--num-prompts", "3")
+        assert r.exit_code == 0, r.output
+        shas.append(sha256(out))
+        out.unlink()
+    assert pools == [4]                      # 3 prompts + the long-position one, forked only with 64 cores
+    assert shas[0] == shas[1]

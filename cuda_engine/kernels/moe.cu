@@ -34,7 +34,8 @@
 //                          unweighted slots (shared expert) in slot order: the oracle's summation order.
 //                          Fused with the block's end (one launch fewer per layer): h_out = h + out and
 //                          y_norm = rms_norm(h_out, w_norm) (the next layer's input norm or the final norm).
-//                          Launch grid (T), block BLOCK_THREADS.
+//                          Launch grid (T), block BLOCK_THREADS; each thread has COMBINE_D x COMBINE_J loads
+//                          of y in flight at a time (the sums keep the order above).
 // Limits: E <= ROUTER_MAX_E, n_group <= ROUTER_MAX_GROUPS, S <= MOE_MAX_SLOTS (shared-memory arrays).
 #include "common.cuh"
 
@@ -165,34 +166,66 @@ expert_down_kernel(const float* __restrict__ act, const float* __restrict__ Wd, 
     if (lane == 0) y[(size_t)ts * D + d] = acc;
 }
 
+// The combine's loads: COMBINE_D outputs per thread per trip times COMBINE_J slots, all issued before the sums
+// that need them (one block reads a token's S rows of y: without this each slot row cost one L2 round trip).
+#define COMBINE_D 4
+#define COMBINE_J 4
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
 moe_combine_kernel(const float* __restrict__ y, const int* __restrict__ slot_ids, const float* __restrict__ slot_w,
                    float* __restrict__ out, int K, int S, int D, const float* __restrict__ h,
                    float* __restrict__ h_out, const float* __restrict__ w_norm, float* __restrict__ y_norm, float eps) {
-    __shared__ int order[MOE_MAX_SLOTS];
+    __shared__ int order[MOE_MAX_SLOTS];                      // summation order: slot of the j-th term
+    __shared__ float w_ord[MOE_MAX_SLOTS];
     __shared__ float buf[BLOCK_THREADS];
     const int t = blockIdx.x;
     const int* ids = slot_ids + (size_t)t * S;
-    for (int k = threadIdx.x; k < K; k += blockDim.x) {       // routed slots by ascending expert id:
+    for (int k = threadIdx.x; k < S; k += blockDim.x) {       // routed slots by ascending expert id:
+        if (k >= K) {                                         // then the unweighted (shared) slots in slot order
+            order[k] = k;
+            continue;
+        }
         int rank = 0;                                         // a slot's rank = how many ids sort before it
         for (int j = 0; j < K; ++j) rank += ids[j] < ids[k] || (ids[j] == ids[k] && j < k);
         order[rank] = k;
+        w_ord[rank] = slot_w[(size_t)t * S + k];
     }
     __syncthreads();
     const size_t row = (size_t)t * D;
+    const float* yt = y + row * S;
     float ss = 0.0f;
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-        float acc = 0.0f;
-        for (int j = 0; j < K; ++j) {
-            const int k = order[j];
-            acc = __fadd_rn(acc, __fmul_rn(slot_w[(size_t)t * S + k], y[((size_t)t * S + k) * D + d]));
+    for (int d0 = threadIdx.x; d0 < D; d0 += COMBINE_D * blockDim.x) {
+        float acc[COMBINE_D];
+#pragma unroll
+        for (int u = 0; u < COMBINE_D; ++u) acc[u] = 0.0f;
+        for (int j0 = 0; j0 < S; j0 += COMBINE_J) {
+            float v[COMBINE_J][COMBINE_D];
+#pragma unroll
+            for (int jj = 0; jj < COMBINE_J; ++jj)
+#pragma unroll
+                for (int u = 0; u < COMBINE_D; ++u) {
+                    const int j = j0 + jj, d = d0 + u * blockDim.x;
+                    v[jj][u] = j < S && d < D ? __ldg(yt + (size_t)order[j] * D + d) : 0.0f;
+                }
+#pragma unroll
+            for (int jj = 0; jj < COMBINE_J; ++jj) {           // the same sums, in the same order, as one at a time
+                const int j = j0 + jj;
+                if (j >= S) break;
+#pragma unroll
+                for (int u = 0; u < COMBINE_D; ++u)
+                    acc[u] = __fadd_rn(acc[u], j < K ? __fmul_rn(w_ord[j], v[jj][u]) : v[jj][u]);
+            }
         }
-        for (int k = K; k < S; ++k) acc = __fadd_rn(acc, y[((size_t)t * S + k) * D + d]);
-        out[row + d] = acc;
-        const float v = h[row + d] + acc;                     // the residual add and the next RMSNorm,
-        h_out[row + d] = v;                                   // as add_rms_norm_kernel (norm.cu)
-        ss += v * v;
+#pragma unroll
+        for (int u = 0; u < COMBINE_D; ++u) {
+            const int d = d0 + u * blockDim.x;
+            if (d >= D) break;
+            out[row + d] = acc[u];
+            const float vv = h[row + d] + acc[u];             // the residual add and the next RMSNorm,
+            h_out[row + d] = vv;                              // as add_rms_norm_kernel (norm.cu)
+            ss += vv * vv;
+        }
     }
     const float inv = 1.0f / sqrtf(block_sum(ss, buf) / (float)D + eps);
+#pragma unroll 4
     for (int d = threadIdx.x; d < D; d += blockDim.x) y_norm[row + d] = w_norm[d] * (h_out[row + d] * inv);
 }

@@ -1,8 +1,7 @@
 // Fast W4A16: INT4 weights x float32 activations on the tensor cores (mma.sync.m16n8k16 bf16, fp32 accumulate).
 //   y[t, n] = sum_k x[t, k] * (nibble(n, k) - 8) * scale(n, k / g)          (mode 0: a linear layer)
 //   act[t, i] = silu(Wg[i] x[t]) * (Wu[i] x[t])                              (mode 1: fused SwiGLU gate+up)
-// Weights are the A operand (16 output rows per m16 tile), activations the B operand (8 tokens per n8 tile):
-// at batch <= 8 one mma covers 16 x 16 weights, half the tensor work of putting the tokens on the m side.
+// Weights are the A operand (16 output rows per m16 tile), activations the B operand (8 columns per n8 tile).
 //
 // Layout (cuda_engine/w4a16_pack.py repacks the bundle's .qw/.sc once at load; docs/cuda-engine.md):
 // [E, Nb, G, 144] int32: Nb blocks of 32 output rows (2 m16 tiles), G groups of 32 input columns, one
@@ -11,51 +10,48 @@
 //            16-byte load gives the lane its four A fragments (a0..a3 per m16k16 tile). Word nibble j
 //            (j = 0..3) and j + 4 are the low and high bf16 of fragment register a_j, so
 //            ((w >> 4 j) & 0x000F000F) | 0x43004300 is the bf16 pair (128 + u) and one bf16x2 subtract of
-//            136 gives q = u - 8 exactly (dequantization in registers, two instructions per two weights).
+//            136 gives q = u - 8 exactly (dequantization in registers: a shift, one lop3 and one bf16x2
+//            subtract per two weights).
 //   scales:  bf16 at [g * 4 + {mt0 row g, mt0 row g + 8, mt1 row g, mt1 row g + 8}], g = lane / 4: the rows
 //            of the lane's C fragment; 8 bytes per lane.
 // Mode 1 packs gate rows 16 b .. 16 b + 15 as block b's mt0 and the same up rows as its mt1, so a lane holds
 // the gate and up sums of one output at the same fragment position.
 //
 // Numerics. TERMS = 3 (FP32-faithful, the default): x = x1 + x2 + x3 with x1 = bf16(x), x2 = bf16(x - x1),
-// x3 = bf16(x - x1 - x2) (each subtraction exact in fp32; the three terms hold float32's 24 bits); three mma's
-// per k-step on the same weight fragment into one fp32 accumulator per group of 32 columns, in ascending
-// magnitude (x3 of both k-steps, x2, then x1: the tensor core aligns a sum to its largest term and truncates,
-// so a small term never goes into an accumulator already holding a large sum); then the group's scale
-// multiplies the group sum in fp32 and it joins the running fp32 sum.
-// q * x_i is exact in the tensor core (4 x 8 bits), so the result is float32-accurate. TERMS = 1: one mma on
-// x rounded to bf16 (Marlin's numerics), for the benchmark only.
+// x3 = bf16(x - x1 - x2) (each subtraction exact in fp32; the three terms hold float32's 24 bits); q * x_i is
+// exact in the tensor core (4 x 8 bits). Up to 8 tokens (TCOL) the terms are B columns of their own (column
+// n = term n % 3 of token n / 3): at 1 or 2 tokens one mma per k-step does all three terms (a third of the
+// tensor work of one mma per term), each term's group sum is scaled and summed in fp32 on its own, and the
+// three sums of a token are added at the end, smallest first. From 9 tokens a column is a token and the three
+// terms go into one fp32 accumulator per group, in ascending magnitude (x3 of both k-steps, x2, then x1: the
+// tensor core aligns a sum to its largest term and truncates, so a small term never goes into an accumulator
+// already holding a large sum), then the group's scale multiplies the group sum in fp32. Either way the result
+// is float32-accurate. TERMS = 1: one mma on x rounded to bf16 (Marlin's numerics), for the benchmark only.
 //
-// Work split: block = W4A16_WARPS warps, warp w streams block b = blockIdx.x * W4A16_WARPS + w over the groups
-// [ky G / ks, (ky + 1) G / ks) of split ky = blockIdx.y (split-K, so that every SM streams at batch 1).
-// Each warp runs its own cp.async pipeline of W4A16_STAGES chunks in shared memory (a lane copies the 16
-// bytes it will read itself; lanes 0..3 copy the scales). The warps of a block share the split's columns:
-// the block splits x into its bf16 terms once and stages them in shared memory (W4A16_XS_WORDS, segment by
-// segment when the columns do not fit), while the weight stream is already in flight. With ks > 1 each block writes fp32 partials
-// [z, ky, M, Nb * 32]; the last block of a column range to finish (a ticket per (z, blockIdx.x), reset by
-// that block) adds them in split order and applies the epilogue: deterministic, no float atomics.
+// Work split: block = W4A16_WARPS warps over 8 / WS row blocks (32 rows each); the WS warps of a row block deal
+// the groups [ky G / ks, (ky + 1) G / ks) of split ky = blockIdx.y round-robin (split-K, so that every SM
+// streams at batch 1) and sum in shared memory, in warp order, at the end. A warp loads its 16 bytes of
+// weights and 8 of scales per chunk straight into registers (no shared-memory round trip, no pipeline
+// bookkeeping), U chunks per batch, two batches in flight: the one it computes and the next. The block
+// splits x into its bf16 terms once and stages them in shared memory in fragment order (W4A16_XS_WORDS,
+// segment by segment when the columns do not fit), while the weight stream is already in flight. With ks > 1
+// each block writes fp32 partials [z, ky, M, Nb * 32]; the last block of a column range to finish (a ticket
+// per (z, blockIdx.x), reset by that block) adds them in split order and applies the epilogue: deterministic,
+// no float atomics.
 // blockIdx.z: with slot_ids, (token, slot) pair z of the MoE decode path (M = 1): expert
 // slot_ids[ts] - e_base, x row t (x_by_slot = 0, the gate+up input) or ts (x_by_slot = 1, the down input),
 // output row ts; without slot_ids z = 0, expert 0, x rows = the M tokens.
-// Limits: M <= 8 NT tokens per launch (NT in 1, 2, 4, 8), K a multiple of 32, g a multiple of 32.
+// Limits: M <= 64 tokens per launch, K a multiple of 32 (G = K / 32 <= 65535), g a multiple of 32.
 #include "common.cuh"
 #include <cuda_bf16.h>
 
 #define W4A16_WARPS WARPS_PER_BLOCK          // BLOCK_THREADS threads per block
-#define W4A16_STAGES 6
-#define W4A16_XS_WORDS 4096                 // 16 KB of staged activations (bf16 terms) per block
+#define W4A16_XS_WORDS 11264                // 44 KB of staged activations (bf16 terms) per block: at one token
+                                            // (3 terms) 224 groups, K2.6's 7168 columns in one segment
 #define W4A16_CHUNK_WORDS 144
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
 __device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, const unsigned* b) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
                  "{%0,%1,%2,%3};\n"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
@@ -65,7 +61,8 @@ __device__ __forceinline__ unsigned bf2_bits(__nv_bfloat162 h) { return *reinter
 
 // nibbles j and j + 4 of w -> bf16 pair (q_lo, q_hi), q = u - 8, exact
 __device__ __forceinline__ unsigned dequant2(unsigned w) {
-    unsigned v = (w & 0x000F000Fu) | 0x43004300u;                      // bf16 128 + u
+    unsigned v;                                                        // bf16 128 + u: (w & mask) | magic in one
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(v) : "r"(w), "r"(0x000F000Fu), "r"(0x43004300u));   // lop3
     __nv_bfloat162 h = *reinterpret_cast<__nv_bfloat162*>(&v);
     return bf2_bits(__hsub2(h, __floats2bfloat162_rn(136.0f, 136.0f)));  // exact: small integers
 }
@@ -83,21 +80,53 @@ __device__ __forceinline__ float split_sum(const float* p, size_t stride, int ks
     return sum;
 }
 
-template <int NT, int TERMS>
+// Weights are read once: straight to registers through the non-coherent path, not kept in L1.
+__device__ __forceinline__ int4 ld_stream_v4(const int* p) {
+    int4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ uint2 ld_stream_v2(const int* p) {
+    uint2 v;
+    asm("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+
+// One launch configuration: MT tokens at most, TERMS bf16 terms, CT column tiles of the mma's B operand (8
+// columns each), TCOL: the terms are columns of their own (column n = token n / TERMS, term n % TERMS: at
+// <= 2 tokens one mma does all three terms of a k-step, three times fewer mma's), else column n = token n
+// and the terms of a group go into one accumulator (three mma's per k-step). WS warps split the k range of
+// one block of 32 rows (summed in shared memory at the end), the block covers 8 / WS row blocks. U chunks per
+// batch: a warp holds two batches of weights in registers (the one it computes, the next one in flight).
+template <int MT, int TERMS, bool TCOL, int WS, int U>
+struct W4Config {
+    static constexpr int TC = TCOL ? TERMS : 1;                  // B columns per token
+    static constexpr int CT = (MT * TC + 7) / 8;
+    static constexpr int RPB = W4A16_WARPS / WS;
+    static constexpr int TW = 4 * TERMS;                         // staged words per (token, group, lane column)
+    // the widest token count must still stage one batch of every warp (U WS groups) per segment
+    static_assert(((W4A16_XS_WORDS / MT - 16) / (4 * TW)) >= U * WS, "activation staging too small");
+    static_assert(!TCOL || WS == W4A16_WARPS, "terms as columns: the whole block on one row block");
+};
+
+template <int MT, int TERMS, bool TCOL, int WS, int U>
 __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int x_stride, const int* __restrict__ wq,
                                                const int* __restrict__ slot_ids, int S, int k0, int nk, int e_base,
                                                int x_by_slot, int M, int N, int Nb, int G, int ks,
                                                float* __restrict__ out, int out_stride, float* __restrict__ partials,
                                                int* __restrict__ tickets, int mode) {
-    __shared__ __align__(16) int smem[W4A16_WARPS][W4A16_STAGES][W4A16_CHUNK_WORDS];
+    using C = W4Config<MT, TERMS, TCOL, WS, U>;
+    constexpr int CT = C::CT, RPB = C::RPB, TW = C::TW, TC = C::TC;
     __shared__ __align__(16) unsigned xs[W4A16_XS_WORDS];
     __shared__ int is_last;
+    // after the main loop xs is free: red = one column tile of every warp's accumulators [warp][8][lane];
+    // TCOL: colsum = [mt][row][column], the warps summed
+    float (*red)[8][WARP_SIZE] = reinterpret_cast<float (*)[8][WARP_SIZE]>(xs);
+    float* colsum = reinterpret_cast<float*>(xs) + W4A16_WARPS * 8 * WARP_SIZE;
+    static_assert(W4A16_WARPS * 8 * WARP_SIZE + 2 * 16 * 8 * CT <= W4A16_XS_WORDS, "epilogue does not fit xs");
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE, g = lane >> 2, c = lane & 3;
     const int bx = blockIdx.x, ky = blockIdx.y, z = blockIdx.z;
-    // WS warps share one block of 32 rows (groups dealt round-robin, summed in shared memory at the end);
-    // the block covers RPB row blocks. NT = 1 (<= 8 tokens): all 8 warps on one row block, so a block reads
-    // few partials and many blocks stream at once; NT > 1: 8 row blocks, one warp each.
-    constexpr int WS = NT == 1 ? W4A16_WARPS : 1, RPB = W4A16_WARPS / WS;
     const int rb = warp / WS, kw = warp % WS;
     const int b = bx * RPB + rb;
     int e = 0, xrow = 0, orow = 0;
@@ -109,161 +138,195 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
     }
     const float* xb = x + (size_t)xrow * x_stride;
     float* ob = out + (size_t)orow * out_stride;
-    const int g0 = (int)((long long)ky * G / ks), g1 = (int)((long long)(ky + 1) * G / ks);
+    // the split's groups (32-bit: the wrapper keeps G <= 65535, so ky G fits)
+    const int g0 = (int)((unsigned)(ky * G) / (unsigned)ks), g1 = (int)((unsigned)((ky + 1) * G) / (unsigned)ks);
+    const int n = g1 - g0;
+    const bool active = b < Nb;
+    const int nw = active && n > kw ? (n - kw + WS - 1) / WS : 0;   // this warp's groups: kw + j WS, j < nw
+    const int* src = wq + (((size_t)e * Nb + (active ? b : 0)) * G + g0 + kw) * W4A16_CHUNK_WORDS;
 
-    float acc[2][NT][4];
+    // The batches: batch q holds this warp's chunks j = q U .. q U + U - 1 (groups kw + j WS); every warp of
+    // the block has the same number of batches (block-uniform, so the staging below may __syncthreads).
+    constexpr int UW = U * WS;
+    const int nbatch = (n + UW - 1) / UW;
+    int4 wa[U], wb[U];
+    uint2 sa[U], sb[U];
+    auto load = [&](int4* w, uint2* s, int q) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int j = q * U + u;
+            if (j < nw) {
+                const int* p = src + (size_t)j * WS * W4A16_CHUNK_WORDS;
+                w[u] = ld_stream_v4(p + lane * 4);
+                s[u] = ld_stream_v2(p + 128 + g * 2);
+            }
+        }
+    };
+    load(wa, sa, 0);                                            // the weight stream starts before x is staged:
+    load(wb, sb, 1);                                            // two batches in flight from the start
+
+    // x, split into its bf16 terms once per block for the block's columns, staged segment by segment in
+    // fragment order: for token tok, group i of the segment and lane column c, the TW = 4 TERMS words
+    // xs[tok * xrs + (4 i + c) TW + 4 t + 2 kk + r] are the B fragment registers (term t, k-step kk, register r)
+    // = bf16 pair of columns 32 i + 16 kk + 8 r + 2 c, + 1: one 16-byte load per term. xrs pads a token's
+    // row so the 8 lanes of a 16-byte load phase hit distinct banks. A segment is a whole number of batches.
+    const int seg = max(UW, (W4A16_XS_WORDS / M - 16) / (4 * TW) / UW * UW);
+    const int xrs = 4 * TW * seg + ((4 * TW * seg) % 32 == 0 ? 16 : 0);
+    // this lane's B columns: the uint4 offset of its (token, term) in a group's staged words (invalid columns
+    // read the last token: finite values whose sums are never written)
+    int xoff[CT];
+#pragma unroll
+    for (int nt = 0; nt < CT; ++nt) {
+        const int col = nt * 8 + g, tok = min(col / TC, M - 1), t = TCOL ? col % TC : 0;
+        xoff[nt] = (tok * xrs + c * TW + 4 * t) / 4;
+    }
+
+    float acc[2][CT][4];
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
+        for (int nt = 0; nt < CT; ++nt)
 #pragma unroll
             for (int q = 0; q < 4; ++q) acc[mt][nt][q] = 0.0f;
 
-    // x, split into its bf16 terms once per block for the block's columns (all its warps share the split's
-    // column range), staged segment by segment in fragment order: for token tok, group i of the segment and
-    // lane column c, the TW = 4 TERMS words xs[tok * xrs + (4 i + c) TW + 4 t + 2 kk + r] are the B fragment
-    // registers (term t, k-step kk, register r) = bf16 pair of columns 32 i + 16 kk + 8 r + 2 c, + 1: one
-    // 16-byte load per term. xrs pads a token's row so the 8 lanes of a 16-byte load phase hit distinct banks.
-    const int n = g1 - g0;
-    constexpr int TW = 4 * TERMS;
-    const int seg = max(1, (W4A16_XS_WORDS / M - 16) / (4 * TW));
-    const int xrs = 4 * TW * seg + ((4 * TW * seg) % 32 == 0 ? 16 : 0);
-    const bool active = b < Nb;
-    const int nw = n > kw ? (n - kw + WS - 1) / WS : 0;    // this warp's groups: kw + j WS, j < nw
-    const int* src = wq + (((size_t)e * Nb + (active ? b : 0)) * G + g0 + kw) * W4A16_CHUNK_WORDS;
-    int* sw = &smem[warp][0][0];
-    auto issue = [&](int j) {
-        const int* s = src + (size_t)j * WS * W4A16_CHUNK_WORDS;
-        int* d = sw + (j % W4A16_STAGES) * W4A16_CHUNK_WORDS;
-        cp_async16(d + lane * 4, s + lane * 4);
-        if (lane < 4) cp_async16(d + 128 + lane * 4, s + 128 + lane * 4);
-    };
+    int s0 = -seg;
+    auto step = [&](int4* w, uint2* s, int q) {
+        if (q * UW % seg == 0) {                               // a new segment of x (block-uniform)
+            s0 += seg;
+            const int s1 = min(n, s0 + seg), pairs = 16 * (s1 - s0);
+            __syncthreads();                                   // every warp is done with the previous segment
+            auto stage = [&](int tok, int p) {                 // pair p of token tok -> its TERMS bf16 pairs
+                float2 v = __ldg(reinterpret_cast<const float2*>(xb + (size_t)tok * x_stride + (g0 + s0) * 32 + 2 * p));
 #pragma unroll
-    for (int j = 0; j < W4A16_STAGES - 1; ++j) {           // the weight stream starts before x is staged
-        if (active && j < nw) issue(j);
-        cp_async_commit();
-    }
-    int j = 0;
-    for (int s0 = 0; s0 < n; s0 += seg) {
-        const int s1 = min(n, s0 + seg), pairs = 16 * (s1 - s0);
-        __syncthreads();                                   // every warp is done with the previous segment
-        for (int idx = threadIdx.x; idx < M * pairs; idx += blockDim.x) {
-            const int tok = idx / pairs, p = idx % pairs;
-            float2 v = __ldg(reinterpret_cast<const float2*>(xb + (size_t)tok * x_stride + (g0 + s0) * 32 + 2 * p));
-#pragma unroll
-            for (int t = 0; t < TERMS; ++t) {              // x -> bf16 terms, largest first
-                const __nv_bfloat162 h = __floats2bfloat162_rn(v.x, v.y);
-                xs[tok * xrs + (4 * (p >> 4) + (p & 3)) * TW + 4 * t + 2 * ((p >> 3) & 1) + ((p >> 2) & 1)] = bf2_bits(h);
-                const float2 f = __bfloat1622float2(h);
-                v.x -= f.x;                                // exact: the rounding error of a float
-                v.y -= f.y;
+                for (int t = 0; t < TERMS; ++t) {              // x -> bf16 terms, largest first
+                    const __nv_bfloat162 h = __floats2bfloat162_rn(v.x, v.y);
+                    xs[tok * xrs + (4 * (p >> 4) + (p & 3)) * TW + 4 * t + 2 * ((p >> 3) & 1) + ((p >> 2) & 1)] = bf2_bits(h);
+                    const float2 f = __bfloat1622float2(h);
+                    v.x -= f.x;                                // exact: the rounding error of a float
+                    v.y -= f.y;
+                }
+            };
+            if (MT <= 8 && M == 1) {                          // (the MoE decode path: no division per pair)
+                for (int p = threadIdx.x; p < pairs; p += blockDim.x) stage(0, p);
+            } else {                                           // all tokens' pairs spread over the whole block
+                for (int idx = threadIdx.x; idx < M * pairs; idx += blockDim.x) stage(idx / pairs, idx % pairs);
             }
+            __syncthreads();
         }
-        __syncthreads();
-        if (!active) continue;
-        for (; j < nw && kw + j * WS < s1; ++j) {
-            const int i = kw + j * WS;                     // the group, relative to g0
-            __syncwarp();                                  // every lane has read the stage issue() refills
-            if (j + W4A16_STAGES - 1 < nw) issue(j + W4A16_STAGES - 1);
-            cp_async_commit();
-            cp_async_wait<W4A16_STAGES - 1>();             // chunk j has landed
-            __syncwarp();
-            const int* st = sw + (j % W4A16_STAGES) * W4A16_CHUNK_WORDS;
-            const int4 wv = *reinterpret_cast<const int4*>(st + lane * 4);
-            const uint2 sv = *reinterpret_cast<const uint2*>(st + 128 + g * 2);
-            const unsigned w[4] = {(unsigned)wv.x, (unsigned)wv.y, (unsigned)wv.z, (unsigned)wv.w};
-            unsigned a[2][2][4];                           // [mt][k-step][fragment register]
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int j = q * U + u;
+            if (j >= nw) break;
+            const int i = kw + j * WS - s0;                    // the group, relative to the segment
+            const unsigned wv[4] = {(unsigned)w[u].x, (unsigned)w[u].y, (unsigned)w[u].z, (unsigned)w[u].w};
+            unsigned a[2][2][4];                               // [mt][k-step][fragment register]
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
                 for (int kk = 0; kk < 2; ++kk)
 #pragma unroll
-                    for (int j = 0; j < 4; ++j) a[mt][kk][j] = dequant2(w[mt * 2 + kk] >> (4 * j));
-            const float s[2][2] = {{__uint_as_float(sv.x << 16), __uint_as_float(sv.x & 0xFFFF0000u)},
-                                   {__uint_as_float(sv.y << 16), __uint_as_float(sv.y & 0xFFFF0000u)}};
-            const uint4* xf = reinterpret_cast<const uint4*>(xs + (4 * (i - s0) + c) * TW);
+                    for (int r = 0; r < 4; ++r) a[mt][kk][r] = dequant2(wv[mt * 2 + kk] >> (4 * r));
+            const float sc[2][2] = {{__uint_as_float(s[u].x << 16), __uint_as_float(s[u].x & 0xFFFF0000u)},
+                                    {__uint_as_float(s[u].y << 16), __uint_as_float(s[u].y & 0xFFFF0000u)}};
+            const uint4* xf = reinterpret_cast<const uint4*>(xs) + i * TW;    // group i: 4 TW words = TW uint4
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                const int tok = nt * 8 + g;                // the B fragment's token (column)
-                unsigned bf[TERMS][2][2];                  // [term][k-step][register]: pairs kk 8 + 4 r
-#pragma unroll
-                for (int t = 0; t < TERMS; ++t) {
-                    const uint4 v = tok < M ? xf[(tok * xrs) / 4 + t] : make_uint4(0u, 0u, 0u, 0u);
-                    bf[t][0][0] = v.x, bf[t][0][1] = v.y, bf[t][1][0] = v.z, bf[t][1][1] = v.w;
-                }
-                // The tensor core aligns a sum to its largest term and truncates, so the group's terms go into
-                // its accumulator in ascending magnitude: x3 and x2 of both k-steps, then x1 of both.
+            for (int nt = 0; nt < CT; ++nt) {
                 float cg[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+                if (TCOL) {                                    // one term per column: one mma per k-step
+                    const uint4 v = xf[xoff[nt]];
+                    const unsigned b0[2] = {v.x, v.y}, b1[2] = {v.z, v.w};
 #pragma unroll
-                for (int t = TERMS - 1; t >= 0; --t)
+                    for (int mt = 0; mt < 2; ++mt) {
+                        mma_bf16(cg[mt], a[mt][0], b0);
+                        mma_bf16(cg[mt], a[mt][1], b1);
+                    }
+                } else {
+                    unsigned bf[TERMS][2][2];                  // [term][k-step][register]
 #pragma unroll
-                    for (int kk = 0; kk < 2; ++kk)
+                    for (int t = 0; t < TERMS; ++t) {
+                        const uint4 v = xf[xoff[nt] + t];
+                        bf[t][0][0] = v.x, bf[t][0][1] = v.y, bf[t][1][0] = v.z, bf[t][1][1] = v.w;
+                    }
+                    // The tensor core aligns a sum to its largest term and truncates, so the group's terms go
+                    // into its accumulator in ascending magnitude: x3 and x2 of both k-steps, then x1 of both.
 #pragma unroll
-                        for (int mt = 0; mt < 2; ++mt) mma_bf16(cg[mt], a[mt][kk], bf[t][kk]);
+                    for (int t = TERMS - 1; t >= 0; --t)
+#pragma unroll
+                        for (int kk = 0; kk < 2; ++kk)
+#pragma unroll
+                            for (int mt = 0; mt < 2; ++mt) mma_bf16(cg[mt], a[mt][kk], bf[t][kk]);
+                }
 #pragma unroll
                 for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-                    for (int q = 0; q < 4; ++q) acc[mt][nt][q] = fmaf(s[mt][q >> 1], cg[mt][q], acc[mt][nt][q]);
+                    for (int r = 0; r < 4; ++r) acc[mt][nt][r] = fmaf(sc[mt][r >> 1], cg[mt][r], acc[mt][nt][r]);
             }
         }
+        load(w, s, q + 2);                                     // refill: batch q + 2 flies while q + 1 computes
+    };
+    for (int q = 0; q < nbatch; q += 2) {                      // two batches per trip: the buffers alternate
+        step(wa, sa, q);
+        if (q + 1 < nbatch) step(wb, sb, q + 1);
     }
-    cp_async_wait<0>();
-    bool writer = active;
-    if (WS > 1) {                                          // the WS warps of a row block: sum in warp order
-        __syncthreads();                                   // every warp is done with its pipeline stages
-        float* red = reinterpret_cast<float*>(&smem[0][0][0]);   // [warp][2 NT 4][lane]: 8 NT KB
+
+    // The WS warps of a row block: sum in warp order, one column tile at a time (8 KB of shared memory), by all
+    // threads of the block. Thread entry (rb, r = q and lane): rows r16 = lane / 4 + 8 (q / 2) of both m-tiles
+    // (mode 1: the gate and the up sum of one output), column 8 nt + 2 (lane % 4) + q % 2.
+    const int Nb32 = Nb * 32;
+    float* part = partials + ((size_t)z * ks + ky) * M * Nb32;
+    auto emit = [&](int rbk, int r16, int tok, float v0, float v1) {    // block row r16 of both m-tiles
+        const int bb = bx * RPB + rbk;
+        if (bb >= Nb || tok >= M) return;
+        if (ks > 1) {
+            part[(size_t)tok * Nb32 + bb * 32 + r16] = v0;
+            part[(size_t)tok * Nb32 + bb * 32 + 16 + r16] = v1;
+        } else if (mode == 0) {
+            if (bb * 32 + r16 < N) ob[(size_t)tok * out_stride + bb * 32 + r16] = v0;
+            if (bb * 32 + 16 + r16 < N) ob[(size_t)tok * out_stride + bb * 32 + 16 + r16] = v1;
+        } else if (bb * 16 + r16 < N) {
+            ob[(size_t)tok * out_stride + bb * 16 + r16] = silu(v0) * v1;
+        }
+    };
+#pragma unroll
+    for (int nt = 0; nt < CT; ++nt) {
+        __syncthreads();                                       // red is free (previous tile summed)
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int q = 0; q < 4; ++q) red[((warp * 2 + mt) * NT * 4 + nt * 4 + q) * WARP_SIZE + lane] = acc[mt][nt][q];
+            for (int r = 0; r < 4; ++r) red[warp][mt * 4 + r][lane] = acc[mt][nt][r];
         __syncthreads();
-        writer = active && kw == 0;
-        if (writer) {
+        for (int idx = threadIdx.x; idx < RPB * 4 * WARP_SIZE; idx += blockDim.x) {
+            const int rbk = idx / (4 * WARP_SIZE), r = idx / WARP_SIZE % 4, ln = idx % WARP_SIZE;
+            float v0 = 0.0f, v1 = 0.0f;
 #pragma unroll
-            for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                    for (int q = 0; q < 4; ++q) {
-                        float sum = 0.0f;
-                        for (int w = 0; w < WS; ++w) sum += red[(((rb * WS + w) * 2 + mt) * NT * 4 + nt * 4 + q) * WARP_SIZE + lane];
-                        acc[mt][nt][q] = sum;
-                    }
+            for (int w = 0; w < WS; ++w) {
+                v0 += red[rbk * WS + w][r][ln];
+                v1 += red[rbk * WS + w][4 + r][ln];
+            }
+            const int r16 = ln / 4 + 8 * (r >> 1), col = nt * 8 + 2 * (ln % 4) + (r & 1);
+            if (TCOL) {
+                colsum[r16 * 8 * CT + col] = v0;
+                colsum[(16 + r16) * 8 * CT + col] = v1;
+            } else {
+                emit(rbk, r16, col, v0, v1);
+            }
         }
     }
+    if (TCOL) {                                                // a token's terms, smallest first, in fp32
+        __syncthreads();
+        for (int idx = threadIdx.x; idx < 16 * M; idx += blockDim.x) {
+            const int r16 = idx % 16, tok = idx / 16;
+            const float* c0 = colsum + r16 * 8 * CT + tok * TC;
+            const float* c1 = colsum + (16 + r16) * 8 * CT + tok * TC;
+            float v0 = 0.0f, v1 = 0.0f;
+#pragma unroll
+            for (int t = TC - 1; t >= 0; --t) v0 += c0[t], v1 += c1[t];
+            emit(0, r16, tok, v0, v1);
+        }
+    }
+    if (ks == 1) return;
 
-    const int Nb32 = Nb * 32;
-    if (ks == 1) {                                         // the epilogue straight from the fragments
-        if (!writer) return;
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                const int tok = nt * 8 + 2 * c + (q & 1), r = g + (q >> 1) * 8;
-                if (tok >= M) continue;
-                if (mode == 0) {
-                    if (b * 32 + r < N) ob[(size_t)tok * out_stride + b * 32 + r] = acc[0][nt][q];
-                    if (b * 32 + 16 + r < N) ob[(size_t)tok * out_stride + b * 32 + 16 + r] = acc[1][nt][q];
-                } else if (b * 16 + r < N) {
-                    ob[(size_t)tok * out_stride + b * 16 + r] = silu(acc[0][nt][q]) * acc[1][nt][q];
-                }
-            }
-        return;
-    }
-    float* part = partials + ((size_t)z * ks + ky) * M * Nb32;
-    if (writer) {
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                const int tok = nt * 8 + 2 * c + (q & 1), r = g + (q >> 1) * 8;
-                if (tok >= M) continue;
-                part[(size_t)tok * Nb32 + b * 32 + r] = acc[0][nt][q];
-                part[(size_t)tok * Nb32 + b * 32 + 16 + r] = acc[1][nt][q];
-            }
-    }
+    // split-K: the last block of this column range to finish adds the ks partials in split order
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) is_last = atomicAdd(&tickets[z * gridDim.x + bx], 1) == ks - 1;
@@ -275,9 +338,9 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
     const int rows = RPB * 32;
     if (mode == 0) {
         for (int idx = threadIdx.x; idx < M * rows; idx += blockDim.x) {
-            const int tok = idx / rows, n = bx * rows + idx % rows;
-            if (n >= N) continue;
-            ob[(size_t)tok * out_stride + n] = split_sum(p0 + (size_t)tok * Nb32 + n, pstride, ks);
+            const int tok = idx / rows, nn = bx * rows + idx % rows;
+            if (nn >= N) continue;
+            ob[(size_t)tok * out_stride + nn] = split_sum(p0 + (size_t)tok * Nb32 + nn, pstride, ks);
         }
     } else {
         for (int idx = threadIdx.x; idx < M * rows / 2; idx += blockDim.x) {
@@ -297,24 +360,29 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
 #define W4A16_PASS x, x_stride, wq, slot_ids, S, k0, nk, e_base, x_by_slot, M, N, Nb, G, ks, out, out_stride, partials, \
                    tickets, mode
 
-// One entry per (tokens per launch, numerics): w4a16_mma_t<TERMS>_n<NT>, M <= 8 NT. Two blocks per SM (<= 128
-// registers) for NT <= 2 (and t1_n4); t3_n4 and NT = 8 get the registers of one block per SM (no spills).
+// One entry per (numerics, most tokens per launch): w4a16_mma_t<TERMS>_m<MT>; template <MT, TERMS, TCOL, WS, U>.
+// FP32-faithful: terms as columns up to 8 tokens (1, 2 or 3 column tiles), the 8 warps on one row block; from
+// 9 tokens one column per token, fewer warps per row block (the staged x of more tokens holds fewer groups).
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
-w4a16_mma_t3_n1(W4A16_ARGS) { w4a16_mma_body<1, 3>(W4A16_PASS); }
+w4a16_mma_t3_m2(W4A16_ARGS) { w4a16_mma_body<2, 3, true, 8, 4>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
-w4a16_mma_t3_n2(W4A16_ARGS) { w4a16_mma_body<2, 3>(W4A16_PASS); }
+w4a16_mma_t3_m5(W4A16_ARGS) { w4a16_mma_body<5, 3, true, 8, 2>(W4A16_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
+w4a16_mma_t3_m8(W4A16_ARGS) { w4a16_mma_body<8, 3, true, 8, 2>(W4A16_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
+w4a16_mma_t3_m16(W4A16_ARGS) { w4a16_mma_body<16, 3, false, 4, 1>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 1)
-w4a16_mma_t3_n4(W4A16_ARGS) { w4a16_mma_body<4, 3>(W4A16_PASS); }
+w4a16_mma_t3_m32(W4A16_ARGS) { w4a16_mma_body<32, 3, false, 2, 2>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 1)
-w4a16_mma_t3_n8(W4A16_ARGS) { w4a16_mma_body<8, 3>(W4A16_PASS); }
+w4a16_mma_t3_m64(W4A16_ARGS) { w4a16_mma_body<64, 3, false, 1, 2>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
-w4a16_mma_t1_n1(W4A16_ARGS) { w4a16_mma_body<1, 1>(W4A16_PASS); }
+w4a16_mma_t1_m8(W4A16_ARGS) { w4a16_mma_body<8, 1, false, 8, 4>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
-w4a16_mma_t1_n2(W4A16_ARGS) { w4a16_mma_body<2, 1>(W4A16_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
-w4a16_mma_t1_n4(W4A16_ARGS) { w4a16_mma_body<4, 1>(W4A16_PASS); }
+w4a16_mma_t1_m16(W4A16_ARGS) { w4a16_mma_body<16, 1, false, 4, 2>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 1)
-w4a16_mma_t1_n8(W4A16_ARGS) { w4a16_mma_body<8, 1>(W4A16_PASS); }
+w4a16_mma_t1_m32(W4A16_ARGS) { w4a16_mma_body<32, 1, false, 2, 4>(W4A16_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 1)
+w4a16_mma_t1_m64(W4A16_ARGS) { w4a16_mma_body<64, 1, false, 1, 4>(W4A16_PASS); }
 
 // The benchmark's floor (kdtr bench w4a16): read n16 16-byte words once (grid-stride, 16-byte loads that skip
 // L1), the same bytes a W4A16 launch streams; one store per thread only if an impossible XOR shows up, so
