@@ -13,8 +13,9 @@
 #   (OUTDIR/sha256.txt; the metadata records the Python and NumPy versions and float64 BLAS may round the
 #   goldens' last bits differently on another CPU, so a mismatch is reported, not failed), and every
 #   tensor's sha256 (OUTDIR/tensors.json) to compare with the bundle made on the CPU machine;
-# - verify: `kdtr verify --engine cuda --w4a16 fast --json OUTDIR/k26_slice.cuda.json` (the INT4 experts on the
-#   tensor-core W4A16 kernel), then `--w4a16 plain` (OUTDIR/k26_slice.cuda_plain.json);
+# - verify: `kdtr verify --engine cuda --w4a16 fast --json OUTDIR/k26_slice.cuda.json --save-dump
+#   OUTDIR/k26_slice.cuda.kdtr` (the INT4 experts on the tensor-core W4A16 kernel), then `--w4a16 plain`
+#   (OUTDIR/k26_slice.cuda_plain.json);
 # - all (the default): both.
 # Everything goes to OUTDIR/log; the exit status is 1 when any step failed.
 set -u
@@ -35,7 +36,6 @@ kdtr() { python3 -c 'from cli.main import main; main()' "$@"; }
 failed=0
 step() { echo "== $*"; local t=$SECONDS; "$@"; local rc=$?; echo "== rc=$rc in $((SECONDS - t)) s"; [ $rc -eq 0 ] || failed=1; }
 
-REPO=$PWD
 WORK=${KDTR_SLICE_WORKDIR:-build/k26_slice}
 mkdir -p "$WORK/bundles"
 WORK=$(cd "$WORK" && pwd)
@@ -71,7 +71,8 @@ d = describe(sys.argv[1]); json.dump({"metadata": d["metadata"], "tensors": {t["
 fi
 [ "$PHASE" = gen ] && { echo "k26_slice_device gen: $([ $failed -eq 0 ] && echo PASSED || echo FAILED)"; exit $failed; }
 
-step kdtr verify "$BUNDLE" --engine cuda --w4a16 fast --json "$OUT_DIR/k26_slice.cuda.json"
+step kdtr verify "$BUNDLE" --engine cuda --w4a16 fast --json "$OUT_DIR/k26_slice.cuda.json" \
+    --save-dump "$OUT_DIR/k26_slice.cuda.kdtr"
 step kdtr verify "$BUNDLE" --engine cuda --w4a16 plain --json "$OUT_DIR/k26_slice.cuda_plain.json"
 ls -l "$OUT_DIR"
 echo "k26_slice_device $PHASE: $([ $failed -eq 0 ] && echo ALL STEPS PASSED || echo SOME STEP FAILED)"

@@ -16,7 +16,9 @@ from __future__ import annotations
 import multiprocessing
 import os
 import platform
+import sys
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Callable
 
@@ -239,14 +241,25 @@ class _GoldenRuns:
             return out
         global _FORKED
         _FORKED = (self.m, self.W64, self.W32, self.budget, self.held)
+        pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"))
         try:
-            with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
-                futures = {pool.submit(_golden_job, item): k for k, item in enumerate(items)}
-                for done, fut in enumerate(as_completed(futures), 1):
-                    out[futures[fut]] = fut.result()
-                    self._done(done, len(items))
+            futures = {pool.submit(_golden_job, item): k for k, item in enumerate(items)}
+            for done, fut in enumerate(as_completed(futures), 1):
+                k = futures[fut]
+                try:
+                    out[k] = fut.result()
+                except (BrokenProcessPool, MemoryError) as e:     # a worker killed (out of memory) or failed
+                    raise GenError(f"the golden run of prompt {items[k][0]} in a worker process failed "
+                                   f"({type(e).__name__}: {e}); {jobs} prompts ran at once: free memory, or "
+                                   f"run on a machine with fewer cores per prompt (CORES_PER_JOB = "
+                                   f"{CORES_PER_JOB})") from e
+                self._done(done, len(items))
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)   # the queued prompts never start; no waiting
+            raise
         finally:
             _FORKED = None
+        pool.shutdown(wait=True)
         return out
 
     def _done(self, done: int, total: int):
@@ -255,6 +268,9 @@ class _GoldenRuns:
 
 
 def _golden_job(item: tuple) -> PromptGoldens:
+    # The parent's progress display may have held its console lock when this process forked: write to the
+    # plain streams, never through it.
+    sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
     m, W64, W32, budget, held = _FORKED
     i, prompt, n, pos0 = item
     return golden_for_prompt(m, W64, prompt, n, budget, pos0, None, hold_routing=held, W32=W32)

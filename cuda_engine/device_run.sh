@@ -38,7 +38,8 @@ step() { echo "== $*"; local t=$SECONDS; "$@"; local rc=$?; echo "== rc=$rc in $
 nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv
 echo "commit ${KDTR_COMMIT:-unknown}"
 # the proofs: python3 -m cuda_engine.proofs BUNDLE lists "MODE PROOF_NAME" per --w4a16 mode ("- NAME": none)
-for b in bundles/*.kdtr; do
+COMMITTED=$(ls bundles/*.kdtr | grep -v '/k26_slice.kdtr$')    # the real-shape slice: bench/k26_slice_device.sh
+for b in $COMMITTED; do
     while read -r mode name; do
         step kdtr verify "$b" --engine cuda $([ "$mode" = - ] || echo --w4a16 "$mode") --save-dump "$OUT_DIR/$name"
     done < <(python3 -m cuda_engine.proofs "$b")
@@ -47,13 +48,14 @@ step kdtr verify bundles/model_tiny.kdtr --engine cuda --save-dump /tmp/second_r
 step cmp "$OUT_DIR/model_tiny.cuda.kdtr" /tmp/second_run.kdtr
 # the GPU tests (after the proofs, so that a run cut short by its time limit still returns them)
 KDTR_W4A16_ERRORS="$OUT_DIR/w4a16_errors.jsonl" step python3 -m pytest -q -p no:cacheprovider -m cuda \
-    tests/test_cuda_kernels.py tests/test_cuda_w4a16.py tests/test_cuda_engine.py tests/test_cuda_ddtree.py
-for b in bundles/*.kdtr; do
+    tests/test_cuda_kernels.py tests/test_cuda_w4a16.py tests/test_cuda_engine.py tests/test_cuda_ddtree.py \
+    tests/test_cuda_held_routing.py
+for b in $COMMITTED; do
     step kdtr bench engine "$b" --json "$OUT_DIR/bench.$(basename "$b" .kdtr).json"
 done
 step kdtr bench engine bundles/model_int4_tiny.kdtr --w4a16 plain --json "$OUT_DIR/bench.model_int4_tiny.plain.json"
 step kdtr bench w4a16 --json "$OUT_DIR/bench.w4a16.json"
-step kdtr bench ddtree bundles/*.kdtr --json "$OUT_DIR/bench.ddtree.json"
+step kdtr bench ddtree $COMMITTED --json "$OUT_DIR/bench.ddtree.json"
 # memcheck: every kernel of a whole verify run (INT4: the fast W4A16 path and the live DDTree included).
 # --report-api-errors no: cuda-bindings probes driver entry points with cuGetProcAddress, whose "not found"
 # answers memcheck would count as errors; the engine checks every driver result itself. racecheck

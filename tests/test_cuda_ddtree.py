@@ -7,17 +7,16 @@ the engine's own causal forward over that path; two runs (and a run without CUDA
 records; `kdtr verify --engine cuda` passes its live DDTree checks on both bundles.
 CPU: the verify's packed inputs are compile_tree's; the drafter weights read from a bundle are exact.
 """
-import glob
 import importlib.util
 
 import numpy as np
 import pytest
 
-from cuda_oracle import check, gpu_ops
+from cuda_oracle import check, committed_bundles, gpu_ops
 from kdtr_format import open_kdtr
 from refmodel.ddtree import build_ddtree, compile_tree
 
-BUNDLES = sorted(glob.glob("bundles/*.kdtr"))
+BUNDLES = committed_bundles()
 TINY = "bundles/model_tiny.kdtr"
 N_TOKENS = 24
 

@@ -1,15 +1,14 @@
 """CudaEngine end to end: the committed bundles pass, runs are bit-identical, the graph changes no bit,
 teacher forcing works; and (CPU) unsupported configs fail with the field and the limit."""
 import dataclasses
-import glob
 
 import numpy as np
 import pytest
 
-from cuda_oracle import gpu_ops
+from cuda_oracle import committed_bundles, gpu_ops
 from refmodel.config import PRESETS
 
-BUNDLES = sorted(glob.glob("bundles/*.kdtr"))
+BUNDLES = committed_bundles()
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,6 @@
 """GPU proofs on the CPU: every committed bundle has a CUDA-engine run dump made on a GPU
 (bundles/proofs/), kdtr re-judges it and it passes, and it was made from today's cuda_engine/ sources
 (a kernel change that was not re-proved fails here, with how to re-prove). No GPU, no pycuda."""
-import glob
 import json
 import shutil
 
@@ -15,7 +14,9 @@ from cuda_engine.build import PACKAGE_DIR
 from cuda_engine.proofs import REPROVE, ProofError, check_provenance, engine_info, proof_modes, proof_path
 from kdtr_format import open_kdtr
 
-BUNDLES = sorted(glob.glob("bundles/*.kdtr"))
+from cuda_oracle import committed_bundles
+
+BUNDLES = committed_bundles()
 PROOFS = [(b, m) for b in BUNDLES for m in proof_modes(b)]      # INT4 bundles: one proof per --w4a16 mode
 # The live DDTree checks that must pass in a CUDA proof's verdict (conformance/judge_live.py; path_logits as
 # the replay's): the engine's own drafter, trees and forward count, judged.

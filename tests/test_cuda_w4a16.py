@@ -87,6 +87,7 @@ def fast_linear(ops, x, packed, N, numerics="fp32", ks=None):
     (40, 224, 12),                     # 9..16 tokens: a column per token, 4 warps per row block
     (72, 160, 64),                     # batch 64 (the 8-tile kernel)
     (2048, 7168, 1), (2048, 7168, 3), (2048, 7168, 8), (2048, 7168, 64),    # K2.6 expert gate (or up)
+    (2048, 7168, 2), (2048, 7168, 12),  # 2 and 9..16 tokens over many groups per split (the staging segments)
     (7168, 2048, 1), (7168, 2048, 17),                    # K2.6 expert down
     (200, 32, 130),                    # one group; 130 tokens: three launches of <= 64
 ])

@@ -203,17 +203,25 @@ def test_held_routing_keeps_prompts_that_forbid_rejects():
 def test_gen_bytes_do_not_depend_on_upcasting_once_or_per_matmul(mini_slice, tmp_path, monkeypatch):
     """`kdtr gen` upcasts the model once where memory allows (refmodel.stored.upcast_if_fits), else per
     matmul: the same bytes either way, so the path a machine takes never changes a bundle."""
+    import conformance.gen as gen_mod
     import refmodel.stored as stored
+    took = []
+
+    class Runs(gen_mod._GoldenRuns):                 # which weights the golden runs got
+        def __init__(self, m, W64, *a, **kw):
+            took.append(type(W64).__name__)
+            super().__init__(m, W64, *a, **kw)
+
+    monkeypatch.setattr(gen_mod, "_GoldenRuns", Runs)
     shas = []
     for avail in (0, 1 << 50):                       # nothing available: per matmul; plenty: once
         monkeypatch.setattr(stored, "available_memory", lambda avail=avail: avail)
-        W = stored.StoredWeights.from_arrays({"a": np.ones((2, 2), np.float32)})
-        assert isinstance(stored.upcast_if_fits(W), dict) == (avail > 0)
         out = tmp_path / "s.kdtr"                    # one path: the command recorded in the bundle names it
         r = gen(out, "--bf16-profile", "no", "--routing-near-ties", "held")
         assert r.exit_code == 0, r.output
         shas.append(sha256(out))
         out.unlink()
+    assert took == ["StoredWeights", "dict"]
     assert shas[0] == shas[1]
 
 
@@ -239,3 +247,19 @@ def test_gen_bytes_do_not_depend_on_forked_prompt_jobs(mini_slice, tmp_path, mon
         out.unlink()
     assert pools == [4]                      # 3 prompts + the long-position one, forked only with 64 cores
     assert shas[0] == shas[1]
+
+
+def test_a_failed_worker_is_a_one_line_gen_error(mini_slice, tmp_path, monkeypatch):
+    """A forked golden run that dies (here: out of memory) ends gen with a usage-style error naming the prompt
+    and what to change, not a traceback."""
+    import conformance.gen as gen_mod
+    monkeypatch.setattr(gen_mod.os, "cpu_count", lambda: 64)
+
+    def oom(*args, **kwargs):                        # runs in the forked worker (fork copies the patch)
+        raise MemoryError("no memory for the float32 copy")
+
+    monkeypatch.setattr(gen_mod, "golden_for_prompt", oom)
+    r = gen(tmp_path / "s.kdtr", "--bf16-profile", "no")
+    assert r.exit_code == ExitCode.USAGE, r.output
+    assert "in a worker process failed (MemoryError" in r.output and "CORES_PER_JOB" in r.output
+    assert not (tmp_path / "s.kdtr").exists()
