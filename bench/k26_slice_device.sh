@@ -10,9 +10,9 @@
 # command's relative `--out bundles/k26_slice.kdtr` is written as recorded), unless it exists there already
 # (a previous phase; delete it to regenerate). The phases, so that each fits a 10-minute device command:
 # - gen: the bundle, its time and peak memory (OUTDIR/gen.time), its sha256 against the MANIFEST's
-#   (OUTDIR/sha256.txt; the metadata records the Python and NumPy versions and float64 BLAS may round the
-#   goldens' last bits differently on another CPU, so a mismatch is reported, not failed), and every
-#   tensor's sha256 (OUTDIR/tensors.json) to compare with the bundle made on the CPU machine;
+#   (OUTDIR/sha256.txt; the metadata records the Python and NumPy versions, so a mismatch is reported, not
+#   failed), and every tensor's sha256 (OUTDIR/tensors.json) against bundles/k26_slice.tensors.json (the
+#   bundle the MANIFEST records; a tensor that differs fails this phase);
 # - verify: `kdtr verify --engine cuda --w4a16 fast --json OUTDIR/k26_slice.cuda.json --save-dump
 #   OUTDIR/k26_slice.cuda.kdtr` (the INT4 experts on the tensor-core W4A16 kernel), then `--w4a16 plain`
 #   (OUTDIR/k26_slice.cuda_plain.json);
@@ -36,6 +36,7 @@ kdtr() { python3 -c 'from cli.main import main; main()' "$@"; }
 failed=0
 step() { echo "== $*"; local t=$SECONDS; "$@"; local rc=$?; echo "== rc=$rc in $((SECONDS - t)) s"; [ $rc -eq 0 ] || failed=1; }
 
+REPO_DIR=$PWD
 WORK=${KDTR_SLICE_WORKDIR:-build/k26_slice}
 mkdir -p "$WORK/bundles"
 WORK=$(cd "$WORK" && pwd)
@@ -66,8 +67,13 @@ if [ "$PHASE" != verify ]; then
     elif [ "$GOT" = "$WANT" ]; then echo "sha256: matches the MANIFEST"
     else echo "sha256: differs from the MANIFEST (other Python/NumPy/CPU: compare OUTDIR/tensors.json)"; fi
     python3 -c 'import json, sys; from kdtr_format.reader import describe
-d = describe(sys.argv[1]); json.dump({"metadata": d["metadata"], "tensors": {t["name"]: t["sha256"] for t in d["tensors"]}},
-          open(sys.argv[2], "w"), indent=0)' "$BUNDLE" "$OUT_DIR/tensors.json" || failed=1
+d = describe(sys.argv[1]); mine = {t["name"]: t["sha256"] for t in d["tensors"]}
+json.dump({"metadata": d["metadata"], "tensors": mine}, open(sys.argv[2], "w"), indent=0)
+want = json.load(open(sys.argv[3]))
+same = sum(mine.get(n) == h for n, h in want.items())
+print(f"tensors: {same} of {len(want)} have the sha256 recorded in bundles/k26_slice.tensors.json"
+      + ("" if same == len(want) == len(mine) else f"; {len(mine)} in this bundle: DIFFERENT"))
+sys.exit(0 if same == len(want) == len(mine) else 1)' "$BUNDLE" "$OUT_DIR/tensors.json" "$REPO_DIR/bundles/k26_slice.tensors.json" || failed=1
 fi
 [ "$PHASE" = gen ] && { echo "k26_slice_device gen: $([ $failed -eq 0 ] && echo PASSED || echo FAILED)"; exit $failed; }
 
