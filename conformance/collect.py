@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from conformance.near_ties import near_tie_rows
 from conformance.outputs import LIVE
 from conformance.records import golden_tree, offsets, position_offset, prompts_of, ragged
 from kdtr_format import bfloat16_to_float32
+from refmodel.config import ModelConfig
 from refmodel.ddtree import compile_tree, walk
 
 
@@ -27,17 +29,30 @@ class HeldRouting:
     """The golden expert sets of one prompt, handed to an engine's `hold_routing` before each forward
     (conformance/protocol.py) when the profile was derived with routing held (profiles.holds_routing):
     like teacher-forced tokens, it keeps a near-tie expert flip from moving every later tap, so those
-    taps are judged under the conditions their tolerance was derived in. `on` False: hands nothing."""
+    taps are judged under the conditions their tolerance was derived in. Only near-tie rows are held
+    (`man`: the profile's taps; near_ties.near_tie_rows), every other row gets -1, "the router decides":
+    where the golden decision is decisive a correct engine makes it itself, and an engine that reported
+    the held ids as its own choice would otherwise hide a wrong router. `on` False: hands nothing."""
 
-    def __init__(self, engine, f, i: int, on: bool):
+    def __init__(self, engine, f, i: int, on: bool, man: dict | None = None):
         cfg = f.metadata["model_config"]
         self.engine, self.f, self.p = engine, f, f"golden/p{i}/"
         self.on = on and can_hold_routing(engine)
+        if self.on and man is None:
+            raise ValueError("HeldRouting: pass the profile's taps (man): they say which rows are near-ties")
+        self.cfg, self.man = (ModelConfig.from_dict(cfg), man) if self.on else (None, None)
         self.layers = range(cfg["first_k_dense_replace"], cfg["num_hidden_layers"])
 
     def _ids(self, phase: str) -> dict:
-        return {l: np.asarray(self.f[self.p + f"{phase}/L{l}/topk_ids"]) for l in self.layers
-                if self.p + f"{phase}/L{l}/topk_ids" in self.f}
+        out = {}
+        for l in self.layers:
+            if self.p + f"{phase}/L{l}/topk_ids" not in self.f:
+                continue
+            ids = np.array(self.f[self.p + f"{phase}/L{l}/topk_ids"], np.int64)          # [T, K]
+            near = near_tie_rows(self.f, self.p, phase, l, self.man, self.cfg)
+            ids[~near[:len(ids)] if near is not None else slice(None)] = -1               # decisive: router
+            out[l] = ids
+        return out
 
     def prefill(self) -> None:
         if self.on:
@@ -68,16 +83,17 @@ class HeldRouting:
         self.engine.hold_routing(held)
 
 
-def collect(engine, f, progress=None, hold_routing: bool = False) -> dict:
+def collect(engine, f, progress=None, hold_routing: bool = False, man: dict | None = None) -> dict:
     """Drive `engine` through every golden prompt; returns outputs under run-dump names. `hold_routing`:
-    hand the engine the golden expert sets of every forward (HeldRouting) when it can take them."""
+    hand the engine the golden expert sets of the near-tie rows of every forward (HeldRouting; `man`: the
+    profile's taps, which say what a near-tie is) when it can take them."""
     out, ps = {}, prompts_of(f)
     ar_taps = set(f.metadata["taps"]["ar"])
     for n, i in enumerate(ps):
         p = f"golden/p{i}/"
         prompt, tokens = np.asarray(f[p + "prompt_ids"]), np.asarray(f[p + "ar/tokens"])
         P, pos0 = len(prompt), position_offset(f, i)                    # cache row j sits at pos0 + j
-        held = HeldRouting(engine, f, i, hold_routing)
+        held = HeldRouting(engine, f, i, hold_routing, man)
         engine.reset()
         held.prefill()
         logits, taps = engine.prefill(prompt, pos0 + np.arange(P))

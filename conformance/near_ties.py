@@ -122,15 +122,24 @@ def routing_tie_row(f, g: str, man: dict, cfg) -> int | None:
     within twice that tap's router_scores atol, so an engine within the profile may choose another set
     there. None when every recorded routing decision of the prompt is decisive (a decode step whose
     router_scores the bundle does not record counts as decisive: such bundles hold no near-ties)."""
-    P, K, first = len(f[g + "prompt_ids"]), cfg.num_experts_per_tok, None
+    P, first = len(f[g + "prompt_ids"]), None
     for l in range(cfg.first_k_dense_replace, cfg.num_hidden_layers):
-        bias = np.asarray(f.get(f"model.layers.{l}.mlp.gate.e_score_correction_bias"), np.float64)   # [E]
         for phase, row0 in (("prefill", 0), ("ar", P)):
-            key = f"{phase}/L{l}/router_scores"
-            if g + key not in f or K >= bias.shape[0]:
-                continue
-            top = -np.sort(-(np.asarray(f[g + key], np.float64) + bias), axis=-1)    # [T, E] descending
-            near = np.nonzero(top[:, K - 1] - top[:, K] <= 2 * _atol(man.get(key)))[0]
+            rows = near_tie_rows(f, g, phase, l, man, cfg)
+            near = np.nonzero(rows)[0] if rows is not None else np.zeros(0, np.int64)
             if near.size and (first is None or row0 + int(near[0]) < first):
                 first = row0 + int(near[0])
     return first
+
+
+def near_tie_rows(f, g: str, phase: str, l: int, man: dict, cfg) -> np.ndarray | None:
+    """[T] bool: the rows of prompt g's `phase` ("prefill" or "ar") routing in MoE layer l whose golden
+    K-th vs (K+1)-th biased score gap is within twice that tap's router_scores atol in `man` (a profile's
+    taps): the decisions an engine within the profile may take otherwise. None when the bundle records no
+    router_scores there (or top-K takes every expert): every such decision counts as decisive."""
+    K, key = cfg.num_experts_per_tok, f"{phase}/L{l}/router_scores"
+    bias = np.asarray(f.get(f"model.layers.{l}.mlp.gate.e_score_correction_bias"), np.float64)     # [E]
+    if g + key not in f or K >= bias.shape[0]:
+        return None
+    top = -np.sort(-(np.asarray(f[g + key], np.float64) + bias), axis=-1)          # [T, E] descending
+    return top[:, K - 1] - top[:, K] <= 2 * _atol(man.get(key))

@@ -52,7 +52,8 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
         dtype, hold = "float32", bool(dump is None and holds_routing(f.metadata, profile or ""))
         held = hold and can_hold_routing(engine)                        # what collect will do
         try:
-            out, dtype = _outputs(f, engine, dump, progress, hold)
+            out, dtype = _outputs(f, engine, dump, progress, hold,
+                                  profile_taps(f.metadata, profile) if hold and dump is None else None)
         except KdtrError as e:
             checks.append(CheckResult("dump/integrity", "error", "integrity", message=f"{dump}: {e}"))
             return make_verdict(name, bundle, checks)
@@ -117,8 +118,8 @@ def _routing_info(engine, dump, profile: str, held: bool, derived_held: bool) ->
             ("" if rows is None else f"; {rows} row(s) ran the golden experts instead of the engine's own choice"))
 
 
-def _outputs(f, engine, dump, progress, hold: bool = False) -> tuple[dict, str]:
+def _outputs(f, engine, dump, progress, hold: bool = False, man: dict | None = None) -> tuple[dict, str]:
     if dump is not None:
         return read_dump(dump)
     engine.load(f)
-    return collect(engine, f, progress, hold), engine.dtype
+    return collect(engine, f, progress, hold, man), engine.dtype

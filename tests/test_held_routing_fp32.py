@@ -31,6 +31,7 @@ from conformance.runner import verify
 from conformance.tree_ties import GoldenDrafts
 from kdtr_format import open_kdtr
 from refmodel.config import ModelConfig
+from refmodel.model import expert_weights
 
 PROMPT, STEP, LAYER = 1, 2, 1          # the near-tie: prompt 1, decode step 2, layer 1 (the first MoE layer)
 
@@ -118,9 +119,9 @@ def test_a_routing_bug_still_fails_at_its_topk_ids_with_routing_held(near_tie_bu
     print(f"\nbias ignored at L{LAYER}, fp32 held: {len(failed)} failures, first divergence {d.name} ({d.cause})")
     assert v.info["routing"].startswith("held") and v.exit_code != ExitCode.OK
     assert (d.phase, d.layer, d.tap, d.cause) == ("prefill", LAYER, "topk_ids", "local"), d
-    # held, its AR run ran the golden experts: only its choice fails (the expert ids and their weights), and
-    # its live DDTree, whose router is free (its wrong experts move that stream before any near-tie row)
-    assert not [n for n in failed if not n.endswith(("/topk_ids", "/topk_weights")) and f"/{LIVE}/" not in n], failed
+    # only near-tie rows are held: at its decisive rows the bug's own experts ran, so the MoE output after
+    # the wrong choice fails too, and so does its live DDTree (its wrong experts move that stream)
+    assert f"p0/prefill/L{LAYER}/mlp_out" in failed, failed
     assert any(f"/{LIVE}/" in n for n in failed), failed
 
 
@@ -215,7 +216,7 @@ def test_the_live_stream_may_leave_the_golden_one_only_from_the_near_tie_on(near
         atol = _atol(f.metadata["tolerances"]["taps"][f"ar/L{LAYER}/router_scores"])
         e = nudge(f, LAYER, outside, STEP, atol / 4)
         e.load(f)
-        out = collect(e, f, hold_routing=True)
+        out = collect(e, f, hold_routing=True, man=f.metadata["tolerances"]["taps"])
         g, P = f"golden/p{PROMPT}/", len(f[f"golden/p{PROMPT}/prompt_ids"])
         gold, mine = np.asarray(f[g + "ddtree/tokens"]), out[f"p{PROMPT}/{LIVE}/tokens"]
         first = int(np.nonzero(gold != mine)[0][0])
@@ -258,3 +259,40 @@ def test_run_dumps_of_a_held_bundle_say_how_they_routed(near_tie_bundle, tmp_pat
     v = verify(path, dump=dump)
     assert v.info["routing"].startswith("free: the run that wrote this dump let its router choose every expert "
                                         "set, but the fp32 profile was derived with routing held"), v.info["routing"]
+
+
+class EchoingWrongRouter(ReferenceEngine):
+    """A wrong router (its selection ignores the correction bias in every MoE layer) that reports the held
+    expert ids as its own choice wherever a row is held, and has no live DDTree."""
+
+    def __getattribute__(self, name):
+        if name == "ddtree_generate":                   # the optional live DDTree: this engine has none
+            raise AttributeError(name)
+        return object.__getattribute__(self, name)
+
+    def load(self, bundle):
+        super().load(bundle)
+        self.W = dict(self.W.items())
+        for l in range(self.cfg.first_k_dense_replace, self.cfg.num_hidden_layers):
+            k = f"model.layers.{l}.mlp.gate.e_score_correction_bias"
+            self.W[k] = np.zeros_like(self.W[k])
+
+    def _forward(self, ids, positions, mask=None):
+        held = dict(self._held_ids)
+        logits, taps = super()._forward(ids, positions, mask)
+        for l, v in held.items():
+            rows = (np.asarray(v) >= 0).all(-1)
+            own = taps[f"L{l}/topk_ids"].copy()
+            own[rows] = np.asarray(v)[rows]
+            taps[f"L{l}/topk_ids"] = own
+            taps[f"L{l}/topk_weights"] = expert_weights(self.cfg, taps[f"L{l}/router_scores"], own)
+        return logits, taps
+
+
+def test_an_engine_that_echoes_the_held_ids_cannot_hide_a_wrong_router(near_tie_bundle):
+    """Only near-tie rows are held (collect.HeldRouting): every decisive row is the engine's own routing,
+    so a wrong router that reports the held ids as its choice still fails at a topk_ids tap."""
+    v = verify(near_tie_bundle[0], engine=EchoingWrongRouter())
+    failed = [c.name for c in v.checks if c.status == "fail"]
+    assert v.exit_code != ExitCode.OK, failed
+    assert any(n.endswith("/topk_ids") for n in failed), failed
