@@ -282,6 +282,13 @@ main(["convert", sys.argv[1], "--out", sys.argv[2]])
 """
 
 
+def _default_signals():
+    """The child starts with the default dispositions, as from a terminal: a test run under nohup or in a
+    background job inherits SIGHUP / SIGINT ignored, and an ignored signal kills nothing."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_convert_killed_mid_write_leaves_no_temp_file(tmp_path, sig):
     from safetensors.numpy import save_file
@@ -290,7 +297,7 @@ def test_convert_killed_mid_write_leaves_no_temp_file(tmp_path, sig):
     out = tmp_path / "out.kdtr"
     proc = subprocess.Popen([sys.executable, "-c", SLOW_CONVERT, str(st), str(out)], cwd=ROOT,
                             env={**os.environ, "PYTHONPATH": ROOT}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_default_signals)
     try:
         assert proc.stdout.readline() == "writing\n", proc.stderr.read()
         assert any(n.endswith(TEMP_SUFFIX) for n in os.listdir(tmp_path))   # mid-write: the temp exists
