@@ -42,17 +42,21 @@ class HeldRouting:
             raise ValueError("HeldRouting: pass the profile's taps (man): they say which rows are near-ties")
         self.cfg, self.man = (ModelConfig.from_dict(cfg), man) if self.on else (None, None)
         self.layers = range(cfg["first_k_dense_replace"], cfg["num_hidden_layers"])
+        self._held: dict = {}
 
     def _ids(self, phase: str) -> dict:
-        out = {}
-        for l in self.layers:
-            if self.p + f"{phase}/L{l}/topk_ids" not in self.f:
-                continue
-            ids = np.array(self.f[self.p + f"{phase}/L{l}/topk_ids"], np.int64)          # [T, K]
-            near = near_tie_rows(self.f, self.p, phase, l, self.man, self.cfg)
-            ids[~near[:len(ids)] if near is not None else slice(None)] = -1               # decisive: router
-            out[l] = ids
-        return out
+        """{layer: [T, K]} golden ids of `phase`, -1 on every decisive row (read once per phase)."""
+        if phase not in self._held:
+            out = {}
+            for l in self.layers:
+                if self.p + f"{phase}/L{l}/topk_ids" not in self.f:
+                    continue
+                ids = np.array(self.f[self.p + f"{phase}/L{l}/topk_ids"], np.int64)      # [T, K]
+                near = near_tie_rows(self.f, self.p, phase, l, self.man, self.cfg)
+                ids[np.ones(len(ids), bool) if near is None else ~near] = -1              # decisive: router
+                out[l] = ids
+            self._held[phase] = out
+        return self._held[phase]
 
     def prefill(self) -> None:
         if self.on:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from conformance.bundle_model import GenError, Model, _f32
+from conformance.near_ties import routing_gaps
 from conformance.tolerance import DEFAULT_FLOOR_ULPS, DEFAULT_MULTIPLIER, DerivedTolerance, derive_tolerance
 from refmodel.config import ModelConfig
 from refmodel.ddtree import ddtree_generate
@@ -35,10 +36,9 @@ def routing_gap(cfg, W: dict, taps: dict) -> float:
     gaps = [np.inf]
     for l in range(cfg.first_k_dense_replace, cfg.num_hidden_layers):
         choice = taps[f"L{l}/router_scores"] + W[f"model.layers.{l}.mlp.gate.e_score_correction_bias"]  # [T, E]
-        top = -np.sort(-choice, axis=-1)                                 # [T, E] descending
-        K = cfg.num_experts_per_tok
-        if K < top.shape[-1]:
-            gaps.append(float(np.min(top[:, K - 1] - top[:, K])))
+        g = routing_gaps(choice, cfg.num_experts_per_tok)
+        if g is not None:
+            gaps.append(float(np.min(g)))
     return min(gaps)
 
 
@@ -169,16 +169,16 @@ def routing_near_tie_count(cfg, W64, pgs: list[PromptGoldens], router_atol: floa
     """How many golden routing decisions (token row x MoE layer, prefill and decode, every prompt) have a
     K-th vs (K+1)-th biased score gap under MARGIN_SAFETY x the router_scores atol: the decisions a bundle
     with held routing leaves to the near-tie rules."""
-    K, count = cfg.num_experts_per_tok, 0
+    count = 0
     for pg in pgs:
         for l in range(cfg.first_k_dense_replace, cfg.num_hidden_layers):
             bias = np.asarray(W64[f"model.layers.{l}.mlp.gate.e_score_correction_bias"], np.float64)
             for phase in ("prefill", "ar"):
                 scores = pg.g64.get(f"{phase}/L{l}/router_scores")
-                if scores is None or K >= scores.shape[-1]:
-                    continue
-                top = -np.sort(-(np.asarray(scores, np.float64) + bias), axis=-1)
-                count += int(np.sum(top[:, K - 1] - top[:, K] < MARGIN_SAFETY * router_atol))
+                gaps = None if scores is None else routing_gaps(np.asarray(scores, np.float64) + bias,
+                                                                 cfg.num_experts_per_tok)
+                if gaps is not None:
+                    count += int(np.sum(gaps < MARGIN_SAFETY * router_atol))
     return count
 
 

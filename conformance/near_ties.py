@@ -137,9 +137,18 @@ def near_tie_rows(f, g: str, phase: str, l: int, man: dict, cfg) -> np.ndarray |
     K-th vs (K+1)-th biased score gap is within twice that tap's router_scores atol in `man` (a profile's
     taps): the decisions an engine within the profile may take otherwise. None when the bundle records no
     router_scores there (or top-K takes every expert): every such decision counts as decisive."""
-    K, key = cfg.num_experts_per_tok, f"{phase}/L{l}/router_scores"
-    bias = np.asarray(f.get(f"model.layers.{l}.mlp.gate.e_score_correction_bias"), np.float64)     # [E]
-    if g + key not in f or K >= bias.shape[0]:
+    key = f"{phase}/L{l}/router_scores"
+    if g + key not in f:
         return None
-    top = -np.sort(-(np.asarray(f[g + key], np.float64) + bias), axis=-1)          # [T, E] descending
-    return top[:, K - 1] - top[:, K] <= 2 * _atol(man.get(key))
+    bias = np.asarray(f.get(f"model.layers.{l}.mlp.gate.e_score_correction_bias"), np.float64)     # [E]
+    gaps = routing_gaps(np.asarray(f[g + key], np.float64) + bias, cfg.num_experts_per_tok)
+    return None if gaps is None else gaps <= 2 * _atol(man.get(key))
+
+
+def routing_gaps(choice: np.ndarray, K: int) -> np.ndarray | None:
+    """[T]: each row's K-th minus (K+1)-th largest biased router score (`choice`: scores + correction bias,
+    [T, E]), how far its top-K decision is from a tie; None when top-K takes every expert (no decision)."""
+    if K >= choice.shape[-1]:
+        return None
+    top = -np.sort(-np.asarray(choice, np.float64), axis=-1)                        # [T, E] descending
+    return top[:, K - 1] - top[:, K]

@@ -19,10 +19,8 @@ from refmodel.config import ModelConfig
 from refmodel.ddtree import Tree, build_ddtree, draft_logits, prefill, verify_round
 from refmodel.drafter import DrafterConfig
 from refmodel.model import KVCache, block, causal_mask, expert_weights, forward, rope_cos_sin
-from refmodel.stored import StoredWeights
+from refmodel.stored import StoredWeights, upcast_if_fits
 
-
-UPCAST_ONCE_BYTES = 1 << 30       # upcast the whole model at load up to 1 GiB (the tiny bundles: ~10 MB)
 
 
 def bundle_weights(f, dtype=np.float64) -> tuple[ModelConfig, StoredWeights]:
@@ -56,9 +54,9 @@ class ReferenceEngine:
             with open_kdtr(bundle) as f:
                 return self.load(f)
         self.cfg, W = bundle_weights(bundle, self.np_dtype)          # memory-mapped, upcast per matmul
-        # A model that fits easily is upcast once: on the tiny bundles the per-matmul upcasts (INT4
-        # dequantization included) cost about a quarter of a verify run. A real-shape one stays as stored.
-        self.W = dict(W.items()) if W.upcast_nbytes() <= UPCAST_ONCE_BYTES else W
+        # A model that fits in memory is upcast once (the same rule as kdtr gen's): on the tiny bundles the
+        # per-matmul upcasts (INT4 dequantization included) cost about a quarter of a verify run.
+        self.W = upcast_if_fits(W, copies=1)
         self.dcfg, DW, self.ddtree_settings = bundle_drafter(bundle)
         self.DW = {k: v.astype(self.np_dtype) for k, v in DW.items()}
         self.held_rows = 0

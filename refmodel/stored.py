@@ -228,12 +228,15 @@ def available_memory() -> int | None:
     return None
 
 
+UNKNOWN_MEMORY_BUDGET = 1 << 30     # bytes upcast_if_fits may use where the system does not say what is free
+
+
 def upcast_if_fits(W: StoredWeights, copies: float = 1.5, share: float = 0.6):
     """W upcast once into a plain dict when `copies` x its upcast size (1.5: the float64 model plus a
-    float32 copy of it) fits in `share` of the memory available now; else W itself, upcast per matmul.
+    float32 copy of it) fits in `share` of the memory available now (UNKNOWN_MEMORY_BUDGET where the system
+    does not say); else W itself, upcast per matmul.
     The values are the same either way (module docstring), so a generator's bytes do not depend on which
     machine took which path; only its time and memory do."""
     avail = available_memory()
-    if avail is None or copies * W.upcast_nbytes() > share * avail:
-        return W
-    return dict(W.items())
+    budget = share * avail if avail is not None else UNKNOWN_MEMORY_BUDGET
+    return dict(W.items()) if copies * W.upcast_nbytes() <= budget else W

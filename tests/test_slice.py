@@ -147,7 +147,8 @@ def test_held_routing_bundle_records_its_rule_and_near_ties(mini_slice, tmp_path
     """--routing-near-ties held: the manifest says so, the near-tie count matches the stored scores, and the
     default (forbid) writes neither key, so bundles made without the option are unchanged."""
     a, b = tmp_path / "held.kdtr", tmp_path / "forbid.kdtr"
-    r = gen(a, "--bf16-profile", "no", "--routing-near-ties", "held")
+    r = gen(a, "--bf16-profile", "no", "--routing-near-ties", "held", "--seed", "1", "--num-prompts", "4",
+            "--max-new-tokens", "12")                # this seed's prompts have a routing near-tie
     assert r.exit_code == 0, r.output
     assert gen(b, "--bf16-profile", "no").exit_code == 0
     with open_kdtr(b) as f:
@@ -167,7 +168,7 @@ def test_held_routing_bundle_records_its_rule_and_near_ties(mini_slice, tmp_path
                     part = np.partition(s, s.shape[-1] - K - 1, axis=-1)[:, s.shape[-1] - K - 1:]  # top K+1
                     kth, next_ = np.sort(part, axis=-1)[:, 1], np.sort(part, axis=-1)[:, 0]
                     want += int(np.sum(kth - next_ < reach))
-        assert f.metadata["figures"]["routing_near_ties"] == want
+        assert want > 0 and f.metadata["figures"]["routing_near_ties"] == want
 
 
 def test_routing_near_tie_count_counts_gaps_under_four_router_atols(mini_slice):

@@ -70,10 +70,10 @@ def test_ddtree_is_bit_identical(tiny_model):
 def test_reference_engine_reads_the_bundle_mapped(bundle, upcast_once, request, monkeypatch):
     """The engine's float32 weights equal the old float64-then-float32 dict, tensor by tensor: a small model
     upcast once at load (a dict), and one over the limit kept as stored (upcast per matmul)."""
-    import conformance.reference_engine as ref_engine
+    import refmodel.stored as stored
 
-    if not upcast_once:
-        monkeypatch.setattr(ref_engine, "UPCAST_ONCE_BYTES", 0)
+    if not upcast_once:                                  # no memory to spare: kept as stored
+        monkeypatch.setattr(stored, "available_memory", lambda: 0)
     with open_kdtr(request.getfixturevalue(bundle)) as f:
         e = ReferenceEngine()
         e.load(f)
