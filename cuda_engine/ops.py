@@ -19,10 +19,13 @@ WARPS_PER_BLOCK = 8                 # kernels/common.cuh
 BLOCK = (32 * WARPS_PER_BLOCK, 1, 1)
 ATTN_MAX_C, ATTN_MAX_R, ATTN_MAX_N, ATTN_MAX_Q, ATTN_MAX_SPLIT = 512, 128, 256, 2048, 8   # kernels/attention.cu
 ROUTER_MAX_E, ROUTER_MAX_GROUPS, MOE_MAX_SLOTS = 1024, 64, 64   # kernels/moe.cu
-W4A16_CHUNK_WORDS, W4A16_TERMS = 144, {"fp32": 3, "bf16": 1}   # kernels/w4a16_mma.cu
-# kernels/w4a16_mma.cu's entries w4a16_mma_t<terms>_m<most tokens>, and the row blocks (of 32 rows) one block
-# covers at that many tokens (8 warps split a row block's k range up to 8 tokens, fewer warps above)
-W4A16_MAX_TOKENS = {3: (2, 5, 8, 16, 32, 64), 1: (8, 16, 32, 64)}
+W4A16_CHUNK_WORDS, W4A16_NUMERICS = 144, ("fp32", "bf16")   # kernels/w4a16_mma.cu
+# kernels/w4a16_mma.cu's entries per numerics, (most tokens per launch, entry name), and the row blocks (of 32
+# rows) one block covers at that many tokens (8 warps split a row block's k range up to 8 tokens, fewer above)
+W4A16_ENTRIES = {
+    "fp32": tuple((m, f"w4a16_mma_i8_m{m}") for m in (1, 2, 4)) + tuple((m, f"w4a16_mma_t3_m{m}") for m in (8, 16, 32, 64)),
+    "bf16": tuple((m, f"w4a16_mma_t1_m{m}") for m in (8, 16, 32, 64)),
+}
 W4A16_ROW_BLOCKS = {8: 1, 16: 2, 32: 4, 64: 8}
 
 # kernel name -> argument types (struct codes: P pointer, i int32, q int64, f float32, d float64)
@@ -41,10 +44,22 @@ SIGNATURES = {
     "w4a16_down_kernel": "PPPPPiiiiiii",
     "moe_combine_kernel": "PPPPiiiPPPPf",
     "stream_read_kernel": "PqP",
-    **{f"w4a16_mma_t{t}_m{m}": "PiPP" + "i" * 10 + "PiPPi" for t, ms in W4A16_MAX_TOKENS.items() for m in ms},
+    **{name: "PiPP" + "i" * 10 + "PiPPi" for entries in W4A16_ENTRIES.values() for _, name in entries},
     "argmax_kernel": "PiP",
     "decode_advance_kernel": "PP",
 }
+
+
+def w4a16_splits(blocks: int, G: int, resident: int) -> int:
+    """K splits of a w4a16_mma launch with `blocks` blocks per split over G groups, `resident` blocks fitting
+    on the GPU at once: the fewest splits whose waves of blocks end nearest to full, judged by the groups the
+    busiest block streams (waves x groups per split) plus a split's fixed cost (its partials, ticket and
+    final sum, counted as 4 groups). At batch 1 on one weight this fills one wave; on the MoE path's many
+    blocks it keeps the last wave from running nearly empty."""
+    def cost(k: int) -> float:
+        waves = -(-blocks * k // resident)
+        return waves * -(-G // k) + (4 * waves if k > 1 else 0)
+    return min(range(1, min(G, max(1, 2 * resident // max(blocks, 1)) + 8) + 1), key=lambda k: (cost(k), k))
 
 
 def _ptr(x) -> int:
@@ -237,18 +252,17 @@ class Ops:
 
     def w4a16_kernel(self, M: int, numerics: str = "fp32") -> tuple[str, int]:
         """(entry name, row blocks per block) of the w4a16_mma launch for M <= 64 tokens."""
-        t = W4A16_TERMS[numerics]
-        m = next(m for m in W4A16_MAX_TOKENS[t] if m >= M)
-        return f"w4a16_mma_t{t}_m{m}", next(r for mm, r in W4A16_ROW_BLOCKS.items() if mm >= M)
+        m, name = next(e for e in W4A16_ENTRIES[numerics] if e[0] >= M)
+        return name, next(r for mm, r in W4A16_ROW_BLOCKS.items() if mm >= m)
 
     def w4a16_plan(self, Nb: int, G: int, Z: int, ks: int | None = None, M: int = 1,
                    numerics: str = "fp32") -> tuple[int, int]:
         """(blocks along the output, k splits) of one w4a16_mma launch of M <= 64 tokens."""
         _, rpb = self.w4a16_kernel(M, numerics)
         gx = -(-Nb // rpb)
-        if ks is None:                                         # as many splits as fill one wave, at least one
+        if ks is None:
             # (the FP32-faithful entry's residency for both numerics: the same splits, the same summing order)
-            ks = self._w4_resident(self.w4a16_kernel(M)[0]) // (gx * Z)
+            ks = w4a16_splits(gx * Z, G, self._w4_resident(self.w4a16_kernel(M)[0]))
         return gx, max(1, min(int(ks), G))
 
     def _w4_resident(self, name: str) -> int:
@@ -298,7 +312,7 @@ class Ops:
         E, Nb, G, words = packed.shape
         _need(packed.dtype == np.int32 and words == W4A16_CHUNK_WORDS, "w4a16_mma",
               f"packed weights must be int32 [E, Nb, G, {W4A16_CHUNK_WORDS}], got {packed.dtype} {packed.shape}")
-        _need(numerics in W4A16_TERMS, "w4a16_mma", f"numerics {numerics!r}: choose one of {', '.join(W4A16_TERMS)}")
+        _need(numerics in W4A16_ENTRIES, "w4a16_mma", f"numerics {numerics!r}: choose one of {', '.join(W4A16_ENTRIES)}")
         _need(mode in (0, 1) and 0 < N <= (32 if mode == 0 else 16) * Nb, "w4a16_mma",
               f"mode {mode}, N={N} does not fit {Nb} blocks of 32 rows")
         _need(G <= 65535, "w4a16_mma", f"{G} groups of 32 input columns: at most 65535 (K <= 2097120)")

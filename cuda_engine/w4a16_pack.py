@@ -1,13 +1,17 @@
 """The fast W4A16 kernel's weight layout (kernels/w4a16_mma.cu): a one-time repack of the bundle's `.qw` /
-`.sc` (kdtr_format/int4.py, the layout truth) into chunks that feed mma.sync.m16n8k16 A fragments directly.
+`.sc` (kdtr_format/int4.py, the layout truth) into chunks whose words are mma.sync A fragments after a mask
+(m16n8k32 int8) or a mask and a subtract (m16n8k16 bf16).
 Host-side NumPy, no GPU; the engine repacks once at load.
 
 Chunk (block b of 32 output rows, group of 32 input columns) = 144 int32 words:
-  words 4 l .. 4 l + 3 (lane l, g = l // 4, c = l % 4): [mt0 k-step 0, mt0 k-step 1, mt1 k-step 0, mt1 k-step 1];
-  word (mt, kk) nibble j (j = 0..3) / j + 4 = weight (row, col) / (row, col + 1) with
-  row = 16 mt + g + 8 (j % 2), col = 16 kk + 2 c + 8 (j // 2): the PTX m16n8k16 A-fragment register a_j;
+  words 4 l .. 4 l + 3 (lane l, g = l // 4, c = l % 4): word 2 mt + p holds 8 weights of row
+  16 mt + g + 8 p (m-tile mt, p = 0: the lane's row g, p = 1: row g + 8): nibble 2 i (i = 0..3) is column
+  4 c + i, nibble 2 i + 1 is column 16 + 4 c + i. A nibble is q mod 16 (q = u - 8 in 4-bit two's complement,
+  u the bundle's nibble): `(w << 4) & 0xF0F0F0F0` and `w & 0xF0F0F0F0` are then the PTX m16n8k32 .s8
+  A-fragment registers a_p and a_{p+2} holding 16 q (exact in int8), and the m16n8k16 bf16 path reads the
+  same word (see kernels/w4a16_mma.cu for its column order);
   words 128..143: 32 bf16 scales, index 4 g + i -> row (16 (i // 2) + g + 8 (i % 2)) of the block.
-Nibbles keep the bundle's encoding u = q + 8. Rows past the real ones are padding (q = 0, scale 0).
+Rows past the real ones are padding (q = 0, scale 0).
 `pack_gate_up` interleaves gate and up: block b = gate rows 16 b .. 16 b + 15 (m-tile 0) and the same up rows
 (m-tile 1), so the kernel's SwiGLU epilogue finds both sums of an output in one lane.
 """
@@ -23,10 +27,11 @@ ROWS = 32                          # output rows per chunk (two m16 tiles)
 
 _LANE = np.arange(32)
 _G, _C = _LANE // 4, _LANE % 4
-_J = np.arange(4)
-# [lane, j]: the fragment register a_j's row within the m16 tile and first column within the k16 step
-FRAG_ROW = _G[:, None] + 8 * (_J[None, :] % 2)
-FRAG_COL = 2 * _C[:, None] + 8 * (_J[None, :] // 2)
+# [lane, p, n]: the row (within the 32-row block, m-tile 0) and the column (within the group) of nibble n of
+# the lane's word (mt = 0, p): row g + 8 p; column 4 c + n // 2, + 16 for an odd n
+WORD_ROW = np.broadcast_to(_G[:, None, None] + 8 * np.arange(2)[None, :, None], (32, 2, 8))
+WORD_COL = np.broadcast_to(4 * _C[:, None, None] + (np.arange(8) // 2 + 16 * (np.arange(8) % 2))[None, None, :],
+                           (32, 2, 8))
 # [lane, i]: the scale rows of the lane's C fragment (i = 0..3: mt0 row g, mt0 row g + 8, mt1 row g, mt1 g + 8)
 SCALE_ROW = 16 * (np.arange(4)[None, :] // 2) + _G[:, None] + 8 * (np.arange(4)[None, :] % 2)
 
@@ -47,14 +52,12 @@ def _pack_rows(u: np.ndarray, scale: np.ndarray) -> np.ndarray:
     """u uint8 [Np, K] nibbles (Np a multiple of 32), scale float32 [Np, K/32] -> int32 [Np/32, K/32, 144]."""
     Np, K = u.shape
     Nb, G = Np // ROWS, K // TILE_K
-    U = u.reshape(Nb, 2, 16, G, TILE_K).astype(np.uint32)             # [Nb, mt, row, G, col]
-    words = np.zeros((Nb, G, 32, 2, 2), np.uint32)                      # [Nb, G, lane, mt, kk]
-    for kk in range(2):
-        for j in range(4):
-            rows, cols = FRAG_ROW[:, j], FRAG_COL[:, j] + 16 * kk       # [lane]
-            lo = U[:, :, rows, :, cols]                                 # [lane, Nb, mt, G] (advanced indexing)
-            hi = U[:, :, rows, :, cols + 1]
-            words[:, :, :, :, kk] |= (lo << (4 * j) | hi << (4 * (j + 4))).transpose(1, 3, 0, 2)
+    v = (u.reshape(Nb, 2, 16, G, TILE_K) ^ 8).astype(np.uint32)        # q mod 16, [Nb, mt, row, G, col]
+    words = np.zeros((Nb, G, 32, 2, 2), np.uint32)                      # [Nb, G, lane, mt, p]
+    for p in range(2):
+        for n in range(8):
+            rows, cols = WORD_ROW[:, p, n], WORD_COL[:, p, n]           # [lane]
+            words[:, :, :, :, p] |= (v[:, :, rows, :, cols] << (4 * n)).transpose(1, 3, 0, 2)
     bits = bf16_bits(scale).reshape(Nb, ROWS, G)                        # [Nb, row, G] uint16
     sbits = bits[:, SCALE_ROW.reshape(-1), :].transpose(0, 2, 1)        # [Nb, G, 128 = lane x i]
     sbits = sbits.reshape(Nb, G, 8, 4, 4)[:, :, :, 0, :].reshape(Nb, G, 32)  # the 4 lanes of a g read the same

@@ -57,17 +57,41 @@ ptxas info    : Function properties for __internal_helper
 
 
 def test_w4a16_wrapper_tables_match_the_kernel_entries():
-    """ops.py picks a w4a16_mma entry by token count and sizes its grid by the entry's row blocks per block:
-    both tables must say what kernels/w4a16_mma.cu instantiates (a mismatch would launch too few blocks)."""
+    """ops.py picks a w4a16_mma entry by numerics and token count and sizes its grid by the entry's row blocks
+    per block: both tables must say what kernels/w4a16_mma.cu instantiates (a mismatch would launch too few
+    blocks, or the wrong numerics)."""
     import re
 
     from cuda_engine.build import KERNEL_DIR
-    from cuda_engine.ops import W4A16_MAX_TOKENS, W4A16_ROW_BLOCKS
+    from cuda_engine.ops import W4A16_ENTRIES, W4A16_ROW_BLOCKS
 
     text = (KERNEL_DIR / "w4a16_mma.cu").read_text()
-    entry = r"w4a16_mma_t(\d)_m(\d+)\(W4A16_ARGS\) \{ w4a16_mma_body<(\d+), (\d), (?:true|false), (\d), \d>"
-    entries = re.findall(entry, text)           # (terms, most tokens, MT, TERMS, WS) per entry
-    assert {(int(t), int(m)) for t, m, *_ in entries} == {(t, m) for t, ms in W4A16_MAX_TOKENS.items() for m in ms}
-    for t, m, mt, terms, ws in entries:
-        rpb = next(r for top, r in W4A16_ROW_BLOCKS.items() if top >= int(m))
-        assert (int(mt), int(terms), 8 // int(ws)) == (int(m), int(t), rpb), f"w4a16_mma_t{t}_m{m}"
+    entry = (r"(w4a16_mma_(i8|t\d)_m(\d+))\(W4A16_ARGS\) \{ w4a16_mma_body<(\d+), (\d), (?:true|false), (\d), \d, "
+             r"(true|false)>")
+    entries = re.findall(entry, text)           # (name, kind, most tokens, MT, TERMS, WS, I8) per entry
+    assert len(entries) == len(set(e[0] for e in entries)) > 0
+    table = {name: (m, numerics) for numerics, es in W4A16_ENTRIES.items() for m, name in es}
+    assert {e[0] for e in entries} == set(table)
+    for name, kind, m, mt, terms, ws, i8 in entries:
+        top, numerics = table[name]
+        rpb = next(r for t, r in W4A16_ROW_BLOCKS.items() if t >= int(m))
+        assert (int(mt), int(m), 8 // int(ws)) == (top, top, rpb), name
+        assert (i8 == "true") == (kind == "i8"), name                           # the int8 digits path
+        assert numerics == ("bf16" if int(terms) == 1 and i8 == "false" else "fp32"), name
+    sizes = {numerics: [m for m, _ in es] for numerics, es in W4A16_ENTRIES.items()}
+    assert all(s == sorted(s) and s[-1] == 64 for s in sizes.values())        # every M <= 64 has an entry
+
+
+def test_w4a16_splits_fill_the_waves():
+    """w4a16_splits: batch 1 on one K2.6 weight fills one wave (4 splits of 64 blocks on 264 resident); the
+    MoE path's 1152 blocks take 2 splits (9 waves, the last one nearly full) rather than 1 (5 waves, the last
+    36% full); 2016 blocks over 64 groups stay unsplit; a tiny launch is not split (a split's fixed cost is
+    more than the groups it would save); never more splits than groups."""
+    from cuda_engine.ops import w4a16_splits
+
+    assert w4a16_splits(64, 224, 264) == 4
+    assert w4a16_splits(1152, 224, 264) == 2
+    assert w4a16_splits(2016, 64, 264) == 1
+    assert w4a16_splits(1, 3, 264) == 1
+    assert w4a16_splits(1, 64, 264) == 64                                 # one block of rows: one group per split
+    assert w4a16_splits(10, 1, 264) == 1

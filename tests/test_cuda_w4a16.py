@@ -80,13 +80,14 @@ def fast_linear(ops, x, packed, N, numerics="fp32", ks=None):
 
 
 @pytest.mark.parametrize("N,K,M", [
-    (8, 96, 1), (8, 96, 3),            # n = 8 (one m16 tile, mostly padding), k = 3 groups
+    (8, 96, 1), (8, 96, 3),            # n = 8 (one m16 tile, mostly padding), k = 3 groups; 1..4 tokens: the
+    (40, 224, 4),                      # int8 digits path (4 digit columns per token, 1 or 2 column tiles)
     (40, 224, 17),                     # k = 7 groups: no split divides it evenly; batch 17 (3 token tiles)
-    (72, 160, 8), (40, 224, 6),        # 6..8 tokens: 3 terms as columns over 3 column tiles (a token's terms
-                                       # straddle two tiles)
+    (72, 160, 8), (40, 224, 6),        # 5..8 tokens: 3 bf16 terms as columns over 2-3 column tiles (a token's
+    (72, 160, 5),                      # terms straddle two tiles)
     (40, 224, 12),                     # 9..16 tokens: a column per token, 4 warps per row block
     (72, 160, 64),                     # batch 64 (the 8-tile kernel)
-    (2048, 7168, 1), (2048, 7168, 3), (2048, 7168, 8), (2048, 7168, 64),    # K2.6 expert gate (or up)
+    (2048, 7168, 1), (2048, 7168, 3), (2048, 7168, 4), (2048, 7168, 8), (2048, 7168, 64),   # K2.6 expert gate
     (2048, 7168, 2), (2048, 7168, 12),  # 2 and 9..16 tokens over many groups per split (the staging segments)
     (7168, 2048, 1), (7168, 2048, 17),                    # K2.6 expert down
     (200, 32, 130),                    # one group; 130 tokens: three launches of <= 64
@@ -98,8 +99,46 @@ def test_fast_linear_within_2x_plain(ops, N, K, M):
     qw, sc, W = quantized(rng, N, K)
     x = rand(rng, M, K)
     oracle = x.astype(np.float64) @ W.T
-    errors(f"linear {K}->{N} batch {M}", fast_linear(ops, x, pack_linear(qw, sc), N), plain_linear(ops, x, qw, sc),
-           oracle, x @ W.astype(np.float32).T)
+    packed, plain, base = pack_linear(qw, sc), plain_linear(ops, x, qw, sc), x @ W.astype(np.float32).T
+    errors(f"linear {K}->{N} batch {M}", fast_linear(ops, x, packed, N), plain, oracle, base)
+    if K // 32 >= 3 and N < 1024:                      # small shapes: also 3 k splits (uneven over 7 groups)
+        errors(f"linear {K}->{N} batch {M} 3 splits", fast_linear(ops, x, packed, N, ks=3), plain, oracle, base)
+
+
+@pytest.mark.parametrize("M", [1, 2, 4])
+def test_int8_digits_path_on_wide_ranges(ops, M):
+    """The int8 digits path (1..4 tokens) scales each token's x by its split's largest |x|. Judged token by
+    token, within 2x the plain kernel's error: x spanning 2^-66 .. 2^13 (an outlier next to tiny values), x
+    around 1e-30 (its scale 2^(30-E) exceeds float32's largest power of two: applied in two factors); a zero
+    token gives exact zeros; with 2 k splits too (each split its own scale). A non-finite x gives that token
+    NaN outputs and leaves the other tokens as they were."""
+    from cuda_engine.w4a16_pack import pack_linear
+
+    rng = np.random.default_rng(40 + M)
+    N, K = 96, 1024
+    qw, sc, W = quantized(rng, N, K)
+    x = rand(rng, M, K)
+    x[0] *= np.exp2(rng.integers(-66, 0, K)).astype(np.float32)               # magnitudes over 66 octaves
+    x[0, 5] = 8192.0
+    if M > 1:
+        x[1] = 0.0
+    if M > 2:
+        x[2] = (x[2] * np.float32(1e-30)).astype(np.float32)
+    packed, oracle = pack_linear(qw, sc), x.astype(np.float64) @ W.T
+    plain, base = plain_linear(ops, x, qw, sc), x @ W.astype(np.float32).T
+    for ks in (None, 2):
+        got = fast_linear(ops, x, packed, N, ks=ks)
+        for t in range(M):
+            if M > 1 and t == 1:
+                np.testing.assert_array_equal(got[1], 0.0)
+                continue
+            errors(f"int8 digits wide ranges batch {M} splits {ks} token {t}", got[t:t + 1], plain[t:t + 1],
+                   oracle[t:t + 1], base[t:t + 1])
+    bad = x.copy()
+    bad[0, 7] = np.nan if M % 2 else np.inf
+    got = fast_linear(ops, bad, packed, N)
+    assert np.isnan(got[0]).all()
+    np.testing.assert_array_equal(got[1:], fast_linear(ops, x, packed, N)[1:])
 
 
 @pytest.mark.parametrize("I,D,M", [(2048, 7168, 1), (2048, 7168, 16), (24, 96, 3)])   # K2.6 fused gate+up 7168->4096
@@ -163,7 +202,7 @@ def test_bf16_numerics_are_marlins(ops):
     from kdtr_format.int4 import bf16_round
 
     rng = np.random.default_rng(3)
-    N, K, M = 512, 2048, 4
+    N, K, M = 512, 2048, 6                                 # (from 5 tokens fp32 mode runs the bf16 terms path)
     qw, sc, W = quantized(rng, N, K)
     x = rand(rng, M, K)
     packed = pack_linear(qw, sc)

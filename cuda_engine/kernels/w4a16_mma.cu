@@ -6,34 +6,47 @@
 // Layout (cuda_engine/w4a16_pack.py repacks the bundle's .qw/.sc once at load; docs/cuda-engine.md):
 // [E, Nb, G, 144] int32: Nb blocks of 32 output rows (2 m16 tiles), G groups of 32 input columns, one
 // 576-byte chunk per (block, group): 512 bytes of weights, then 64 bytes of bf16 scales.
-//   weights: lane l holds words [mt0 k0..15, mt0 k16..31, mt1 k0..15, mt1 k16..31] at bytes 16 l: one
-//            16-byte load gives the lane its four A fragments (a0..a3 per m16k16 tile). Word nibble j
-//            (j = 0..3) and j + 4 are the low and high bf16 of fragment register a_j, so
-//            ((w >> 4 j) & 0x000F000F) | 0x43004300 is the bf16 pair (128 + u) and one bf16x2 subtract of
-//            136 gives q = u - 8 exactly (dequantization in registers: a shift, one lop3 and one bf16x2
-//            subtract per two weights).
+//   weights: lane l (g = l / 4, c = l % 4) holds 4 words at bytes 16 l, one 16-byte load: word 2 mt + p holds
+//            8 weights of row 16 mt + g + 8 p, nibble 2 i = column 4 c + i, nibble 2 i + 1 = column
+//            16 + 4 c + i, each q mod 16 (q = u - 8, 4-bit two's complement).
+//            int8 path: (w << 4) & 0xF0F0F0F0 and w & 0xF0F0F0F0 are the m16n8k32 .s8 A-fragment registers
+//            a_p and a_{p+2} holding 16 q, exact (one shift and two ANDs per 8 weights).
+//            bf16 path: ((w >> 4 j) & 0x000F000F) ^ 0x00080008 | 0x43004300 (one lop3) is the bf16 pair
+//            (128 + u) of nibbles j and j + 4, and one bf16x2 subtract of 136 gives q exactly; register a_r of
+//            k-step kk is nibble pair j = 2 kk + r / 2 of word 2 mt + r % 2. Its k index kb (0..15) is group
+//            column 16 (kb / 8) + 4 ((kb % 8) / 2) + kk + 2 (kb % 2): the activations are staged in that order.
 //   scales:  bf16 at [g * 4 + {mt0 row g, mt0 row g + 8, mt1 row g, mt1 row g + 8}], g = lane / 4: the rows
 //            of the lane's C fragment; 8 bytes per lane.
 // Mode 1 packs gate rows 16 b .. 16 b + 15 as block b's mt0 and the same up rows as its mt1, so a lane holds
 // the gate and up sums of one output at the same fragment position.
 //
-// Numerics. TERMS = 3 (FP32-faithful, the default): x = x1 + x2 + x3 with x1 = bf16(x), x2 = bf16(x - x1),
+// Numerics, FP32-faithful (the default): the result is float32-accurate, by one of two exact schemes.
+// Up to 4 tokens (I8, the int8 digits path; the decode and MoE decode shapes): per (token, k split) the
+// block finds the largest |x| (2^(E-1) <= max < 2^E) and writes X = rn(x 2^(30-E)) (|X| <= 2^30: every x within
+// 2^-6 of the largest keeps all 24 bits, smaller ones lose at most 2^(E-31) absolute, far below float32
+// rounding of a sum at that scale) as four signed 8-bit digits, X = d0 + 256 d1 + 65536 d2 + 2^24 d3
+// ((X + 0x80808080) ^ 0x80808080 gives them bytewise). The digits of a token are four B columns, so one
+// m16n8k32 .s8 mma per m-tile covers a group for 2 tokens: 16 q * d summed over the group's 32 columns is
+// exact in int32 (|sum| <= 2^19), converted exactly to float32, scaled by the group's scale and summed over
+// groups per digit in fp32; a token's four digit sums are added at the end, smallest first, times
+// 2^(E-34) (the 16 of 16 q and the 2^(30-E)); both scalings are exact powers of two, applied as two normal
+// factors, so subnormal and huge x keep their precision. A non-finite x makes that token's outputs NaN.
+// From 5 tokens (the bf16 terms path): x = x1 + x2 + x3 with x1 = bf16(x), x2 = bf16(x - x1),
 // x3 = bf16(x - x1 - x2) (each subtraction exact in fp32; the three terms hold float32's 24 bits); q * x_i is
 // exact in the tensor core (4 x 8 bits). Up to 8 tokens (TCOL) the terms are B columns of their own (column
-// n = term n % 3 of token n / 3): at 1 or 2 tokens one mma per k-step does all three terms (a third of the
-// tensor work of one mma per term), each term's group sum is scaled and summed in fp32 on its own, and the
+// n = term n % 3 of token n / 3), each term's group sum is scaled and summed in fp32 on its own, and the
 // three sums of a token are added at the end, smallest first. From 9 tokens a column is a token and the three
 // terms go into one fp32 accumulator per group, in ascending magnitude (x3 of both k-steps, x2, then x1: the
 // tensor core aligns a sum to its largest term and truncates, so a small term never goes into an accumulator
-// already holding a large sum), then the group's scale multiplies the group sum in fp32. Either way the result
-// is float32-accurate. TERMS = 1: one mma on x rounded to bf16 (Marlin's numerics), for the benchmark only.
+// already holding a large sum), then the group's scale multiplies the group sum in fp32.
+// numerics = bf16 (TERMS = 1): one mma on x rounded to bf16 (Marlin's numerics), for the benchmark only.
 //
 // Work split: block = W4A16_WARPS warps over 8 / WS row blocks (32 rows each); the WS warps of a row block deal
 // the groups [ky G / ks, (ky + 1) G / ks) of split ky = blockIdx.y round-robin (split-K, so that every SM
 // streams at batch 1) and sum in shared memory, in warp order, at the end. A warp loads its 16 bytes of
 // weights and 8 of scales per chunk straight into registers (no shared-memory round trip, no pipeline
 // bookkeeping), U chunks per batch, two batches in flight: the one it computes and the next. The block
-// splits x into its bf16 terms once and stages them in shared memory in fragment order (W4A16_XS_WORDS,
+// splits x into its digits or bf16 terms once and stages them in shared memory in fragment order (W4A16_XS_WORDS,
 // segment by segment when the columns do not fit), while the weight stream is already in flight. With ks > 1
 // each block writes fp32 partials [z, ky, M, Nb * 32]; the last block of a column range to finish (a ticket
 // per (z, blockIdx.x), reset by that block) adds them in split order and applies the epilogue: deterministic,
@@ -46,8 +59,8 @@
 #include <cuda_bf16.h>
 
 #define W4A16_WARPS WARPS_PER_BLOCK          // BLOCK_THREADS threads per block
-#define W4A16_XS_WORDS 11264                // 44 KB of staged activations (bf16 terms) per block: at one token
-                                            // (3 terms) 224 groups, K2.6's 7168 columns in one segment
+#define W4A16_XS_WORDS 11264                // 44 KB of staged activations per block: at one token (int8 digits:
+                                            // 32 words per group) K2.6's 7168 columns in one segment
 #define W4A16_CHUNK_WORDS 144
 
 __device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, const unsigned* b) {
@@ -57,12 +70,19 @@ __device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, const unsi
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+__device__ __forceinline__ void mma_s8(int* c, const unsigned* a, uint2 b) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b.x), "r"(b.y));
+}
+
 __device__ __forceinline__ unsigned bf2_bits(__nv_bfloat162 h) { return *reinterpret_cast<unsigned*>(&h); }
 
-// nibbles j and j + 4 of w -> bf16 pair (q_lo, q_hi), q = u - 8, exact
+// nibbles j and j + 4 of w (q mod 16) -> bf16 pair (q_lo, q_hi), exact
 __device__ __forceinline__ unsigned dequant2(unsigned w) {
-    unsigned v;                                                        // bf16 128 + u: (w & mask) | magic in one
-    asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(v) : "r"(w), "r"(0x000F000Fu), "r"(0x43004300u));   // lop3
+    unsigned v;                     // bf16 128 + u, u = nibble ^ 8: mask ? (w ^ c) : c with c = 0x43084308, one lop3
+    asm("lop3.b32 %0, %1, %2, %3, 0x6A;\n" : "=r"(v) : "r"(w), "r"(0x000F000Fu), "r"(0x43084308u));
     __nv_bfloat162 h = *reinterpret_cast<__nv_bfloat162*>(&v);
     return bf2_bits(__hsub2(h, __floats2bfloat162_rn(136.0f, 136.0f)));  // exact: small integers
 }
@@ -93,33 +113,39 @@ __device__ __forceinline__ uint2 ld_stream_v2(const int* p) {
     return v;
 }
 
-// One launch configuration: MT tokens at most, TERMS bf16 terms, CT column tiles of the mma's B operand (8
-// columns each), TCOL: the terms are columns of their own (column n = token n / TERMS, term n % TERMS: at
-// <= 2 tokens one mma does all three terms of a k-step, three times fewer mma's), else column n = token n
-// and the terms of a group go into one accumulator (three mma's per k-step). WS warps split the k range of
-// one block of 32 rows (summed in shared memory at the end), the block covers 8 / WS row blocks. U chunks per
-// batch: a warp holds two batches of weights in registers (the one it computes, the next one in flight).
-template <int MT, int TERMS, bool TCOL, int WS, int U>
+// One launch configuration: MT tokens at most, TERMS bf16 terms (I8: four int8 digits instead), CT column
+// tiles of the mma's B operand (8 columns each), TCOL: the terms (digits) are columns of their own (column
+// n = token n / TC, term n % TC), else column n = token n and the terms of a group go into one accumulator
+// (three mma's per k-step). WS warps split the k range of one block of 32 rows (summed in shared memory at
+// the end), the block covers 8 / WS row blocks. U chunks per batch: a warp holds two batches of weights in
+// registers (the one it computes, the next one in flight).
+template <int MT, int TERMS, bool TCOL, int WS, int U, bool I8>
 struct W4Config {
-    static constexpr int TC = TCOL ? TERMS : 1;                  // B columns per token
+    static constexpr int TC = I8 ? 4 : TCOL ? TERMS : 1;         // B columns per token
     static constexpr int CT = (MT * TC + 7) / 8;
     static constexpr int RPB = W4A16_WARPS / WS;
-    static constexpr int TW = 4 * TERMS;                         // staged words per (token, group, lane column)
+    static constexpr int TW = 4 * TERMS;                         // bf16: staged words per (token, group, lane column)
+    static constexpr int COLS = MT * TC < 8 ? MT * TC : 8;       // I8: staged columns per tile (lane g reads g % COLS)
+    static constexpr int GW = 8 * COLS * CT;                     // I8: staged words per group
     // the widest token count must still stage one batch of every warp (U WS groups) per segment
-    static_assert(((W4A16_XS_WORDS / MT - 16) / (4 * TW)) >= U * WS, "activation staging too small");
+    static_assert(I8 ? W4A16_XS_WORDS / GW >= U * WS : ((W4A16_XS_WORDS / MT - 16) / (4 * TW)) >= U * WS,
+                  "activation staging too small");
     static_assert(!TCOL || WS == W4A16_WARPS, "terms as columns: the whole block on one row block");
+    static_assert(!I8 || (TCOL && MT <= 4), "int8 digits: terms as columns, at most 4 tokens");
 };
 
-template <int MT, int TERMS, bool TCOL, int WS, int U>
+template <int MT, int TERMS, bool TCOL, int WS, int U, bool I8>
 __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int x_stride, const int* __restrict__ wq,
                                                const int* __restrict__ slot_ids, int S, int k0, int nk, int e_base,
                                                int x_by_slot, int M, int N, int Nb, int G, int ks,
                                                float* __restrict__ out, int out_stride, float* __restrict__ partials,
                                                int* __restrict__ tickets, int mode) {
-    using C = W4Config<MT, TERMS, TCOL, WS, U>;
-    constexpr int CT = C::CT, RPB = C::RPB, TW = C::TW, TC = C::TC;
+    using C = W4Config<MT, TERMS, TCOL, WS, U, I8>;
+    constexpr int CT = C::CT, RPB = C::RPB, TW = C::TW, TC = C::TC, COLS = C::COLS, GW = C::GW;
     __shared__ __align__(16) unsigned xs[W4A16_XS_WORDS];
     __shared__ int is_last;
+    __shared__ unsigned xmax[MT];                                // I8: a token's largest |x| (float bits), this split
+    __shared__ float xfac[MT][2];                                // I8: 2^(E-34) in two factors: digit sums -> float
     // after the main loop xs is free: red = one column tile of every warp's accumulators [warp][8][lane];
     // TCOL: colsum = [mt][row][column], the warps summed
     float (*red)[8][WARP_SIZE] = reinterpret_cast<float (*)[8][WARP_SIZE]>(xs);
@@ -165,20 +191,64 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
     load(wa, sa, 0);                                            // the weight stream starts before x is staged:
     load(wb, sb, 1);                                            // two batches in flight from the start
 
-    // x, split into its bf16 terms once per block for the block's columns, staged segment by segment in
-    // fragment order: for token tok, group i of the segment and lane column c, the TW = 4 TERMS words
-    // xs[tok * xrs + (4 i + c) TW + 4 t + 2 kk + r] are the B fragment registers (term t, k-step kk, register r)
-    // = bf16 pair of columns 32 i + 16 kk + 8 r + 2 c, + 1: one 16-byte load per term. xrs pads a token's
-    // row so the 8 lanes of a 16-byte load phase hit distinct banks. A segment is a whole number of batches.
-    const int seg = max(UW, (W4A16_XS_WORDS / M - 16) / (4 * TW) / UW * UW);
+    // x's quad (tok, unit): unit = 8 i + 4 r + cc is columns 32 i + 16 r + 4 cc .. + 3 of group i of the split
+    auto quad = [&](int tok, int unit) -> float4 {
+        const float* p = xb + (size_t)tok * x_stride + (size_t)(g0 + (unit >> 3)) * 32 + 16 * ((unit >> 2) & 1) + 4 * (unit & 3);
+        const float2 lo = __ldg(reinterpret_cast<const float2*>(p)), hi = __ldg(reinterpret_cast<const float2*>(p + 2));
+        return make_float4(lo.x, lo.y, hi.x, hi.y);
+    };
+    float xin[MT][2];                                           // I8: 2^(30-E) per token, in two factors
+    if constexpr (I8) {                                         // each token's largest |x| over the whole split
+        if (threadIdx.x < MT) xmax[threadIdx.x] = 0u;
+        __syncthreads();
+#pragma unroll
+        for (int tok = 0; tok < MT; ++tok) {
+            unsigned m = 0u;
+            if (tok < M)
+                for (int u = threadIdx.x; u < 8 * n; u += blockDim.x) {
+                    const float4 v = quad(tok, u);
+                    m = max(max(m, max(__float_as_uint(v.x) & 0x7FFFFFFFu, __float_as_uint(v.y) & 0x7FFFFFFFu)),
+                            max(__float_as_uint(v.z) & 0x7FFFFFFFu, __float_as_uint(v.w) & 0x7FFFFFFFu));
+                }
+            m = __reduce_max_sync(0xffffffffu, m);
+            if (lane == 0 && m) atomicMax(&xmax[tok], m);       // (a max: the same whatever the order)
+        }
+        __syncthreads();
+#pragma unroll
+        for (int tok = 0; tok < MT; ++tok) {
+            // max < 2^E, E in [-126, 128]; 2^k as two normal factors 2^(k >> 1) 2^(k - (k >> 1)): each product
+            // stays normal, so the scalings are exact
+            const unsigned m = xmax[tok];
+            const int E = (int)(m >> 23) - 126, up = 30 - E, down = E - 34;
+            const bool finite = m < 0x7F800000u;
+            xin[tok][0] = finite ? __uint_as_float((unsigned)(127 + (up >> 1)) << 23) : 0.0f;
+            xin[tok][1] = __uint_as_float((unsigned)(127 + up - (up >> 1)) << 23);
+            if (threadIdx.x == 0) {
+                xfac[tok][0] = finite ? __uint_as_float((unsigned)(127 + (down >> 1)) << 23) : __uint_as_float(0x7FC00000u);
+                xfac[tok][1] = __uint_as_float((unsigned)(127 + down - (down >> 1)) << 23);
+            }
+        }
+    }
+
+    // x, split into its digits or bf16 terms once per block for the block's columns, staged segment by segment
+    // in fragment order.
+    // bf16: for token tok, group i of the segment and lane column c, the TW = 4 TERMS words
+    // xs[tok * xrs + (4 i + c) TW + 4 t + 2 kk + r] are the B fragment registers (term t, k-step kk, register r):
+    // the bf16 pair of group columns 16 r + 4 c + kk and + 2 (the k order of the weights' bf16 path); one
+    // 16-byte load per term. xrs pads a token's row so the 8 lanes of a 16-byte load phase hit distinct banks.
+    // I8: uint2 [i][nt][c][COLS] is lane (g, c)'s B fragment of tile nt, column g % COLS = 4 (token % 2) + digit:
+    // the digits of group columns 4 c .. 4 c + 3 and 16 + 4 c .. + 3 (the m16n8k32 .s8 B fragment).
+    // A segment is a whole number of batches.
+    const int seg = I8 ? max(UW, W4A16_XS_WORDS / GW / UW * UW)
+                       : max(UW, (W4A16_XS_WORDS / M - 16) / (4 * TW) / UW * UW);
     const int xrs = 4 * TW * seg + ((4 * TW * seg) % 32 == 0 ? 16 : 0);
-    // this lane's B columns: the uint4 offset of its (token, term) in a group's staged words (invalid columns
-    // read the last token: finite values whose sums are never written)
+    // this lane's B columns: the uint4 (bf16) or uint2 (I8) offset of its column in a group's staged words
+    // (bf16: invalid columns read the last token: finite values whose sums are never written)
     int xoff[CT];
 #pragma unroll
     for (int nt = 0; nt < CT; ++nt) {
         const int col = nt * 8 + g, tok = min(col / TC, M - 1), t = TCOL ? col % TC : 0;
-        xoff[nt] = (tok * xrs + c * TW + 4 * t) / 4;
+        xoff[nt] = I8 ? (nt * 4 + c) * COLS + g % COLS : (tok * xrs + c * TW + 4 * t) / 4;
     }
 
     float acc[2][CT][4];
@@ -193,23 +263,45 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
     auto step = [&](int4* w, uint2* s, int q) {
         if (q * UW % seg == 0) {                               // a new segment of x (block-uniform)
             s0 += seg;
-            const int s1 = min(n, s0 + seg), pairs = 16 * (s1 - s0);
+            const int units = 8 * (min(n, s0 + seg) - s0);
             __syncthreads();                                   // every warp is done with the previous segment
-            auto stage = [&](int tok, int p) {                 // pair p of token tok -> its TERMS bf16 pairs
-                float2 v = __ldg(reinterpret_cast<const float2*>(xb + (size_t)tok * x_stride + (g0 + s0) * 32 + 2 * p));
+            if constexpr (I8) {
 #pragma unroll
-                for (int t = 0; t < TERMS; ++t) {              // x -> bf16 terms, largest first
-                    const __nv_bfloat162 h = __floats2bfloat162_rn(v.x, v.y);
-                    xs[tok * xrs + (4 * (p >> 4) + (p & 3)) * TW + 4 * t + 2 * ((p >> 3) & 1) + ((p >> 2) & 1)] = bf2_bits(h);
-                    const float2 f = __bfloat1622float2(h);
-                    v.x -= f.x;                                // exact: the rounding error of a float
-                    v.y -= f.y;
-                }
-            };
-            if (MT <= 8 && M == 1) {                          // (the MoE decode path: no division per pair)
-                for (int p = threadIdx.x; p < pairs; p += blockDim.x) stage(0, p);
-            } else {                                           // all tokens' pairs spread over the whole block
-                for (int idx = threadIdx.x; idx < M * pairs; idx += blockDim.x) stage(idx / pairs, idx % pairs);
+                for (int tok = 0; tok < MT; ++tok)
+                    for (int u = threadIdx.x; u < units; u += blockDim.x) {
+                        unsigned dw[4] = {0u, 0u, 0u, 0u};     // value j's four digits, byte d = digit d
+                        if (tok < M) {
+                            const float4 v = quad(tok, 8 * s0 + u);
+                            const float vv[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                            for (int j = 0; j < 4; ++j)
+                                dw[j] = ((unsigned)__float2int_rn(vv[j] * xin[tok][0] * xin[tok][1]) + 0x80808080u) ^ 0x80808080u;
+                        }
+                        const unsigned lo01 = __byte_perm(dw[0], dw[1], 0x5140), hi01 = __byte_perm(dw[0], dw[1], 0x7362);
+                        const unsigned lo23 = __byte_perm(dw[2], dw[3], 0x5140), hi23 = __byte_perm(dw[2], dw[3], 0x7362);
+                        const unsigned dg[4] = {__byte_perm(lo01, lo23, 0x5410), __byte_perm(lo01, lo23, 0x7632),
+                                                __byte_perm(hi01, hi23, 0x5410), __byte_perm(hi01, hi23, 0x7632)};
+                        const int i = u >> 3, r = (u >> 2) & 1, cc = u & 3;
+                        const int base = ((i * CT + (COLS == 8 ? tok >> 1 : 0)) * 4 + cc) * COLS + (COLS == 8 ? 4 * (tok & 1) : 0);
+#pragma unroll
+                        for (int d = 0; d < 4; ++d) xs[2 * (base + d) + r] = dg[d];
+                    }
+            } else {
+                auto stage = [&](int tok, int u) {             // quad u of token tok -> its TERMS x 2 bf16 pairs
+                    const float4 v = quad(tok, 8 * s0 + u);
+                    float2 p0 = make_float2(v.x, v.z), p1 = make_float2(v.y, v.w);   // k-step 0, k-step 1
+                    const int i = u >> 3, r = (u >> 2) & 1, cc = u & 3;
+                    unsigned* dst = xs + tok * xrs + (4 * i + cc) * TW + r;
+#pragma unroll
+                    for (int t = 0; t < TERMS; ++t) {          // x -> bf16 terms, largest first
+                        const __nv_bfloat162 h0 = __floats2bfloat162_rn(p0.x, p0.y), h1 = __floats2bfloat162_rn(p1.x, p1.y);
+                        dst[4 * t] = bf2_bits(h0);
+                        dst[4 * t + 2] = bf2_bits(h1);
+                        const float2 f0 = __bfloat1622float2(h0), f1 = __bfloat1622float2(h1);
+                        p0.x -= f0.x, p0.y -= f0.y, p1.x -= f1.x, p1.y -= f1.y;   // exact: a float's rounding error
+                    }
+                };
+                for (int idx = threadIdx.x; idx < M * units; idx += blockDim.x) stage(idx / units, idx % units);
             }
             __syncthreads();
         }
@@ -219,15 +311,37 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
             if (j >= nw) break;
             const int i = kw + j * WS - s0;                    // the group, relative to the segment
             const unsigned wv[4] = {(unsigned)w[u].x, (unsigned)w[u].y, (unsigned)w[u].z, (unsigned)w[u].w};
+            const float sc[2][2] = {{__uint_as_float(s[u].x << 16), __uint_as_float(s[u].x & 0xFFFF0000u)},
+                                    {__uint_as_float(s[u].y << 16), __uint_as_float(s[u].y & 0xFFFF0000u)}};
+            if constexpr (I8) {
+                unsigned a[2][4];                              // [mt][fragment register]: 16 q, int8
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt) {
+                    a[mt][0] = (wv[2 * mt] << 4) & 0xF0F0F0F0u;
+                    a[mt][1] = (wv[2 * mt + 1] << 4) & 0xF0F0F0F0u;
+                    a[mt][2] = wv[2 * mt] & 0xF0F0F0F0u;
+                    a[mt][3] = wv[2 * mt + 1] & 0xF0F0F0F0u;
+                }
+                const uint2* xf = reinterpret_cast<const uint2*>(xs) + i * (GW / 2);
+#pragma unroll
+                for (int nt = 0; nt < CT; ++nt) {
+                    const uint2 v = xf[xoff[nt]];
+#pragma unroll
+                    for (int mt = 0; mt < 2; ++mt) {
+                        int d[4] = {0, 0, 0, 0};               // the group's exact sums of 16 q * digit
+                        mma_s8(d, a[mt], v);
+#pragma unroll
+                        for (int r = 0; r < 4; ++r) acc[mt][nt][r] = fmaf(sc[mt][r >> 1], (float)d[r], acc[mt][nt][r]);
+                    }
+                }
+            } else {
             unsigned a[2][2][4];                               // [mt][k-step][fragment register]
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
                 for (int kk = 0; kk < 2; ++kk)
 #pragma unroll
-                    for (int r = 0; r < 4; ++r) a[mt][kk][r] = dequant2(wv[mt * 2 + kk] >> (4 * r));
-            const float sc[2][2] = {{__uint_as_float(s[u].x << 16), __uint_as_float(s[u].x & 0xFFFF0000u)},
-                                    {__uint_as_float(s[u].y << 16), __uint_as_float(s[u].y & 0xFFFF0000u)}};
+                    for (int r = 0; r < 4; ++r) a[mt][kk][r] = dequant2(wv[2 * mt + (r & 1)] >> (4 * (2 * kk + (r >> 1))));
             const uint4* xf = reinterpret_cast<const uint4*>(xs) + i * TW;    // group i: 4 TW words = TW uint4
 #pragma unroll
             for (int nt = 0; nt < CT; ++nt) {
@@ -260,6 +374,7 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
                 for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
                     for (int r = 0; r < 4; ++r) acc[mt][nt][r] = fmaf(sc[mt][r >> 1], cg[mt][r], acc[mt][nt][r]);
+            }
             }
         }
         load(w, s, q + 2);                                     // refill: batch q + 2 flies while q + 1 computes
@@ -312,15 +427,21 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
             }
         }
     }
-    if (TCOL) {                                                // a token's terms, smallest first, in fp32
+    if (TCOL) {                                                // a token's terms (digits), smallest first, in fp32
         __syncthreads();
         for (int idx = threadIdx.x; idx < 16 * M; idx += blockDim.x) {
             const int r16 = idx % 16, tok = idx / 16;
             const float* c0 = colsum + r16 * 8 * CT + tok * TC;
             const float* c1 = colsum + (16 + r16) * 8 * CT + tok * TC;
             float v0 = 0.0f, v1 = 0.0f;
+            if (I8) {                                          // digit d weighs 256^d; then 2^(E-34): exact scalings
 #pragma unroll
-            for (int t = TC - 1; t >= 0; --t) v0 += c0[t], v1 += c1[t];
+                for (int d = 0; d < 4; ++d) v0 += c0[d] * (float)(1 << (8 * d)), v1 += c1[d] * (float)(1 << (8 * d));
+                v0 = v0 * xfac[tok][0] * xfac[tok][1], v1 = v1 * xfac[tok][0] * xfac[tok][1];
+            } else {
+#pragma unroll
+                for (int t = TC - 1; t >= 0; --t) v0 += c0[t], v1 += c1[t];
+            }
             emit(0, r16, tok, v0, v1);
         }
     }
@@ -360,29 +481,33 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
 #define W4A16_PASS x, x_stride, wq, slot_ids, S, k0, nk, e_base, x_by_slot, M, N, Nb, G, ks, out, out_stride, partials, \
                    tickets, mode
 
-// One entry per (numerics, most tokens per launch): w4a16_mma_t<TERMS>_m<MT>; template <MT, TERMS, TCOL, WS, U>.
-// FP32-faithful: terms as columns up to 8 tokens (1, 2 or 3 column tiles), the 8 warps on one row block; from
-// 9 tokens one column per token, fewer warps per row block (the staged x of more tokens holds fewer groups).
+// One entry per (numerics, most tokens per launch); template <MT, TERMS, TCOL, WS, U, I8>. FP32-faithful:
+// w4a16_mma_i8_m<MT> (int8 digits as columns, 1, 2 or 4 tokens: one or two column tiles), then
+// w4a16_mma_t3_m<MT> (bf16 terms as columns at 5..8 tokens, the 8 warps on one row block; from 9 tokens one
+// column per token, fewer warps per row block: the staged x of more tokens holds fewer groups); bf16
+// activations: w4a16_mma_t1_m<MT>.
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
-w4a16_mma_t3_m2(W4A16_ARGS) { w4a16_mma_body<2, 3, true, 8, 4>(W4A16_PASS); }
+w4a16_mma_i8_m1(W4A16_ARGS) { w4a16_mma_body<1, 3, true, 8, 4, true>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
-w4a16_mma_t3_m5(W4A16_ARGS) { w4a16_mma_body<5, 3, true, 8, 2>(W4A16_PASS); }
+w4a16_mma_i8_m2(W4A16_ARGS) { w4a16_mma_body<2, 3, true, 8, 4, true>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
-w4a16_mma_t3_m8(W4A16_ARGS) { w4a16_mma_body<8, 3, true, 8, 2>(W4A16_PASS); }
+w4a16_mma_i8_m4(W4A16_ARGS) { w4a16_mma_body<4, 3, true, 8, 4, true>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
-w4a16_mma_t3_m16(W4A16_ARGS) { w4a16_mma_body<16, 3, false, 4, 1>(W4A16_PASS); }
+w4a16_mma_t3_m8(W4A16_ARGS) { w4a16_mma_body<8, 3, true, 8, 2, false>(W4A16_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
+w4a16_mma_t3_m16(W4A16_ARGS) { w4a16_mma_body<16, 3, false, 4, 1, false>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 1)
-w4a16_mma_t3_m32(W4A16_ARGS) { w4a16_mma_body<32, 3, false, 2, 2>(W4A16_PASS); }
+w4a16_mma_t3_m32(W4A16_ARGS) { w4a16_mma_body<32, 3, false, 2, 2, false>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 1)
-w4a16_mma_t3_m64(W4A16_ARGS) { w4a16_mma_body<64, 3, false, 1, 2>(W4A16_PASS); }
+w4a16_mma_t3_m64(W4A16_ARGS) { w4a16_mma_body<64, 3, false, 1, 2, false>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
-w4a16_mma_t1_m8(W4A16_ARGS) { w4a16_mma_body<8, 1, false, 8, 4>(W4A16_PASS); }
+w4a16_mma_t1_m8(W4A16_ARGS) { w4a16_mma_body<8, 1, false, 8, 4, false>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
-w4a16_mma_t1_m16(W4A16_ARGS) { w4a16_mma_body<16, 1, false, 4, 2>(W4A16_PASS); }
+w4a16_mma_t1_m16(W4A16_ARGS) { w4a16_mma_body<16, 1, false, 4, 2, false>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 1)
-w4a16_mma_t1_m32(W4A16_ARGS) { w4a16_mma_body<32, 1, false, 2, 4>(W4A16_PASS); }
+w4a16_mma_t1_m32(W4A16_ARGS) { w4a16_mma_body<32, 1, false, 2, 4, false>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 1)
-w4a16_mma_t1_m64(W4A16_ARGS) { w4a16_mma_body<64, 1, false, 1, 4>(W4A16_PASS); }
+w4a16_mma_t1_m64(W4A16_ARGS) { w4a16_mma_body<64, 1, false, 1, 4, false>(W4A16_PASS); }
 
 // The benchmark's floor (kdtr bench w4a16): read n16 16-byte words once (grid-stride, 16-byte loads that skip
 // L1), the same bytes a W4A16 launch streams; one store per thread only if an impossible XOR shows up, so
