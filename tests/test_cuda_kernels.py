@@ -400,7 +400,7 @@ def test_moe_combine(ops, T, D, K, S):
         np.testing.assert_array_equal(b.view(np.uint32), a.view(np.uint32), err_msg=f"{case} {name}: second launch")
 
 
-def test_moe_combine_workspace_before_capture(ops):
+def test_moe_combine_workspace_before_capture():
     """The combine's workspace grows outside graph capture only (a captured graph keeps its pointers); once
     reserved, a captured combine replays to the same bits as a direct launch, replay after replay."""
     from cuda_engine.device import CudaEngineError
