@@ -71,3 +71,18 @@ def test_w4a16_wrapper_tables_match_the_kernel_entries():
     for t, m, mt, terms, ws in entries:
         rpb = next(r for top, r in W4A16_ROW_BLOCKS.items() if top >= int(m))
         assert (int(mt), int(terms), 8 // int(ws)) == (int(m), int(t), rpb), f"w4a16_mma_t{t}_m{m}"
+
+
+def test_combine_slice_matches_the_kernel():
+    """ops.py launches ceil(D / COMBINE_DSLICE) combine blocks per token and sizes the norm's partials by it;
+    a block of kernels/moe.cu covers COMBINE_DSLICE elements (one per thread): a mismatch would leave
+    elements of every row uncomputed."""
+    import re
+
+    from cuda_engine.build import KERNEL_DIR
+    from cuda_engine.ops import BLOCK, COMBINE_DSLICE, WARPS_PER_BLOCK
+
+    common = (KERNEL_DIR / "common.cuh").read_text()
+    assert re.search(r"#define WARPS_PER_BLOCK (\d+)", common)[1] == str(WARPS_PER_BLOCK)
+    assert re.search(r"#define COMBINE_DSLICE (\w+)", (KERNEL_DIR / "moe.cu").read_text())[1] == "BLOCK_THREADS"
+    assert COMBINE_DSLICE == BLOCK[0] == 32 * WARPS_PER_BLOCK
