@@ -144,6 +144,7 @@ class CudaEngine:
             self.buf[k] = DevBuf(shape, dt)
         self.buf["tickets"] = DevBuf.from_array(np.zeros(T_cap * H, i))   # attention's split merge: zero between launches
         self.buf["dense_slots"] = DevBuf.from_array(np.zeros(T_cap, i))
+        self.ops.moe_combine_reserve(T_cap, D)                        # its norm workspace, before any capture
         self.T_cap = T_cap
         self._drop_graph()
 

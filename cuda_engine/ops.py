@@ -19,6 +19,7 @@ WARPS_PER_BLOCK = 8                 # kernels/common.cuh
 BLOCK = (32 * WARPS_PER_BLOCK, 1, 1)
 ATTN_MAX_C, ATTN_MAX_R, ATTN_MAX_N, ATTN_MAX_Q, ATTN_MAX_SPLIT = 512, 128, 256, 2048, 8   # kernels/attention.cu
 ROUTER_MAX_E, ROUTER_MAX_GROUPS, MOE_MAX_SLOTS = 1024, 64, 64   # kernels/moe.cu
+COMBINE_DSLICE = 32 * WARPS_PER_BLOCK   # kernels/moe.cu: the elements of a row one combine block owns
 W4A16_CHUNK_WORDS, W4A16_NUMERICS = 144, ("fp32", "bf16")   # kernels/w4a16_mma.cu
 # kernels/w4a16_mma.cu's entries per numerics, (most tokens per launch, entry name), and the row blocks (of 32
 # rows) one block covers at that many tokens (8 warps split a row block's k range up to 8 tokens, fewer above)
@@ -42,7 +43,7 @@ SIGNATURES = {
     "expert_down_kernel": "PPPPiiiiii",
     "w4a16_gate_up_kernel": "PPPPPPPiiiiiii",
     "w4a16_down_kernel": "PPPPPiiiiiii",
-    "moe_combine_kernel": "PPPPiiiPPPPf",
+    "moe_combine_kernel": "PPPPiiiPPPPfPP",
     "stream_read_kernel": "PqP",
     **{name: "PiPP" + "i" * 10 + "PiPPi" for entries in W4A16_ENTRIES.values() for _, name in entries},
     "argmax_kernel": "PiP",
@@ -110,6 +111,8 @@ class Ops:
         self.debug_sync = os.environ.get("KDTR_CUDA_SYNC") == "1"
         self._w4_part = self._w4_tick = None          # split-K workspace of w4a16_mma (grown, never freed:
         self._w4_retired = []                         # a captured graph may still point at an old one)
+        self._comb_part = self._comb_tick = None      # the combine's norm workspace (the same rule)
+        self._comb_retired = []
 
     def _launch(self, name: str, grid, *args, block=BLOCK) -> None:
         grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
@@ -339,13 +342,30 @@ class Ops:
         _need(nbytes % 16 == 0 and src_ptr % 16 == 0, "stream_read", f"{nbytes} bytes at {src_ptr:#x}: need 16-byte units")
         self._launch("stream_read_kernel", (8 * self.sm_count,), src_ptr, nbytes // 16, sink.ptr)
 
+    def moe_combine_reserve(self, T: int, D: int) -> None:
+        """Make the combine's workspace hold T tokens of a D-wide row: partials [T, blocks per row], tickets
+        [T] (zeroed). Called before graph capture (the engine reserves its T_cap); grown here otherwise."""
+        partials, tickets = T * -(-D // COMBINE_DSLICE), T
+        if self._comb_part is None or self._comb_part.shape[0] < partials or self._comb_tick.shape[0] < tickets:
+            if self.capturing:
+                raise CudaEngineError("moe_combine: the workspace must be reserved before graph capture "
+                                      f"({partials} floats, {tickets} tickets; Ops.moe_combine_reserve(T={T}, D={D}))")
+            self._comb_retired += [b for b in (self._comb_part, self._comb_tick) if b is not None]
+            old_p = 0 if self._comb_part is None else self._comb_part.shape[0]
+            old_t = 0 if self._comb_tick is None else self._comb_tick.shape[0]
+            self._comb_part = DevBuf((max(partials, old_p, 1),), np.float32)
+            self._comb_tick = DevBuf.from_array(np.zeros(max(tickets, old_t, 1), np.int32))
+
     def moe_combine(self, y, slot_ids, slot_w, out, T: int, K: int, S: int, h, h_out, w_norm: DevBuf, y_norm,
                     eps: float) -> None:
-        """out = weighted sum of the slots; then h_out = h + out and y_norm = rms_norm(h_out, w_norm)."""
+        """out = weighted sum of the slots; then h_out = h + out and y_norm = rms_norm(h_out, w_norm).
+        A row's slices run on ceil(D / COMBINE_DSLICE) blocks; the last to finish writes y_norm (kernels/moe.cu)."""
         D = w_norm.shape[0]
         _need(0 <= K <= S <= MOE_MAX_SLOTS, "moe_combine", f"K={K}, S={S} (max {MOE_MAX_SLOTS})")
-        self._launch("moe_combine_kernel", (T,), _ptr(y), _ptr(slot_ids), _ptr(slot_w), _ptr(out), K, S, D,
-                     _ptr(h), _ptr(h_out), w_norm.ptr, _ptr(y_norm), eps)
+        self.moe_combine_reserve(T, D)
+        self._launch("moe_combine_kernel", (-(-D // COMBINE_DSLICE), T), _ptr(y), _ptr(slot_ids), _ptr(slot_w),
+                     _ptr(out), K, S, D, _ptr(h), _ptr(h_out), w_norm.ptr, _ptr(y_norm), eps,
+                     self._comb_part.ptr, self._comb_tick.ptr)
 
     # ------------------------------------------------------------ sampling
     def argmax(self, logits, V: int, out, T: int) -> None:

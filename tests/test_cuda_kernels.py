@@ -352,6 +352,89 @@ def test_w4a16_experts_against_dequantized(ops, E, I, D, K, T, g):
                      w.astype(np.float64), K), moe_oracle(x, f32(Wg), f32(Wu), f32(Wd), ids, w, K))
 
 
+def combine_oracle(y, ids, w, K, h):
+    """The combine in float32 NumPy, term by term in the kernel's order (routed slots by ascending expert id,
+    ties in slot order, weighted; then the unweighted slots in slot order): out and h_out bit for bit."""
+    T, S = ids.shape
+    y = y.reshape(T, S, -1)                                        # [T S, D] -> [T, S, D]
+    out = np.zeros((T, y.shape[2]), np.float32)
+    for t in range(T):
+        for k in sorted(range(K), key=lambda k: ids[t, k]) + list(range(K, S)):
+            out[t] = out[t] + (w[t, k] * y[t, k] if k < K else y[t, k])
+    return out, h + out
+
+
+def combine_launch(ops, y, ids, w, h, w_norm, K):
+    """One moe_combine into fresh NaN-filled outputs: (out, h_out, y_norm) on the host."""
+    T, S = ids.shape
+    bufs = [dev(np.full(h.shape, np.nan, np.float32)) for _ in range(3)]
+    run(ops, ops.moe_combine, y, ids, w, bufs[0], T, K, S, h, bufs[1], w_norm, bufs[2], 1e-5)
+    return [b.get() for b in bufs]
+
+
+# D: one element, a tiny model's 8, one block + 1 (two blocks, the second of one element), K2.6's 7168 (28
+# blocks), 7169 (a 29th block of one element). (K, S): a dense MLP (0, 1); K2.6 top-8 + shared; routed only;
+# shared slots only; 17 slots (past the 16 loads a thread issues at once); the 64-slot limit with and without
+# a shared slot.
+@pytest.mark.parametrize("K,S", [(0, 1), (8, 9), (9, 9), (0, 3), (16, 17), (63, 64), (64, 64)])
+@pytest.mark.parametrize("D", [1, 8, 257, 7168, 7169])
+@pytest.mark.parametrize("T", [1, 3, 17])
+def test_moe_combine(ops, T, D, K, S):
+    """out and h_out bit for bit against float32 NumPy in the kernel's order; y_norm against float64; a
+    second launch gives the same bits (the last block of each token left its ticket at zero)."""
+    rng = np.random.default_rng(T * 100003 + D * 101 + S * 7 + K)
+    y, h, w_norm = rand(rng, T * S, D), rand(rng, T, D), rand(rng, D) + 1
+    ids = np.concatenate([rng.integers(0, 2 * K + 1, (T, K)),     # repeats: ties go in slot order
+                          np.tile(np.arange(S - K) + 2 * K + 1, (T, 1))], axis=1).astype(np.int32)
+    w = rng.random((T, S)).astype(np.float32)                      # unweighted slots ignore theirs
+    d_in = [dev(y), dev(ids), dev(w), dev(h), dev(w_norm)]
+    got = combine_launch(ops, d_in[0], d_in[1], d_in[2], d_in[3], d_in[4], K)
+    again = combine_launch(ops, d_in[0], d_in[1], d_in[2], d_in[3], d_in[4], K)
+    out, h_out = combine_oracle(y, ids, w, K, h)
+    case = f"moe_combine T={T} D={D} K={K} S={S}"
+    for name, g, ref in (("out", got[0], out), ("h_out", got[1], h_out)):
+        np.testing.assert_array_equal(g.view(np.uint32), ref.view(np.uint32), err_msg=f"{case} {name} (bits)")
+    check(case + " y_norm", got[2], rms_norm(h_out.astype(np.float64), w_norm.astype(np.float64), 1e-5),
+          rms_norm(h_out, w_norm, np.float32(1e-5)))
+    for name, a, b in zip(("out", "h_out", "y_norm"), got, again):
+        np.testing.assert_array_equal(b.view(np.uint32), a.view(np.uint32), err_msg=f"{case} {name}: second launch")
+
+
+def test_moe_combine_workspace_before_capture():
+    """The combine's workspace grows outside graph capture only (a captured graph keeps its pointers); once
+    reserved, a captured combine replays to the same bits as a direct launch, replay after replay."""
+    from cuda_engine.device import CudaEngineError
+    from cuda_engine.graph import capture
+
+    fresh = gpu_ops()                                              # its workspace not yet grown
+    T, D, K, S = 5, 7168, 8, 9
+    rng = np.random.default_rng(5)
+    ids = np.stack([np.concatenate([rng.permutation(384)[:K], [384]]) for _ in range(T)]).astype(np.int32)
+    h = rand(rng, T, D)
+    args = [dev(rand(rng, T * S, D)), dev(ids), dev(rng.random((T, S)).astype(np.float32)), dev(h)]
+    w_norm = dev(rand(rng, D) + 1)
+    outs = [dev(np.zeros((T, D), np.float32)) for _ in range(3)]
+
+    def record():
+        fresh.moe_combine(*args[:3], outs[0], T, K, S, args[3], outs[1], w_norm, outs[2], 1e-5)
+
+    with pytest.raises(CudaEngineError, match=r"moe_combine: the workspace must be reserved before graph capture "
+                                              r"\(140 floats, 5 tickets; Ops.moe_combine_reserve\(T=5, D=7168\)\)"):
+        capture(fresh, record)
+    fresh.moe_combine_reserve(T, D)
+    graph = capture(fresh, record)
+    direct = combine_launch(fresh, args[0], args[1], args[2], args[3], w_norm, K)
+    for replay in range(3):
+        for b in outs:
+            b.set(np.full((T, D), np.nan, np.float32))
+        graph.launch(fresh.stream)
+        fresh.stream.synchronize()
+        for name, b, ref in zip(("out", "h_out", "y_norm"), outs, direct):
+            np.testing.assert_array_equal(b.get().view(np.uint32), ref.view(np.uint32),
+                                          err_msg=f"replay {replay} {name}")
+    graph.destroy()
+
+
 # ---------------------------------------------------------------- sampling
 
 @pytest.mark.parametrize("V,T", [(1, 1), (400, 3), (257, 2), (163840, 2)])   # K2.6 vocab

@@ -95,3 +95,16 @@ def test_w4a16_splits_fill_the_waves():
     assert w4a16_splits(1, 3, 264) == 1
     assert w4a16_splits(1, 64, 264) == 64                                 # one block of rows: one group per split
     assert w4a16_splits(10, 1, 264) == 1
+def test_combine_slice_matches_the_kernel():
+    """ops.py launches ceil(D / COMBINE_DSLICE) combine blocks per token and sizes the norm's partials by it;
+    a block of kernels/moe.cu covers COMBINE_DSLICE elements (one per thread): a mismatch would leave
+    elements of every row uncomputed."""
+    import re
+
+    from cuda_engine.build import KERNEL_DIR
+    from cuda_engine.ops import BLOCK, COMBINE_DSLICE, WARPS_PER_BLOCK
+
+    common = (KERNEL_DIR / "common.cuh").read_text()
+    assert re.search(r"#define WARPS_PER_BLOCK (\d+)", common)[1] == str(WARPS_PER_BLOCK)
+    assert re.search(r"#define COMBINE_DSLICE (\w+)", (KERNEL_DIR / "moe.cu").read_text())[1] == "BLOCK_THREADS"
+    assert COMBINE_DSLICE == BLOCK[0] == 32 * WARPS_PER_BLOCK

@@ -34,8 +34,14 @@
 //                          unweighted slots (shared expert) in slot order: the oracle's summation order.
 //                          Fused with the block's end (one launch fewer per layer): h_out = h + out and
 //                          y_norm = rms_norm(h_out, w_norm) (the next layer's input norm or the final norm).
-//                          Launch grid (T), block BLOCK_THREADS; each thread has COMBINE_D x COMBINE_J loads
-//                          of y in flight at a time (the sums keep the order above).
+//                          Launch grid (ceil(D / COMBINE_DSLICE), T), block BLOCK_THREADS: a block owns a slice
+//                          of COMBINE_DSLICE elements of the row, one per thread, each thread with its slots'
+//                          loads of y in flight together (COMBINE_J at a time; the sums keep the order above,
+//                          so out and h_out do not depend on the launch shape). The norm needs the whole row:
+//                          each block writes its slice's sum of squares to partials [T, gridDim.x]; the last
+//                          block of a token to finish (a ticket per token, tickets [T]: zero before the launch,
+//                          left zero by that block) adds them in block order and writes y_norm for the row.
+//                          Deterministic: no float atomics.
 // Limits: E <= ROUTER_MAX_E, n_group <= ROUTER_MAX_GROUPS, S <= MOE_MAX_SLOTS (shared-memory arrays).
 #include "common.cuh"
 
@@ -166,66 +172,106 @@ expert_down_kernel(const float* __restrict__ act, const float* __restrict__ Wd, 
     if (lane == 0) y[(size_t)ts * D + d] = acc;
 }
 
-// The combine's loads: COMBINE_D outputs per thread per trip times COMBINE_J slots, all issued before the sums
-// that need them (one block reads a token's S rows of y: without this each slot row cost one L2 round trip).
-#define COMBINE_D 4
-#define COMBINE_J 4
+// The combine, spread over the row: block (bx, t) owns d = bx * COMBINE_DSLICE + threadIdx.x, one element per
+// thread, so K2.6's D = 7168 runs on 28 blocks per token rather than one (one block walked 7168 x 9 values in
+// ~21 dependent L2 round trips: 18% of a one-token MoE layer). Each thread issues its slots' loads of y
+// COMBINE_J at a time (K2.6's S = 9: all at once) before the sums that need them; the blocks of a token are
+// independent until the norm (below), so the row's loads are in flight on 28 SMs at once.
+#define COMBINE_DSLICE BLOCK_THREADS
+#define COMBINE_J 16
+// The last block's y_norm pass: COMBINE_NORM_U elements of h_out and w_norm per thread in flight per trip
+// (D = 7168: 28 per thread, two trips).
+#define COMBINE_NORM_U 16
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
 moe_combine_kernel(const float* __restrict__ y, const int* __restrict__ slot_ids, const float* __restrict__ slot_w,
                    float* __restrict__ out, int K, int S, int D, const float* __restrict__ h,
-                   float* __restrict__ h_out, const float* __restrict__ w_norm, float* __restrict__ y_norm, float eps) {
+                   float* __restrict__ h_out, const float* __restrict__ w_norm, float* __restrict__ y_norm, float eps,
+                   float* __restrict__ partials, int* __restrict__ tickets) {
+    __shared__ int ids[MOE_MAX_SLOTS];
+    __shared__ float ws[MOE_MAX_SLOTS];
     __shared__ int order[MOE_MAX_SLOTS];                      // summation order: slot of the j-th term
     __shared__ float w_ord[MOE_MAX_SLOTS];
     __shared__ float buf[BLOCK_THREADS];
-    const int t = blockIdx.x;
-    const int* ids = slot_ids + (size_t)t * S;
-    for (int k = threadIdx.x; k < S; k += blockDim.x) {       // routed slots by ascending expert id:
-        if (k >= K) {                                         // then the unweighted (shared) slots in slot order
-            order[k] = k;
-            continue;
-        }
-        int rank = 0;                                         // a slot's rank = how many ids sort before it
-        for (int j = 0; j < K; ++j) rank += ids[j] < ids[k] || (ids[j] == ids[k] && j < k);
-        order[rank] = k;
-        w_ord[rank] = slot_w[(size_t)t * S + k];
+    __shared__ bool is_last;
+    __shared__ float inv_s;
+    const int t = blockIdx.y, nblk = gridDim.x, k = threadIdx.x;
+    const int d = blockIdx.x * COMBINE_DSLICE + threadIdx.x;
+    const size_t row = (size_t)t * D;
+    const float hv = d < D ? h[row + d] : 0.0f;               // in flight with the slots' ids and weights
+    if (k < S) {
+        ids[k] = slot_ids[(size_t)t * S + k];
+        ws[k] = slot_w[(size_t)t * S + k];
     }
     __syncthreads();
-    const size_t row = (size_t)t * D;
-    const float* yt = y + row * S;
-    float ss = 0.0f;
-    for (int d0 = threadIdx.x; d0 < D; d0 += COMBINE_D * blockDim.x) {
-        float acc[COMBINE_D];
-#pragma unroll
-        for (int u = 0; u < COMBINE_D; ++u) acc[u] = 0.0f;
+    if (k < S) {                                              // routed slots by ascending expert id (ties: slot
+        if (k >= K) {                                         // order), then the unweighted (shared) slots in
+            order[k] = k;                                     // slot order
+        } else {
+            int rank = 0;                                     // a slot's rank = how many ids sort before it
+            for (int j = 0; j < K; ++j) rank += ids[j] < ids[k] || (ids[j] == ids[k] && j < k);
+            order[rank] = k;
+            w_ord[rank] = ws[k];
+        }
+    }
+    __syncthreads();
+    float vv = 0.0f;
+    if (d < D) {
+        const float* yt = y + row * S + d;                    // y [T * S, D]: token t's slot k is row t S + k
+        float acc = 0.0f;
         for (int j0 = 0; j0 < S; j0 += COMBINE_J) {
-            float v[COMBINE_J][COMBINE_D];
+            float v[COMBINE_J];
 #pragma unroll
-            for (int jj = 0; jj < COMBINE_J; ++jj)
-#pragma unroll
-                for (int u = 0; u < COMBINE_D; ++u) {
-                    const int j = j0 + jj, d = d0 + u * blockDim.x;
-                    v[jj][u] = j < S && d < D ? __ldg(yt + (size_t)order[j] * D + d) : 0.0f;
-                }
+            for (int jj = 0; jj < COMBINE_J; ++jj)             // past S: slot S - 1 again (an L1 hit, unused):
+                v[jj] = __ldg(yt + (size_t)order[min(j0 + jj, S - 1)] * D);   // with a predicate per load, ptxas
+                // (sm_90 SASS) put sums between the loads: two or three L2 trips, or one per slot with a break
 #pragma unroll
             for (int jj = 0; jj < COMBINE_J; ++jj) {           // the same sums, in the same order, as one at a time
                 const int j = j0 + jj;
-                if (j >= S) break;
-#pragma unroll
-                for (int u = 0; u < COMBINE_D; ++u)
-                    acc[u] = __fadd_rn(acc[u], j < K ? __fmul_rn(w_ord[j], v[jj][u]) : v[jj][u]);
+                const float term = j < K ? __fmul_rn(w_ord[j], v[jj]) : v[jj];
+                if (j < S) acc = __fadd_rn(acc, term);
             }
         }
+        out[row + d] = acc;
+        vv = hv + acc;                                        // the residual add and the next RMSNorm,
+        h_out[row + d] = vv;                                  // as add_rms_norm_kernel (norm.cu)
+    }
+    // The norm needs the whole row's sum of squares: each block leaves its slice's (a fixed tree) in
+    // partials [T, nblk]; the last block of token t to finish (elected by a ticket; the ticket orders no
+    // arithmetic) adds them in block order and writes y_norm for the whole row: the same bits every run.
+    const float part = block_sum(vv * vv, buf);
+    if (threadIdx.x == 0) partials[(size_t)t * nblk + blockIdx.x] = part;
+    __threadfence();                                          // h_out and the partial, visible before the ticket
+    __syncthreads();
+    if (threadIdx.x == 0) is_last = atomicAdd(&tickets[t], 1) == nblk - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    float total = 0.0f;                                       // thread 0's, in block order
+    for (int b0 = 0; b0 < nblk; b0 += BLOCK_THREADS) {        // the partials staged a block's width at a time
+        if (b0 + threadIdx.x < nblk) buf[threadIdx.x] = partials[(size_t)t * nblk + b0 + threadIdx.x];
+        __syncthreads();
+        if (threadIdx.x == 0)
+            for (int b = 0; b < BLOCK_THREADS && b0 + b < nblk; ++b) total += buf[b];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        inv_s = 1.0f / sqrtf(total / (float)D + eps);
+        tickets[t] = 0;                                       // ready for the next launch (graph replays)
+    }
+    __syncthreads();
+    const float inv = inv_s;
+    for (int d0 = threadIdx.x; d0 < D; d0 += COMBINE_NORM_U * BLOCK_THREADS) {
+        float hn[COMBINE_NORM_U], wn[COMBINE_NORM_U];
 #pragma unroll
-        for (int u = 0; u < COMBINE_D; ++u) {
-            const int d = d0 + u * blockDim.x;
-            if (d >= D) break;
-            out[row + d] = acc[u];
-            const float vv = h[row + d] + acc[u];             // the residual add and the next RMSNorm,
-            h_out[row + d] = vv;                              // as add_rms_norm_kernel (norm.cu)
-            ss += vv * vv;
+        for (int u = 0; u < COMBINE_NORM_U; ++u) {            // past D: element D - 1 again (unused), so the
+            const int dd = min(d0 + u * BLOCK_THREADS, D - 1);  // loads carry no predicate between them
+            hn[u] = h_out[row + dd];
+            wn[u] = w_norm[dd];
+        }
+#pragma unroll
+        for (int u = 0; u < COMBINE_NORM_U; ++u) {
+            const int dd = d0 + u * BLOCK_THREADS;
+            if (dd < D) y_norm[row + dd] = wn[u] * (hn[u] * inv);
         }
     }
-    const float inv = 1.0f / sqrtf(block_sum(ss, buf) / (float)D + eps);
-#pragma unroll 4
-    for (int d = threadIdx.x; d < D; d += blockDim.x) y_norm[row + d] = w_norm[d] * (h_out[row + d] * inv);
 }
