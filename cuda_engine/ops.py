@@ -20,7 +20,8 @@ BLOCK = (32 * WARPS_PER_BLOCK, 1, 1)
 ATTN_MAX_C, ATTN_MAX_R, ATTN_MAX_N, ATTN_MAX_Q, ATTN_MAX_SPLIT = 512, 128, 256, 2048, 8   # kernels/attention.cu
 ROUTER_MAX_E, ROUTER_MAX_GROUPS, MOE_MAX_SLOTS = 1024, 64, 64   # kernels/moe.cu
 COMBINE_DSLICE = 32 * WARPS_PER_BLOCK   # kernels/moe.cu: the elements of a row one combine block owns
-W4A16_CHUNK_WORDS, W4A16_NUMERICS = 144, ("fp32", "bf16")   # kernels/w4a16_mma.cu
+W4A16_CHUNK_WORDS = 144             # kernels/w4a16_mma.cu
+W4A16_MAX_SPLITS = 64               # k splits per launch at most (the workspace and the partials' sum stay small)
 # kernels/w4a16_mma.cu's entries per numerics, (most tokens per launch, entry name), and the row blocks (of 32
 # rows) one block covers at that many tokens (8 warps split a row block's k range up to 8 tokens, fewer above)
 W4A16_ENTRIES = {
@@ -51,16 +52,20 @@ SIGNATURES = {
 }
 
 
+# the splits' cost model, fitted to kdtr bench w4a16 on the H200 (docs/cuda-engine.md): a block's fixed work
+# (staging x, its reductions) and a split's (its partials and their sum), in groups of weights streamed
+W4A16_BLOCK_COST, W4A16_SPLIT_COST = 48, 16
+
+
 def w4a16_splits(blocks: int, G: int, resident: int) -> int:
     """K splits of a w4a16_mma launch with `blocks` blocks per split over G groups, `resident` blocks fitting
-    on the GPU at once: the fewest splits whose waves of blocks end nearest to full, judged by the groups the
-    busiest block streams (waves x groups per split) plus a split's fixed cost (its partials, ticket and
-    final sum, counted as 4 groups). At batch 1 on one weight this fills one wave; on the MoE path's many
-    blocks it keeps the last wave from running nearly empty."""
-    def cost(k: int) -> float:
-        waves = -(-blocks * k // resident)
-        return waves * -(-G // k) + (4 * waves if k > 1 else 0)
-    return min(range(1, min(G, max(1, 2 * resident // max(blocks, 1)) + 8) + 1), key=lambda k: (cost(k), k))
+    on the GPU at once: the fewest splits that minimise waves x (groups per split + a block's fixed work) + the
+    splits' own cost. One K2.6 weight at batch 1 gets 4 splits (one wave); the MoE path's many blocks stay
+    unsplit (splitting repeats each block's fixed work)."""
+    def cost(k: int) -> int:
+        return -(-blocks * k // resident) * (-(-G // k) + W4A16_BLOCK_COST) + W4A16_SPLIT_COST * k
+    top = min(G, W4A16_MAX_SPLITS, max(1, 2 * resident // max(blocks, 1)) + 8)
+    return min(range(1, top + 1), key=lambda k: (cost(k), k))
 
 
 def _ptr(x) -> int:
@@ -100,9 +105,14 @@ class Ops:
                                   f"sm_120 code only") from None
         self.fatbin = path
         self.fn = {}
+        carveout = getattr(drv.function_attribute, "PREFERRED_SHARED_MEMORY_CARVEOUT", None)
         for name, sig in SIGNATURES.items():
             f = self.module.get_function(name)
             f.prepare(sig)
+            if carveout is not None and name.startswith("w4a16_mma_"):
+                # all of L1 as shared memory: the driver's default carveout held the 45 KB blocks of w4a16_mma
+                # to 2 per SM whatever their registers allowed
+                f.set_attribute(carveout, 100)
             self.fn[name] = f
         self.stream = drv.Stream()
         self.sm_count = driver_device().get_attribute(drv.device_attribute.MULTIPROCESSOR_COUNT)
@@ -266,7 +276,7 @@ class Ops:
         if ks is None:
             # (the FP32-faithful entry's residency for both numerics: the same splits, the same summing order)
             ks = w4a16_splits(gx * Z, G, self._w4_resident(self.w4a16_kernel(M)[0]))
-        return gx, max(1, min(int(ks), G))
+        return gx, max(1, min(int(ks), G, W4A16_MAX_SPLITS))
 
     def _w4_resident(self, name: str) -> int:
         """Blocks of kernel `name` resident on the whole GPU at once (shared memory and registers per SM)."""
@@ -332,7 +342,8 @@ class Ops:
         for m0 in range(0, M, 64):
             m = min(64, M - m0)
             gx, k = self.w4a16_plan(Nb, G, Z, ks, m, numerics)
-            self._launch(self.w4a16_kernel(m, numerics)[0], (gx, k, Z), _ptr(x) + 4 * m0 * x_stride,
+            name = self.w4a16_kernel(m, numerics)[0]
+            self._launch(name, (gx, k, Z), _ptr(x) + 4 * m0 * x_stride,
                          x_stride, packed.ptr, 0 if slot_ids is None else _ptr(slot_ids), S, k0, nk, e_base,
                          int(x_by_slot), m, N, Nb, G, k, _ptr(out) + 4 * m0 * out_stride, out_stride,
                          self._w4_part.ptr, self._w4_tick.ptr, mode)

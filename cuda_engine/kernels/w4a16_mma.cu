@@ -87,15 +87,16 @@ __device__ __forceinline__ unsigned dequant2(unsigned w) {
     return bf2_bits(__hsub2(h, __floats2bfloat162_rn(136.0f, 136.0f)));  // exact: small integers
 }
 
-// sum over y = 0 .. ks-1 of p[y * stride], in split order, eight loads in flight (L2: other blocks wrote them)
+// sum over y = 0 .. ks-1 of p[y * stride], in split order: eight loads in flight (L2: other blocks wrote them),
+// each eight summed as a tree, the eights' sums added in order (adding a zero past ks is exact). Where one
+// partial dominates the sum this rounds at log2(8) + ks / 8 steps, not ks.
 __device__ __forceinline__ float split_sum(const float* p, size_t stride, int ks) {
     float sum = 0.0f;
     for (int y0 = 0; y0 < ks; y0 += 8) {
         float v[8];
 #pragma unroll
         for (int j = 0; j < 8; ++j) v[j] = y0 + j < ks ? __ldcg(p + (y0 + j) * stride) : 0.0f;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) sum += v[j];
+        sum += ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
     }
     return sum;
 }
@@ -182,7 +183,7 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
         for (int u = 0; u < U; ++u) {
             const int j = q * U + u;
             if (j < nw) {
-                const int* p = src + (size_t)j * WS * W4A16_CHUNK_WORDS;
+                const int* p = src + j * (WS * W4A16_CHUNK_WORDS);   // (32-bit: G 144 < 2^31)
                 w[u] = ld_stream_v4(p + lane * 4);
                 s[u] = ld_stream_v2(p + 128 + g * 2);
             }
@@ -197,6 +198,10 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
         const float2 lo = __ldg(reinterpret_cast<const float2*>(p)), hi = __ldg(reinterpret_cast<const float2*>(p + 2));
         return make_float4(lo.x, lo.y, hi.x, hi.y);
     };
+    // x is read in rounds: each thread issues the loads of up to XR quads (units u, u + blockDim.x, ...) before
+    // using any, so a block's staging costs one L2 round trip per round, not one per quad
+    constexpr int XR = 4;
+    const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     float xin[MT][2];                                           // I8: 2^(30-E) per token, in two factors
     if constexpr (I8) {                                         // each token's largest |x| over the whole split
         if (threadIdx.x < MT) xmax[threadIdx.x] = 0u;
@@ -205,10 +210,14 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
         for (int tok = 0; tok < MT; ++tok) {
             unsigned m = 0u;
             if (tok < M)
-                for (int u = threadIdx.x; u < 8 * n; u += blockDim.x) {
-                    const float4 v = quad(tok, u);
-                    m = max(max(m, max(__float_as_uint(v.x) & 0x7FFFFFFFu, __float_as_uint(v.y) & 0x7FFFFFFFu)),
-                            max(__float_as_uint(v.z) & 0x7FFFFFFFu, __float_as_uint(v.w) & 0x7FFFFFFFu));
+                for (int u0 = threadIdx.x; u0 < 8 * n; u0 += XR * (int)blockDim.x) {
+                    float4 v[XR];
+#pragma unroll
+                    for (int k = 0; k < XR; ++k) v[k] = u0 + k * (int)blockDim.x < 8 * n ? quad(tok, u0 + k * blockDim.x) : zero4;
+#pragma unroll
+                    for (int k = 0; k < XR; ++k)
+                        m = max(max(m, max(__float_as_uint(v[k].x) & 0x7FFFFFFFu, __float_as_uint(v[k].y) & 0x7FFFFFFFu)),
+                                max(__float_as_uint(v[k].z) & 0x7FFFFFFFu, __float_as_uint(v[k].w) & 0x7FFFFFFFu));
                 }
             m = __reduce_max_sync(0xffffffffu, m);
             if (lane == 0 && m) atomicMax(&xmax[tok], m);       // (a max: the same whatever the order)
@@ -239,8 +248,7 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
     // I8: uint2 [i][nt][c][COLS] is lane (g, c)'s B fragment of tile nt, column g % COLS = 4 (token % 2) + digit:
     // the digits of group columns 4 c .. 4 c + 3 and 16 + 4 c .. + 3 (the m16n8k32 .s8 B fragment).
     // A segment is a whole number of batches.
-    const int seg = I8 ? max(UW, W4A16_XS_WORDS / GW / UW * UW)
-                       : max(UW, (W4A16_XS_WORDS / M - 16) / (4 * TW) / UW * UW);
+    const int seg = I8 ? max(UW, W4A16_XS_WORDS / GW / UW * UW) : max(UW, (W4A16_XS_WORDS / M - 16) / (4 * TW) / UW * UW);
     const int xrs = 4 * TW * seg + ((4 * TW * seg) % 32 == 0 ? 16 : 0);
     // this lane's B columns: the uint4 (bf16) or uint2 (I8) offset of its column in a group's staged words
     // (bf16: invalid columns read the last token: finite values whose sums are never written)
@@ -259,36 +267,43 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
 #pragma unroll
             for (int q = 0; q < 4; ++q) acc[mt][nt][q] = 0.0f;
 
-    int s0 = -seg;
+    int s0 = -seg, qseg = 0;                                    // the next segment starts at batch qseg
     auto step = [&](int4* w, uint2* s, int q) {
-        if (q * UW % seg == 0) {                               // a new segment of x (block-uniform)
+        if (q == qseg) {                                       // a new segment of x (block-uniform)
             s0 += seg;
+            qseg += seg / UW;
             const int units = 8 * (min(n, s0 + seg) - s0);
             __syncthreads();                                   // every warp is done with the previous segment
             if constexpr (I8) {
 #pragma unroll
                 for (int tok = 0; tok < MT; ++tok)
-                    for (int u = threadIdx.x; u < units; u += blockDim.x) {
-                        unsigned dw[4] = {0u, 0u, 0u, 0u};     // value j's four digits, byte d = digit d
-                        if (tok < M) {
-                            const float4 v = quad(tok, 8 * s0 + u);
-                            const float vv[4] = {v.x, v.y, v.z, v.w};
+                    for (int u0 = threadIdx.x; u0 < units; u0 += XR * (int)blockDim.x) {
+                        float4 xv[XR];
 #pragma unroll
-                            for (int j = 0; j < 4; ++j)
-                                dw[j] = ((unsigned)__float2int_rn(vv[j] * xin[tok][0] * xin[tok][1]) + 0x80808080u) ^ 0x80808080u;
+                        for (int k = 0; k < XR; ++k)
+                            xv[k] = tok < M && u0 + k * (int)blockDim.x < units ? quad(tok, 8 * s0 + u0 + k * blockDim.x) : zero4;
+#pragma unroll
+                        for (int k = 0; k < XR; ++k) {
+                          const int u = u0 + k * (int)blockDim.x;
+                          if (u >= units) break;
+                          unsigned dw[4];                        // value j's four digits, byte d = digit d
+                          const float vv[4] = {xv[k].x, xv[k].y, xv[k].z, xv[k].w};
+#pragma unroll
+                          for (int j = 0; j < 4; ++j)
+                              dw[j] = ((unsigned)__float2int_rn(vv[j] * xin[tok][0] * xin[tok][1]) + 0x80808080u) ^ 0x80808080u;
+                          const unsigned lo01 = __byte_perm(dw[0], dw[1], 0x5140), hi01 = __byte_perm(dw[0], dw[1], 0x7362);
+                          const unsigned lo23 = __byte_perm(dw[2], dw[3], 0x5140), hi23 = __byte_perm(dw[2], dw[3], 0x7362);
+                          const unsigned dg[4] = {__byte_perm(lo01, lo23, 0x5410), __byte_perm(lo01, lo23, 0x7632),
+                                                  __byte_perm(hi01, hi23, 0x5410), __byte_perm(hi01, hi23, 0x7632)};
+                          const int i = u >> 3, r = (u >> 2) & 1, cc = u & 3;
+                          const int base = ((i * CT + (COLS == 8 ? tok >> 1 : 0)) * 4 + cc) * COLS + (COLS == 8 ? 4 * (tok & 1) : 0);
+#pragma unroll
+                          for (int d = 0; d < 4; ++d) xs[2 * (base + d) + r] = dg[d];
                         }
-                        const unsigned lo01 = __byte_perm(dw[0], dw[1], 0x5140), hi01 = __byte_perm(dw[0], dw[1], 0x7362);
-                        const unsigned lo23 = __byte_perm(dw[2], dw[3], 0x5140), hi23 = __byte_perm(dw[2], dw[3], 0x7362);
-                        const unsigned dg[4] = {__byte_perm(lo01, lo23, 0x5410), __byte_perm(lo01, lo23, 0x7632),
-                                                __byte_perm(hi01, hi23, 0x5410), __byte_perm(hi01, hi23, 0x7632)};
-                        const int i = u >> 3, r = (u >> 2) & 1, cc = u & 3;
-                        const int base = ((i * CT + (COLS == 8 ? tok >> 1 : 0)) * 4 + cc) * COLS + (COLS == 8 ? 4 * (tok & 1) : 0);
-#pragma unroll
-                        for (int d = 0; d < 4; ++d) xs[2 * (base + d) + r] = dg[d];
                     }
             } else {
-                auto stage = [&](int tok, int u) {             // quad u of token tok -> its TERMS x 2 bf16 pairs
-                    const float4 v = quad(tok, 8 * s0 + u);
+                auto stage = [&](int idx, float4 v) {          // quad u of token tok -> its TERMS x 2 bf16 pairs
+                    const int tok = idx / units, u = idx % units;
                     float2 p0 = make_float2(v.x, v.z), p1 = make_float2(v.y, v.w);   // k-step 0, k-step 1
                     const int i = u >> 3, r = (u >> 2) & 1, cc = u & 3;
                     unsigned* dst = xs + tok * xrs + (4 * i + cc) * TW + r;
@@ -301,7 +316,17 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
                         p0.x -= f0.x, p0.y -= f0.y, p1.x -= f1.x, p1.y -= f1.y;   // exact: a float's rounding error
                     }
                 };
-                for (int idx = threadIdx.x; idx < M * units; idx += blockDim.x) stage(idx / units, idx % units);
+                for (int i0 = threadIdx.x; i0 < M * units; i0 += XR * (int)blockDim.x) {
+                    float4 xv[XR];
+#pragma unroll
+                    for (int k = 0; k < XR; ++k) {
+                        const int idx = i0 + k * (int)blockDim.x;
+                        xv[k] = idx < M * units ? quad(idx / units, 8 * s0 + idx % units) : zero4;
+                    }
+#pragma unroll
+                    for (int k = 0; k < XR; ++k)
+                        if (i0 + k * (int)blockDim.x < M * units) stage(i0 + k * (int)blockDim.x, xv[k]);
+                }
             }
             __syncthreads();
         }
@@ -328,53 +353,57 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
                     const uint2 v = xf[xoff[nt]];
 #pragma unroll
                     for (int mt = 0; mt < 2; ++mt) {
-                        int d[4] = {0, 0, 0, 0};               // the group's exact sums of 16 q * digit
+                        // the group's exact sums of 16 q * digit (|sum| <= 2^19), on top of 0x4B400000, the bits of
+                        // 1.5 2^23: the sum's bits are then the float 1.5 2^23 + sum, and one subtract gives the sum
+                        // exactly (no integer-to-float conversion: those issue at a quarter of the FMA rate)
+                        int d[4] = {0x4B400000, 0x4B400000, 0x4B400000, 0x4B400000};
                         mma_s8(d, a[mt], v);
 #pragma unroll
-                        for (int r = 0; r < 4; ++r) acc[mt][nt][r] = fmaf(sc[mt][r >> 1], (float)d[r], acc[mt][nt][r]);
+                        for (int r = 0; r < 4; ++r)
+                            acc[mt][nt][r] = fmaf(sc[mt][r >> 1], __int_as_float(d[r]) - 12582912.0f, acc[mt][nt][r]);
                     }
                 }
             } else {
-            unsigned a[2][2][4];                               // [mt][k-step][fragment register]
-#pragma unroll
-            for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-                for (int kk = 0; kk < 2; ++kk)
-#pragma unroll
-                    for (int r = 0; r < 4; ++r) a[mt][kk][r] = dequant2(wv[2 * mt + (r & 1)] >> (4 * (2 * kk + (r >> 1))));
-            const uint4* xf = reinterpret_cast<const uint4*>(xs) + i * TW;    // group i: 4 TW words = TW uint4
-#pragma unroll
-            for (int nt = 0; nt < CT; ++nt) {
-                float cg[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-                if (TCOL) {                                    // one term per column: one mma per k-step
-                    const uint4 v = xf[xoff[nt]];
-                    const unsigned b0[2] = {v.x, v.y}, b1[2] = {v.z, v.w};
-#pragma unroll
-                    for (int mt = 0; mt < 2; ++mt) {
-                        mma_bf16(cg[mt], a[mt][0], b0);
-                        mma_bf16(cg[mt], a[mt][1], b1);
-                    }
-                } else {
-                    unsigned bf[TERMS][2][2];                  // [term][k-step][register]
-#pragma unroll
-                    for (int t = 0; t < TERMS; ++t) {
-                        const uint4 v = xf[xoff[nt] + t];
-                        bf[t][0][0] = v.x, bf[t][0][1] = v.y, bf[t][1][0] = v.z, bf[t][1][1] = v.w;
-                    }
-                    // The tensor core aligns a sum to its largest term and truncates, so the group's terms go
-                    // into its accumulator in ascending magnitude: x3 and x2 of both k-steps, then x1 of both.
-#pragma unroll
-                    for (int t = TERMS - 1; t >= 0; --t)
-#pragma unroll
-                        for (int kk = 0; kk < 2; ++kk)
-#pragma unroll
-                            for (int mt = 0; mt < 2; ++mt) mma_bf16(cg[mt], a[mt][kk], bf[t][kk]);
-                }
+                unsigned a[2][2][4];                               // [mt][k-step][fragment register]
 #pragma unroll
                 for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-                    for (int r = 0; r < 4; ++r) acc[mt][nt][r] = fmaf(sc[mt][r >> 1], cg[mt][r], acc[mt][nt][r]);
-            }
+                    for (int kk = 0; kk < 2; ++kk)
+#pragma unroll
+                        for (int r = 0; r < 4; ++r) a[mt][kk][r] = dequant2(wv[2 * mt + (r & 1)] >> (4 * (2 * kk + (r >> 1))));
+                const uint4* xf = reinterpret_cast<const uint4*>(xs) + i * TW;    // group i: 4 TW words = TW uint4
+#pragma unroll
+                for (int nt = 0; nt < CT; ++nt) {
+                    float cg[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+                    if (TCOL) {                                    // one term per column: one mma per k-step
+                        const uint4 v = xf[xoff[nt]];
+                        const unsigned b0[2] = {v.x, v.y}, b1[2] = {v.z, v.w};
+#pragma unroll
+                        for (int mt = 0; mt < 2; ++mt) {
+                            mma_bf16(cg[mt], a[mt][0], b0);
+                            mma_bf16(cg[mt], a[mt][1], b1);
+                        }
+                    } else {
+                        unsigned bf[TERMS][2][2];                  // [term][k-step][register]
+#pragma unroll
+                        for (int t = 0; t < TERMS; ++t) {
+                            const uint4 v = xf[xoff[nt] + t];
+                            bf[t][0][0] = v.x, bf[t][0][1] = v.y, bf[t][1][0] = v.z, bf[t][1][1] = v.w;
+                        }
+                        // The tensor core aligns a sum to its largest term and truncates, so the group's terms go
+                        // into its accumulator in ascending magnitude: x3 and x2 of both k-steps, then x1 of both.
+#pragma unroll
+                        for (int t = TERMS - 1; t >= 0; --t)
+#pragma unroll
+                            for (int kk = 0; kk < 2; ++kk)
+#pragma unroll
+                                for (int mt = 0; mt < 2; ++mt) mma_bf16(cg[mt], a[mt][kk], bf[t][kk]);
+                    }
+#pragma unroll
+                    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                        for (int r = 0; r < 4; ++r) acc[mt][nt][r] = fmaf(sc[mt][r >> 1], cg[mt][r], acc[mt][nt][r]);
+                }
             }
         }
         load(w, s, q + 2);                                     // refill: batch q + 2 flies while q + 1 computes
@@ -486,10 +515,10 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
 // w4a16_mma_t3_m<MT> (bf16 terms as columns at 5..8 tokens, the 8 warps on one row block; from 9 tokens one
 // column per token, fewer warps per row block: the staged x of more tokens holds fewer groups); bf16
 // activations: w4a16_mma_t1_m<MT>.
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
-w4a16_mma_i8_m1(W4A16_ARGS) { w4a16_mma_body<1, 3, true, 8, 4, true>(W4A16_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
-w4a16_mma_i8_m2(W4A16_ARGS) { w4a16_mma_body<2, 3, true, 8, 4, true>(W4A16_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 3)
+w4a16_mma_i8_m1(W4A16_ARGS) { w4a16_mma_body<1, 3, true, 8, 2, true>(W4A16_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 3)
+w4a16_mma_i8_m2(W4A16_ARGS) { w4a16_mma_body<2, 3, true, 8, 2, true>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
 w4a16_mma_i8_m4(W4A16_ARGS) { w4a16_mma_body<4, 3, true, 8, 4, true>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
