@@ -52,20 +52,14 @@ SIGNATURES = {
 }
 
 
-# the splits' cost model, fitted to kdtr bench w4a16 on the H200 (docs/cuda-engine.md): a block's fixed work
-# (staging x, its reductions) and a split's (its partials and their sum), in groups of weights streamed
-W4A16_BLOCK_COST, W4A16_SPLIT_COST = 48, 16
-
-
-def w4a16_splits(blocks: int, G: int, resident: int) -> int:
-    """K splits of a w4a16_mma launch with `blocks` blocks per split over G groups, `resident` blocks fitting
-    on the GPU at once: the fewest splits that minimise waves x (groups per split + a block's fixed work) + the
-    splits' own cost. One K2.6 weight at batch 1 gets 4 splits (one wave); the MoE path's many blocks stay
-    unsplit (splitting repeats each block's fixed work)."""
-    def cost(k: int) -> int:
-        return -(-blocks * k // resident) * (-(-G // k) + W4A16_BLOCK_COST) + W4A16_SPLIT_COST * k
-    top = min(G, W4A16_MAX_SPLITS, max(1, 2 * resident // max(blocks, 1)) + 8)
-    return min(range(1, top + 1), key=lambda k: (cost(k), k))
+def w4a16_splits(blocks: int, G: int, resident: int, sm_count: int) -> int:
+    """K splits of a w4a16_mma launch with `blocks` blocks per split over G groups, `resident` blocks of its
+    entry fitting on the GPU at once: as many as fill one wave of at most two blocks per SM, at least one, at
+    most G and W4A16_MAX_SPLITS. Measured on the H200 (kdtr bench w4a16 and A/B runs, docs/cuda-engine.md):
+    one K2.6 weight at batch 1 is fastest at 4 splits (2, 3, 6 and 8 were slower: filling the third block per
+    SM of the int8 entries costs more in split-K work than it gains), the MoE path's many blocks unsplit (2
+    splits: 18% and 55% slower), and 9..64 tokens at a full wave (fewer splits: up to 2x slower at 64)."""
+    return max(1, min(min(resident, 2 * sm_count) // max(blocks, 1), G, W4A16_MAX_SPLITS))
 
 
 def _ptr(x) -> int:
@@ -275,7 +269,7 @@ class Ops:
         gx = -(-Nb // rpb)
         if ks is None:
             # (the FP32-faithful entry's residency for both numerics: the same splits, the same summing order)
-            ks = w4a16_splits(gx * Z, G, self._w4_resident(self.w4a16_kernel(M)[0]))
+            ks = w4a16_splits(gx * Z, G, self._w4_resident(self.w4a16_kernel(M)[0]), self.sm_count)
         return gx, max(1, min(int(ks), G, W4A16_MAX_SPLITS))
 
     def _w4_resident(self, name: str) -> int:

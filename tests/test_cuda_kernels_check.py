@@ -83,18 +83,20 @@ def test_w4a16_wrapper_tables_match_the_kernel_entries():
 
 
 def test_w4a16_splits_follow_the_measured_costs():
-    """w4a16_splits at the H200's residency of the batch-1 entry (3 blocks x 132 SMs): one K2.6 weight at batch 1
-    (64 blocks of rows, 224 groups) takes 4 splits, one wave (the fastest measured: 2, 3, 6 and 8 were slower);
-    the MoE path's gate+up (1152 blocks) and down (2016 blocks) stay unsplit (2 splits measured 18% and 55%
-    slower); a tiny launch is not split; never more splits than groups or W4A16_MAX_SPLITS."""
+    """w4a16_splits on the H200 (132 SMs): one K2.6 weight at batch 1 (64 blocks of rows, 224 groups; the int8
+    entry fits 3 blocks per SM) takes 4 splits (the fastest measured); the MoE path's gate+up (1152 blocks) and
+    down (2016 blocks) stay unsplit; 64 tokens (8 blocks, 1 per SM) fill the wave with 16 splits and 16 tokens
+    (32 blocks, 2 per SM) with 8; never more splits than groups or W4A16_MAX_SPLITS."""
     from cuda_engine.ops import W4A16_MAX_SPLITS, w4a16_splits
 
-    assert w4a16_splits(64, 224, 396) == 4
-    assert w4a16_splits(1152, 224, 396) == 1
-    assert w4a16_splits(2016, 64, 396) == 1
-    assert w4a16_splits(1, 3, 264) == 1
-    assert w4a16_splits(10, 1, 264) == 1
-    assert all(1 <= w4a16_splits(b, G, 396) <= min(G, W4A16_MAX_SPLITS) for b in (1, 7, 64, 500) for G in (1, 5, 224))
+    assert w4a16_splits(64, 224, 396, 132) == 4
+    assert w4a16_splits(1152, 224, 396, 132) == 1
+    assert w4a16_splits(2016, 64, 396, 132) == 1
+    assert w4a16_splits(8, 224, 132, 132) == 16
+    assert w4a16_splits(32, 224, 264, 132) == 8
+    assert w4a16_splits(1, 3, 264, 132) == 3
+    assert w4a16_splits(1, 224, 264, 132) == W4A16_MAX_SPLITS
+    assert all(1 <= w4a16_splits(b, G, 396, 132) <= min(G, W4A16_MAX_SPLITS) for b in (1, 7, 64, 500) for G in (1, 5, 224))
 
 
 def test_combine_slice_matches_the_kernel():
