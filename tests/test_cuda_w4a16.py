@@ -88,7 +88,7 @@ def fast_linear(ops, x, packed, N, numerics="fp32", ks=None):
     (40, 224, 12),                     # 9..16 tokens: a column per token, 4 warps per row block
     (72, 160, 64),                     # batch 64 (the 8-tile kernel)
     (2048, 7168, 1), (2048, 7168, 3), (2048, 7168, 4), (2048, 7168, 8), (2048, 7168, 64),   # K2.6 expert gate
-    (2048, 7168, 2), (2048, 7168, 12),  # 2 and 9..16 tokens over many groups per split (the staging segments)
+    (2048, 7168, 2), (2048, 7168, 12),  # 2 tokens; 9..16 tokens over many groups per split (staging segments)
     (7168, 2048, 1), (7168, 2048, 17),                    # K2.6 expert down
     (200, 32, 130),                    # one group; 130 tokens: three launches of <= 64
 ])
@@ -101,8 +101,11 @@ def test_fast_linear_within_2x_plain(ops, N, K, M):
     oracle = x.astype(np.float64) @ W.T
     packed, plain, base = pack_linear(qw, sc), plain_linear(ops, x, qw, sc), x @ W.astype(np.float32).T
     errors(f"linear {K}->{N} batch {M}", fast_linear(ops, x, packed, N), plain, oracle, base)
-    if K // 32 >= 3 and N < 1024:                      # small shapes: also 3 k splits (uneven over 7 groups)
-        errors(f"linear {K}->{N} batch {M} 3 splits", fast_linear(ops, x, packed, N, ks=3), plain, oracle, base)
+    if K // 32 >= 3 and N < 1024:                      # small shapes (one group per split by default): 2 uneven splits
+        errors(f"linear {K}->{N} batch {M} 2 splits", fast_linear(ops, x, packed, N, ks=2), plain, oracle, base)
+    if K == 7168 and M in (2, 4):                      # unsplit: the int8 path's staging in segments (224 groups:
+        errors(f"linear {K}->{N} batch {M} unsplit", fast_linear(ops, x, packed, N, ks=1), plain, oracle, base)
+        #                                                2 segments of at most 176 at 2 tokens, 4 of 64 at 4)
 
 
 @pytest.mark.parametrize("M", [1, 2, 4])
@@ -141,8 +144,32 @@ def test_int8_digits_path_on_wide_ranges(ops, M):
     np.testing.assert_array_equal(got[1:], fast_linear(ops, x, packed, N)[1:])
 
 
-@pytest.mark.parametrize("I,D,M", [(2048, 7168, 1), (2048, 7168, 16), (24, 96, 3)])   # K2.6 fused gate+up 7168->4096
-def test_fast_gate_up_within_2x_plain(ops, I, D, M):
+@pytest.mark.xfail(strict=True, reason="known gap of the int8 digits path (docs/cuda-engine.md): one exponent per "
+                   "token and k split, so a row whose weights miss a 2^12 outlier gets the outlier's quantization "
+                   "step; per-group exponents would close it. strict: passing means the gap closed, drop this mark")
+def test_int8_digits_path_outlier_on_a_zero_weight_column(ops):
+    """The int8 digits path's known gap, pinned: x ~ N(0, 1) with x[0] = 2^12, every row's weight on column 0
+    zero (q = 0: no output sees the outlier), one split. A CPU re-creation of the path's arithmetic measured
+    its error at 12-20x the plain kernel's here (3-5x at 2^10, within 2x up to 2^8)."""
+    from cuda_engine.w4a16_pack import pack_linear
+    from kdtr_format.int4 import bf16_bits, dequantize_w4a16, quantize_w4a16
+
+    rng = np.random.default_rng(12)
+    N, K = 96, 1024
+    w = rng.standard_normal((N, K)) * K ** -0.5
+    w[:, 0] = 0.0
+    qw, sc = quantize_w4a16(w, 32)
+    W, sc = dequantize_w4a16(qw, sc, (N, K)), bf16_bits(sc)
+    assert not W[:, 0].any()
+    x = rand(rng, 1, K)
+    x[0, 0] = 4096.0
+    errors("int8 digits outlier 2^12 on a zero-weight column, unsplit", fast_linear(ops, x, pack_linear(qw, sc), N, ks=1),
+           plain_linear(ops, x, qw, sc), x.astype(np.float64) @ W.T, x @ W.astype(np.float32).T)
+
+
+@pytest.mark.parametrize("I,D,M,ks", [(2048, 7168, 1, None), (2048, 7168, 16, None), (24, 96, 3, None),
+                                      (2048, 7168, 4, 1)])   # K2.6 fused gate+up 7168->4096; 4 tokens unsplit:
+def test_fast_gate_up_within_2x_plain(ops, I, D, M, ks):     # the int8 path's segments with the SwiGLU epilogue
     """Mode 1: silu(Wg x) * (Wu x) from one launch on the interleaved gate+up (7168 -> 2 x 2048 at K2.6)."""
     from cuda_engine.w4a16_pack import pack_gate_up
 
@@ -150,7 +177,7 @@ def test_fast_gate_up_within_2x_plain(ops, I, D, M):
     (qg, sg, Wg), (qu, su, Wu) = quantized(rng, I, D), quantized(rng, I, D)
     x = rand(rng, M, D)
     act = dev(np.zeros((M, I), np.float32))
-    ops.w4a16_mma(dev(x), D, dev(pack_gate_up(qg, sg, qu, su)[None]), I, act, I, M, mode=1)
+    ops.w4a16_mma(dev(x), D, dev(pack_gate_up(qg, sg, qu, su)[None]), I, act, I, M, mode=1, ks=ks)
     plain = dev(np.zeros((M, I), np.float32))
     ops.w4a16_gate_up(dev(x), dev(qg[None]), dev(sg[None]), dev(qu[None]), dev(su[None]), dev(np.zeros(M, np.int32)),
                       plain, M, 1)
@@ -158,7 +185,7 @@ def test_fast_gate_up_within_2x_plain(ops, I, D, M):
     x64 = x.astype(np.float64)
     a, b = x64 @ Wg.T, x64 @ Wu.T
     a32, b32 = x @ Wg.astype(np.float32).T, x @ Wu.astype(np.float32).T     # the float32 NumPy baseline
-    errors(f"gate+up {D}->2x{I} batch {M}", act.get(), plain.get(), a / (1 + np.exp(-a)) * b,
+    errors(f"gate+up {D}->2x{I} batch {M}" + (f" {ks} split" if ks else ""), act.get(), plain.get(), a / (1 + np.exp(-a)) * b,
            a32 / (np.float32(1) + np.exp(-a32)) * b32)
 
 
