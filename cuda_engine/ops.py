@@ -25,7 +25,7 @@ W4A16_MAX_SPLITS = 64               # k splits per launch at most (the workspace
 # kernels/w4a16_mma.cu's entries per numerics, (most tokens per launch, entry name), and the row blocks (of 32
 # rows) one block covers at that many tokens (8 warps split a row block's k range up to 8 tokens, fewer above)
 W4A16_ENTRIES = {
-    "fp32": tuple((m, f"w4a16_mma_i8_m{m}") for m in (1, 2, 4)) + tuple((m, f"w4a16_mma_t3_m{m}") for m in (8, 16, 32, 64)),
+    "fp32": ((1, "w4a16_mma_i8_m1"),) + tuple((m, f"w4a16_mma_t3_m{m}") for m in (2, 5, 8, 16, 32, 64)),
     "bf16": tuple((m, f"w4a16_mma_t1_m{m}") for m in (8, 16, 32, 64)),
 }
 W4A16_ROW_BLOCKS = {8: 1, 16: 2, 32: 4, 64: 8}

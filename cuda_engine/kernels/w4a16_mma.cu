@@ -21,17 +21,15 @@
 // the gate and up sums of one output at the same fragment position.
 //
 // Numerics, FP32-faithful (the default): the result is float32-accurate, by one of two exact schemes.
-// Up to 4 tokens (I8, the int8 digits path; the decode and MoE decode shapes): per (token, k split) the
-// block finds the largest |x| (2^(E-1) <= max < 2^E) and writes X = rn(x 2^(30-E)) (|X| <= 2^30: every x within
-// 2^-6 of the largest keeps all 24 bits, smaller ones lose at most 2^(E-31) absolute, far below float32
-// rounding of a sum at that scale) as four signed 8-bit digits, X = d0 + 256 d1 + 65536 d2 + 2^24 d3
-// ((X + 0x80808080) ^ 0x80808080 gives them bytewise). The digits of a token are four B columns, so one
-// m16n8k32 .s8 mma per m-tile covers a group for 2 tokens: 16 q * d summed over the group's 32 columns is
-// exact in int32 (|sum| <= 2^19), converted exactly to float32, scaled by the group's scale and summed over
-// groups per digit in fp32; a token's four digit sums are added at the end, smallest first, times
-// 2^(E-34) (the 16 of 16 q and the 2^(30-E)); both scalings are exact powers of two, applied as two normal
-// factors, so subnormal and huge x keep their precision. A non-finite x makes that token's outputs NaN.
-// From 5 tokens (the bf16 terms path): x = x1 + x2 + x3 with x1 = bf16(x), x2 = bf16(x - x1),
+// One token (I8, the int8 digits path; the decode and MoE decode shape): per k split the block finds the largest
+// |x| (2^(E-1) <= max < 2^E) and writes X = rn(x 2^(62-E)) (|X| < 2^62: every x within 2^-38 of the largest
+// keeps all 24 bits) as eight signed 8-bit digits, X = sum d_i 256^i ((X + 0x8080..80) ^ 0x8080..80 gives them
+// bytewise). The digits are the 8 B columns of one n8 tile, so one m16n8k32 .s8 mma per m-tile covers a group:
+// 16 q * d summed over the group's 32 columns is exact in int32 (|sum| <= 2^19), converted exactly to float32
+// (the magic add below), scaled by the group's scale and summed over groups per digit in fp32; the eight digit
+// sums are added at the end, smallest first, times 2^(E-66) (the 16 of 16 q and the 2^(62-E)). Both scalings
+// are exact powers of two, applied as two normal factors. A non-finite x makes the outputs NaN.
+// From 2 tokens (the bf16 terms path): x = x1 + x2 + x3 with x1 = bf16(x), x2 = bf16(x - x1),
 // x3 = bf16(x - x1 - x2) (each subtraction exact in fp32; the three terms hold float32's 24 bits); q * x_i is
 // exact in the tensor core (4 x 8 bits). Up to 8 tokens (TCOL) the terms are B columns of their own (column
 // n = term n % 3 of token n / 3), each term's group sum is scaled and summed in fp32 on its own, and the
@@ -122,7 +120,7 @@ __device__ __forceinline__ uint2 ld_stream_v2(const int* p) {
 // registers (the one it computes, the next one in flight).
 template <int MT, int TERMS, bool TCOL, int WS, int U, bool I8>
 struct W4Config {
-    static constexpr int TC = I8 ? 4 : TCOL ? TERMS : 1;         // B columns per token
+    static constexpr int TC = I8 ? 8 : TCOL ? TERMS : 1;         // B columns per token (I8: its 8 digits)
     static constexpr int CT = (MT * TC + 7) / 8;
     static constexpr int RPB = W4A16_WARPS / WS;
     static constexpr int TW = 4 * TERMS;                         // bf16: staged words per (token, group, lane column)
@@ -132,7 +130,7 @@ struct W4Config {
     static_assert(I8 ? W4A16_XS_WORDS / GW >= U * WS : ((W4A16_XS_WORDS / MT - 16) / (4 * TW)) >= U * WS,
                   "activation staging too small");
     static_assert(!TCOL || WS == W4A16_WARPS, "terms as columns: the whole block on one row block");
-    static_assert(!I8 || (TCOL && MT <= 4), "int8 digits: terms as columns, at most 4 tokens");
+    static_assert(!I8 || (TCOL && MT == 1), "int8 digits: the 8 digit columns of one token");
 };
 
 template <int MT, int TERMS, bool TCOL, int WS, int U, bool I8>
@@ -228,7 +226,7 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
             // max < 2^E, E in [-126, 128]; 2^k as two normal factors 2^(k >> 1) 2^(k - (k >> 1)): each product
             // stays normal, so the scalings are exact
             const unsigned m = xmax[tok];
-            const int E = (int)(m >> 23) - 126, up = 30 - E, down = E - 34;
+            const int E = (int)(m >> 23) - 126, up = 62 - E, down = E - 66;
             const bool finite = m < 0x7F800000u;
             xin[tok][0] = finite ? __uint_as_float((unsigned)(127 + (up >> 1)) << 23) : 0.0f;
             xin[tok][1] = __uint_as_float((unsigned)(127 + up - (up >> 1)) << 23);
@@ -286,19 +284,28 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
                         for (int k = 0; k < XR; ++k) {
                           const int u = u0 + k * (int)blockDim.x;
                           if (u >= units) break;
-                          unsigned dw[4];                        // value j's four digits, byte d = digit d
+                          unsigned dl[4], dh[4];                 // value j's 8 digits: bytes of dl (0..3), dh (4..7)
                           const float vv[4] = {xv[k].x, xv[k].y, xv[k].z, xv[k].w};
 #pragma unroll
-                          for (int j = 0; j < 4; ++j)
-                              dw[j] = ((unsigned)__float2int_rn(vv[j] * xin[tok][0] * xin[tok][1]) + 0x80808080u) ^ 0x80808080u;
-                          const unsigned lo01 = __byte_perm(dw[0], dw[1], 0x5140), hi01 = __byte_perm(dw[0], dw[1], 0x7362);
-                          const unsigned lo23 = __byte_perm(dw[2], dw[3], 0x5140), hi23 = __byte_perm(dw[2], dw[3], 0x7362);
-                          const unsigned dg[4] = {__byte_perm(lo01, lo23, 0x5410), __byte_perm(lo01, lo23, 0x7632),
-                                                  __byte_perm(hi01, hi23, 0x5410), __byte_perm(hi01, hi23, 0x7632)};
-                          const int i = u >> 3, r = (u >> 2) & 1, cc = u & 3;
-                          const int base = ((i * CT + (COLS == 8 ? tok >> 1 : 0)) * 4 + cc) * COLS + (COLS == 8 ? 4 * (tok & 1) : 0);
+                          for (int j = 0; j < 4; ++j) {
+                              const unsigned long long X = (unsigned long long)__float2ll_rn(vv[j] * xin[tok][0] * xin[tok][1]);
+                              const unsigned long long D = (X + 0x8080808080808080ull) ^ 0x8080808080808080ull;
+                              dl[j] = (unsigned)D;
+                              dh[j] = (unsigned)(D >> 32);
+                          }
+                          unsigned dg[8];                        // digit d of values 0..3, one byte each
 #pragma unroll
-                          for (int d = 0; d < 4; ++d) xs[2 * (base + d) + r] = dg[d];
+                          for (int h = 0; h < 2; ++h) {
+                              const unsigned* dw = h ? dh : dl;
+                              const unsigned lo01 = __byte_perm(dw[0], dw[1], 0x5140), hi01 = __byte_perm(dw[0], dw[1], 0x7362);
+                              const unsigned lo23 = __byte_perm(dw[2], dw[3], 0x5140), hi23 = __byte_perm(dw[2], dw[3], 0x7362);
+                              dg[4 * h] = __byte_perm(lo01, lo23, 0x5410), dg[4 * h + 1] = __byte_perm(lo01, lo23, 0x7632);
+                              dg[4 * h + 2] = __byte_perm(hi01, hi23, 0x5410), dg[4 * h + 3] = __byte_perm(hi01, hi23, 0x7632);
+                          }
+                          const int i = u >> 3, r = (u >> 2) & 1, cc = u & 3;
+                          const int base = (i * CT * 4 + cc) * COLS;
+#pragma unroll
+                          for (int d = 0; d < 8; ++d) xs[2 * (base + d) + r] = dg[d];
                         }
                     }
             } else {
@@ -465,7 +472,10 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
             float v0 = 0.0f, v1 = 0.0f;
             if (I8) {                                          // digit d weighs 256^d; then 2^(E-34): exact scalings
 #pragma unroll
-                for (int d = 0; d < 4; ++d) v0 += c0[d] * (float)(1 << (8 * d)), v1 += c1[d] * (float)(1 << (8 * d));
+                for (int d = 0; d < TC; ++d) {
+                    const float w = __uint_as_float((unsigned)(127 + 8 * d) << 23);     // 256^d
+                    v0 += c0[d] * w, v1 += c1[d] * w;
+                }
                 v0 = v0 * xfac[tok][0] * xfac[tok][1], v1 = v1 * xfac[tok][0] * xfac[tok][1];
             } else {
 #pragma unroll
@@ -511,16 +521,16 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
                    tickets, mode
 
 // One entry per (numerics, most tokens per launch); template <MT, TERMS, TCOL, WS, U, I8>. FP32-faithful:
-// w4a16_mma_i8_m<MT> (int8 digits as columns, 1, 2 or 4 tokens: one or two column tiles), then
-// w4a16_mma_t3_m<MT> (bf16 terms as columns at 5..8 tokens, the 8 warps on one row block; from 9 tokens one
+// w4a16_mma_i8_m1 (the 8 int8 digits of one token as columns), then w4a16_mma_t3_m<MT> (bf16 terms as columns
+// at 2..8 tokens, the 8 warps on one row block; from 9 tokens one
 // column per token, fewer warps per row block: the staged x of more tokens holds fewer groups); bf16
 // activations: w4a16_mma_t1_m<MT>.
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 3)
 w4a16_mma_i8_m1(W4A16_ARGS) { w4a16_mma_body<1, 3, true, 8, 2, true>(W4A16_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 3)
-w4a16_mma_i8_m2(W4A16_ARGS) { w4a16_mma_body<2, 3, true, 8, 2, true>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
-w4a16_mma_i8_m4(W4A16_ARGS) { w4a16_mma_body<4, 3, true, 8, 4, true>(W4A16_PASS); }
+w4a16_mma_t3_m2(W4A16_ARGS) { w4a16_mma_body<2, 3, true, 8, 4, false>(W4A16_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
+w4a16_mma_t3_m5(W4A16_ARGS) { w4a16_mma_body<5, 3, true, 8, 2, false>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
 w4a16_mma_t3_m8(W4A16_ARGS) { w4a16_mma_body<8, 3, true, 8, 2, false>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
