@@ -80,8 +80,8 @@ def fast_linear(ops, x, packed, N, numerics="fp32", ks=None):
 
 
 @pytest.mark.parametrize("N,K,M", [
-    (8, 96, 1), (8, 96, 3),            # n = 8 (one m16 tile, mostly padding), k = 3 groups; 1..4 tokens: the
-    (40, 224, 4),                      # int8 digits path (4 digit columns per token, 1 or 2 column tiles)
+    (8, 96, 1), (8, 96, 3),            # n = 8 (one m16 tile, mostly padding), k = 3 groups; one token: the int8
+    (40, 224, 4),                      # digits path (8 digit columns); 2..4 tokens: bf16 terms as columns
     (40, 224, 17),                     # k = 7 groups: no split divides it evenly; batch 17 (3 token tiles)
     (72, 160, 8), (40, 224, 6),        # 5..8 tokens: 3 bf16 terms as columns over 2-3 column tiles (a token's
     (72, 160, 5),                      # terms straddle two tiles)
@@ -103,13 +103,13 @@ def test_fast_linear_within_2x_plain(ops, N, K, M):
     errors(f"linear {K}->{N} batch {M}", fast_linear(ops, x, packed, N), plain, oracle, base)
     if K // 32 >= 3 and N < 1024:                      # small shapes (one group per split by default): 2 uneven splits
         errors(f"linear {K}->{N} batch {M} 2 splits", fast_linear(ops, x, packed, N, ks=2), plain, oracle, base)
-    if K == 7168 and M in (2, 4):                      # unsplit: the int8 path's staging in segments (224 groups:
+    if K == 7168 and M in (1, 2, 4):                   # unsplit, 224 groups: staging in segments (the int8 path's
         errors(f"linear {K}->{N} batch {M} unsplit", fast_linear(ops, x, packed, N, ks=1), plain, oracle, base)
-        #                                                2 segments of at most 176 at 2 tokens, 4 of 64 at 4)
+        #                                                2 of 176 at one token; the bf16 terms' at 2 and 4)
 
 
 @pytest.mark.parametrize("M", [1, 2, 4])
-def test_int8_digits_path_on_wide_ranges(ops, M):
+def test_wide_ranges(ops, M):
     """Wide-range activations, judged token by token within 2x the plain kernel's error: x spanning
     2^-66 .. 2^13 (an outlier next to tiny values), x around 1e-30 (its scale exceeds float32's largest power
     of two: applied in two factors); a zero token gives exact zeros; with 2 k splits too. One token runs the
@@ -135,7 +135,7 @@ def test_int8_digits_path_on_wide_ranges(ops, M):
             if M > 1 and t == 1:
                 np.testing.assert_array_equal(got[1], 0.0)
                 continue
-            errors(f"int8 digits wide ranges batch {M} splits {ks} token {t}", got[t:t + 1], plain[t:t + 1],
+            errors(f"{'int8 digits' if M == 1 else 'bf16 terms'} wide ranges batch {M} splits {ks} token {t}", got[t:t + 1], plain[t:t + 1],
                    oracle[t:t + 1], base[t:t + 1])
     bad = x.copy()
     bad[0, 7] = np.nan if M % 2 else np.inf
@@ -168,8 +168,10 @@ def test_int8_digits_path_outlier_on_a_zero_weight_column(ops, log2_outlier):
 
 
 @pytest.mark.parametrize("I,D,M,ks", [(2048, 7168, 1, None), (2048, 7168, 16, None), (24, 96, 3, None),
-                                      (2048, 7168, 4, 1)])   # K2.6 fused gate+up 7168->4096; 4 tokens unsplit:
-def test_fast_gate_up_within_2x_plain(ops, I, D, M, ks):     # the int8 path's segments with the SwiGLU epilogue
+                                      (2048, 7168, 4, 1), (2048, 7168, 1, 1)])
+def test_fast_gate_up_within_2x_plain(ops, I, D, M, ks):
+    # K2.6 fused gate+up 7168 -> 4096; the unsplit cases stage x in segments with the SwiGLU epilogue (the int8
+    # path at one token, the bf16 terms at 4)
     """Mode 1: silu(Wg x) * (Wu x) from one launch on the interleaved gate+up (7168 -> 2 x 2048 at K2.6)."""
     from cuda_engine.w4a16_pack import pack_gate_up
 

@@ -1,7 +1,7 @@
 """The fast W4A16 kernel's repacked layout (cuda_engine/w4a16_pack.py), checked on the CPU: reading a packed
 buffer back through the PTX mma.sync fragment definitions (written out here from the PTX ISA, not taken from
 the packer) and the kernel's scale and dequantization rules gives exactly the dequantized weights of
-kdtr_format/int4.py, on both of the kernel's paths: the int8 digits path (m16n8k32 .s8, up to 4 tokens) and the
+kdtr_format/int4.py, on both of the kernel's paths: the int8 digits path (m16n8k32 .s8, one token) and the
 bf16 terms path (m16n8k16 .bf16), whose column order within a group is its own permutation (the activations
 are staged in the same order). No GPU needed: a wrong nibble order, row or group shows up here."""
 import numpy as np

@@ -58,7 +58,8 @@
 
 #define W4A16_WARPS WARPS_PER_BLOCK          // BLOCK_THREADS threads per block
 #define W4A16_XS_WORDS 11264                // 44 KB of staged activations per block: at one token (int8 digits:
-                                            // 32 words per group) K2.6's 7168 columns in one segment
+                                            // 64 words per group) 176 groups per segment, K2.6's 7168 columns
+                                            // (224 groups, the unsplit MoE path) in two
 #define W4A16_CHUNK_WORDS 144
 
 __device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, const unsigned* b) {
@@ -112,7 +113,7 @@ __device__ __forceinline__ uint2 ld_stream_v2(const int* p) {
     return v;
 }
 
-// One launch configuration: MT tokens at most, TERMS bf16 terms (I8: four int8 digits instead), CT column
+// One launch configuration: MT tokens at most, TERMS bf16 terms (I8: eight int8 digits instead), CT column
 // tiles of the mma's B operand (8 columns each), TCOL: the terms (digits) are columns of their own (column
 // n = token n / TC, term n % TC), else column n = token n and the terms of a group go into one accumulator
 // (three mma's per k-step). WS warps split the k range of one block of 32 rows (summed in shared memory at
@@ -144,7 +145,7 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
     __shared__ __align__(16) unsigned xs[W4A16_XS_WORDS];
     __shared__ int is_last;
     __shared__ unsigned xmax[MT];                                // I8: a token's largest |x| (float bits), this split
-    __shared__ float xfac[MT][2];                                // I8: 2^(E-34) in two factors: digit sums -> float
+    __shared__ float xfac[MT][2];                                // I8: 2^(E-66) in two factors: digit sums -> float
     // after the main loop xs is free: red = one column tile of every warp's accumulators [warp][8][lane];
     // TCOL: colsum = [mt][row][column], the warps summed
     float (*red)[8][WARP_SIZE] = reinterpret_cast<float (*)[8][WARP_SIZE]>(xs);
@@ -200,7 +201,7 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
     // using any, so a block's staging costs one L2 round trip per round, not one per quad
     constexpr int XR = 4;
     const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    float xin[MT][2];                                           // I8: 2^(30-E) per token, in two factors
+    float xin[MT][2];                                           // I8: 2^(62-E) per token, in two factors
     if constexpr (I8) {                                         // each token's largest |x| over the whole split
         if (threadIdx.x < MT) xmax[threadIdx.x] = 0u;
         __syncthreads();
@@ -243,7 +244,7 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
     // xs[tok * xrs + (4 i + c) TW + 4 t + 2 kk + r] are the B fragment registers (term t, k-step kk, register r):
     // the bf16 pair of group columns 16 r + 4 c + kk and + 2 (the k order of the weights' bf16 path); one
     // 16-byte load per term. xrs pads a token's row so the 8 lanes of a 16-byte load phase hit distinct banks.
-    // I8: uint2 [i][nt][c][COLS] is lane (g, c)'s B fragment of tile nt, column g % COLS = 4 (token % 2) + digit:
+    // I8: uint2 [i][nt][c][COLS] is lane (g, c)'s B fragment of tile nt, column g = digit (one token):
     // the digits of group columns 4 c .. 4 c + 3 and 16 + 4 c .. + 3 (the m16n8k32 .s8 B fragment).
     // A segment is a whole number of batches.
     const int seg = I8 ? max(UW, W4A16_XS_WORDS / GW / UW * UW) : max(UW, (W4A16_XS_WORDS / M - 16) / (4 * TW) / UW * UW);
@@ -470,7 +471,7 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
             const float* c0 = colsum + r16 * 8 * CT + tok * TC;
             const float* c1 = colsum + (16 + r16) * 8 * CT + tok * TC;
             float v0 = 0.0f, v1 = 0.0f;
-            if (I8) {                                          // digit d weighs 256^d; then 2^(E-34): exact scalings
+            if (I8) {                                          // digit d weighs 256^d; then 2^(E-66): exact scalings
 #pragma unroll
                 for (int d = 0; d < TC; ++d) {
                     const float w = __uint_as_float((unsigned)(127 + 8 * d) << 23);     // 256^d
