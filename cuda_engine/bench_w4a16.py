@@ -1,7 +1,7 @@
 """`kdtr bench w4a16`: the fast W4A16 kernel against the memory floor and torch's kernels, in one run on one GPU.
 
 Per K2.6 expert shape (7168 -> 2048, 2048 -> 7168, fused gate+up 7168 -> 2 x 2048) and batch (1 .. 64 tokens):
-  fast fp32   w4a16_mma, FP32-faithful (three bf16 terms), the engine's mode;
+  fast fp32   w4a16_mma, FP32-faithful (int8 digits at one token, three bf16 terms from two), the engine's mode;
   fast bf16   w4a16_mma with one bf16 term (Marlin's numerics);
   floor       stream_read_kernel reading the same bytes (packed weights + scales) once: a copy kernel's floor;
   cuBLAS bf16 torch.nn.functional.linear on bf16 weights of the same shape (bf16 activations);

@@ -113,10 +113,10 @@ class Ops:
         self.launches = 0
         self.capturing = False
         self.debug_sync = os.environ.get("KDTR_CUDA_SYNC") == "1"
-        self._w4_part = self._w4_tick = None          # split-K workspace of w4a16_mma (grown, never freed:
-        self._w4_retired = []                         # a captured graph may still point at an old one)
-        self._comb_part = self._comb_tick = None      # the combine's norm workspace (the same rule)
-        self._comb_retired = []
+        # workspaces (fp32 partials, int32 tickets) by owner, "w4a16" (split-K) and "combine" (the norm's sums):
+        # grown, never freed (a captured graph may still point at an old one, kept in _retired)
+        self._ws: dict[str, tuple[DevBuf, DevBuf]] = {}
+        self._retired: list[DevBuf] = []
 
     def _launch(self, name: str, grid, *args, block=BLOCK) -> None:
         grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
@@ -282,17 +282,23 @@ class Ops:
                      2048 // BLOCK[0])
         return max(1, per_sm) * self.sm_count
 
+    def _reserve(self, owner: str, partials: int, tickets: int, fix: str) -> tuple[DevBuf, DevBuf]:
+        """`owner`'s workspace grown to hold `partials` floats and `tickets` zeroed counters; outside graph
+        capture only (`fix` says how a caller reserves it first)."""
+        part, tick = self._ws.get(owner, (None, None))
+        if part is None or part.shape[0] < partials or tick.shape[0] < tickets:
+            if self.capturing:
+                raise CudaEngineError(f"{owner}: the workspace must be reserved before graph capture ({partials} "
+                                      f"floats, {tickets} tickets; {fix})")
+            self._retired += [b for b in (part, tick) if b is not None]
+            part = DevBuf((max(partials, 0 if part is None else part.shape[0], 1),), np.float32)
+            tick = DevBuf.from_array(np.zeros(max(tickets, 0 if tick is None else tick.shape[0], 1), np.int32))
+            self._ws[owner] = (part, tick)
+        return part, tick
+
     def w4a16_reserve(self, partials: int, tickets: int) -> None:
         """Make the split-K workspace hold `partials` floats and `tickets` counters (zeroed)."""
-        if self._w4_part is None or self._w4_part.shape[0] < partials or self._w4_tick.shape[0] < tickets:
-            if self.capturing:
-                raise CudaEngineError("w4a16_mma: the split-K workspace must be reserved before graph capture "
-                                      f"({partials} floats, {tickets} tickets)")
-            self._w4_retired += [b for b in (self._w4_part, self._w4_tick) if b is not None]
-            old_p = 0 if self._w4_part is None else self._w4_part.shape[0]
-            old_t = 0 if self._w4_tick is None else self._w4_tick.shape[0]
-            self._w4_part = DevBuf((max(partials, old_p, 1),), np.float32)
-            self._w4_tick = DevBuf.from_array(np.zeros(max(tickets, old_t, 1), np.int32))
+        self._reserve("w4a16_mma", partials, tickets, "Ops.w4a16_reserve(*Ops.w4a16_need(...))")
 
     def w4a16_need(self, packed: DevBuf, M: int = 1, Z: int = 1, ks: int | None = None,
                    numerics: str = "fp32") -> tuple[int, int]:
@@ -315,7 +321,8 @@ class Ops:
         launches of at most 64). With slot_ids: the MoE decode path, one (token, slot) pair per grid z over
         the slots k0 .. k0+nk-1 of T tokens (M = 1), expert slot_ids[ts] - e_base; x row t, or ts when
         x_by_slot (the down projection's input is per slot); output row ts. numerics: "fp32" (three bf16
-        terms, float32-accurate) or "bf16" (one term: activations rounded to bf16)."""
+        terms, or one token's eight int8 digits: float32-accurate) or "bf16" (one term: activations rounded to
+        bf16)."""
         E, Nb, G, words = packed.shape
         _need(packed.dtype == np.int32 and words == W4A16_CHUNK_WORDS, "w4a16_mma",
               f"packed weights must be int32 [E, Nb, G, {W4A16_CHUNK_WORDS}], got {packed.dtype} {packed.shape}")
@@ -340,7 +347,7 @@ class Ops:
             self._launch(name, (gx, k, Z), _ptr(x) + 4 * m0 * x_stride,
                          x_stride, packed.ptr, 0 if slot_ids is None else _ptr(slot_ids), S, k0, nk, e_base,
                          int(x_by_slot), m, N, Nb, G, k, _ptr(out) + 4 * m0 * out_stride, out_stride,
-                         self._w4_part.ptr, self._w4_tick.ptr, mode)
+                         *(b.ptr for b in self._ws["w4a16_mma"]), mode)
 
     def stream_read(self, src_ptr: int, nbytes: int, sink: DevBuf) -> None:
         """Read nbytes (a multiple of 16) once: the bandwidth floor of kdtr bench w4a16."""
@@ -350,16 +357,7 @@ class Ops:
     def moe_combine_reserve(self, T: int, D: int) -> None:
         """Make the combine's workspace hold T tokens of a D-wide row: partials [T, blocks per row], tickets
         [T] (zeroed). Called before graph capture (the engine reserves its T_cap); grown here otherwise."""
-        partials, tickets = T * -(-D // COMBINE_DSLICE), T
-        if self._comb_part is None or self._comb_part.shape[0] < partials or self._comb_tick.shape[0] < tickets:
-            if self.capturing:
-                raise CudaEngineError("moe_combine: the workspace must be reserved before graph capture "
-                                      f"({partials} floats, {tickets} tickets; Ops.moe_combine_reserve(T={T}, D={D}))")
-            self._comb_retired += [b for b in (self._comb_part, self._comb_tick) if b is not None]
-            old_p = 0 if self._comb_part is None else self._comb_part.shape[0]
-            old_t = 0 if self._comb_tick is None else self._comb_tick.shape[0]
-            self._comb_part = DevBuf((max(partials, old_p, 1),), np.float32)
-            self._comb_tick = DevBuf.from_array(np.zeros(max(tickets, old_t, 1), np.int32))
+        self._reserve("moe_combine", T * -(-D // COMBINE_DSLICE), T, f"Ops.moe_combine_reserve(T={T}, D={D})")
 
     def moe_combine(self, y, slot_ids, slot_w, out, T: int, K: int, S: int, h, h_out, w_norm: DevBuf, y_norm,
                     eps: float) -> None:
@@ -370,7 +368,7 @@ class Ops:
         self.moe_combine_reserve(T, D)
         self._launch("moe_combine_kernel", (-(-D // COMBINE_DSLICE), T), _ptr(y), _ptr(slot_ids), _ptr(slot_w),
                      _ptr(out), K, S, D, _ptr(h), _ptr(h_out), w_norm.ptr, _ptr(y_norm), eps,
-                     self._comb_part.ptr, self._comb_tick.ptr)
+                     *(b.ptr for b in self._ws["moe_combine"]))
 
     # ------------------------------------------------------------ sampling
     def argmax(self, logits, V: int, out, T: int) -> None:

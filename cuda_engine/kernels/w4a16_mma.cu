@@ -1,4 +1,5 @@
-// Fast W4A16: INT4 weights x float32 activations on the tensor cores (mma.sync.m16n8k16 bf16, fp32 accumulate).
+// Fast W4A16: INT4 weights x float32 activations on the tensor cores (mma.sync.m16n8k32 int8 at one token,
+// m16n8k16 bf16 from two; fp32 accumulation across groups).
 //   y[t, n] = sum_k x[t, k] * (nibble(n, k) - 8) * scale(n, k / g)          (mode 0: a linear layer)
 //   act[t, i] = silu(Wg[i] x[t]) * (Wu[i] x[t])                              (mode 1: fused SwiGLU gate+up)
 // Weights are the A operand (16 output rows per m16 tile), activations the B operand (8 columns per n8 tile).
