@@ -131,7 +131,9 @@ def run(batches=BATCHES, reps: int = 20, moe: bool = True, progress=print) -> di
             if tiny_w is not None:
                 t["tinygemm"] = _torch_graph_us(
                     torch, lambda: [torch._weight_int4pack_mm(xb, w, 32, sz) for w, sz in tiny_w], len(tiny_w), reps)
+            entry, gx, ks = ops.w4a16_plan(Nb, G, 1, None, min(M, 64), "fp32")
             row = {"shape": name, "K": K, "N": Nr, "batch": M, "bytes": nbytes, "floor_us": floor,
+                   "fast_fp32_launch": {"entry": entry, "blocks": gx, "splits": ks},
                    "fast_fp32_us": t["fp32"], "fast_bf16_us": t["bf16"], "cublas_bf16_us": t["cublas"],
                    "tinygemm_us": t["tinygemm"], "gbps_fast_fp32": nbytes / t["fp32"] / 1e3,
                    "gbps_floor": nbytes / floor / 1e3, "fast_vs_floor": t["fp32"] / floor,

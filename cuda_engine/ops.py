@@ -25,10 +25,15 @@ W4A16_MAX_SPLITS = 64               # k splits per launch at most (the workspace
 # kernels/w4a16_mma.cu's entries per numerics, (most tokens per launch, entry name), and the row blocks (of 32
 # rows) one block covers at that many tokens (8 warps split a row block's k range up to 8 tokens, fewer above)
 W4A16_ENTRIES = {
-    "fp32": ((1, "w4a16_mma_i8_m1"),) + tuple((m, f"w4a16_mma_t3_m{m}") for m in (2, 5, 8, 16, 32, 64)),
+    "fp32": ((1, "w4a16_mma_i8_m1_r1"),) + tuple((m, f"w4a16_mma_t3_m{m}") for m in (2, 5, 8, 16, 32, 64)),
     "bf16": tuple((m, f"w4a16_mma_t1_m{m}") for m in (8, 16, 32, 64)),
 }
 W4A16_ROW_BLOCKS = {8: 1, 16: 2, 32: 4, 64: 8}
+# The one-token FP32-faithful entries by row blocks per block (8 / that many warps per row block): the same
+# arithmetic, more rows sharing one block's staged x; w4a16_i8_plan picks one per launch shape
+W4A16_I8_ROWS = {r: f"w4a16_mma_i8_m1_r{r}" for r in (1, 2, 4, 8)}
+W4A16_I8_MIN_GROUPS = 16            # a single weight's k splits keep at least this many groups (w4a16_i8_plan)
+W4A16_I8_MAX_GROUPS = 64            # the many-row path's k splits at most this many groups (w4a16_i8_plan)
 
 # kernel name -> argument types (struct codes: P pointer, i int32, q int64, f float32, d float64)
 SIGNATURES = {
@@ -47,6 +52,7 @@ SIGNATURES = {
     "moe_combine_kernel": "PPPPiiiPPPPfPP",
     "stream_read_kernel": "PqP",
     **{name: "PiPP" + "i" * 10 + "PiPPi" for entries in W4A16_ENTRIES.values() for _, name in entries},
+    **{name: "PiPP" + "i" * 10 + "PiPPi" for name in W4A16_I8_ROWS.values()},
     "argmax_kernel": "PiP",
     "decode_advance_kernel": "PP",
 }
@@ -60,6 +66,28 @@ def w4a16_splits(blocks: int, G: int, resident: int, sm_count: int) -> int:
     SM of the int8 entries costs more in split-K work than it gains), the MoE path's many blocks unsplit (2
     splits: 18% and 55% slower), and 9..64 tokens at a full wave (fewer splits: up to 2x slower at 64)."""
     return max(1, min(min(resident, 2 * sm_count) // max(blocks, 1), G, W4A16_MAX_SPLITS))
+
+
+def w4a16_i8_plan(Nb: int, G: int, Z: int, resident: int, sm_count: int) -> tuple[int, int]:
+    """(row blocks per block, k splits) of a one-token FP32-faithful w4a16_mma launch of Z (token, slot) pairs
+    over Nb blocks of 32 rows and G groups, `resident` blocks of the entry fitting on the GPU at once.
+
+    A block stages x once for all its rows, so more row blocks per block share that work, but leave fewer
+    blocks to fill the GPU, which k splits then make up at the cost of the split-K exchange. Two regimes:
+    - many rows (Z * ceil(Nb / 8) >= the SM count: the MoE decode path): 8 row blocks per block, split only so
+      far that a split holds at most W4A16_I8_MAX_GROUPS groups (more, shorter blocks balance over the SMs);
+    - a single weight: the most row blocks per block whose one-wave split (w4a16_splits) keeps at least
+      W4A16_I8_MIN_GROUPS groups per split, else 1 row block per block at its one-wave split.
+    Measured on the H200 (an A/B sweep of every row count and split, docs/cuda-engine.md): this picks the
+    fastest configuration or one within 5% of it on the K2.6 shapes (MoE gate+up and down, 7168 -> 2048,
+    2048 -> 7168, gate+up 7168 -> 4096)."""
+    if Z * -(-Nb // 8) >= sm_count:
+        return 8, max(1, min(-(-G // W4A16_I8_MAX_GROUPS), W4A16_MAX_SPLITS))
+    for r in (8, 4, 2):
+        ks = w4a16_splits(-(-Nb // r) * Z, G, resident, sm_count)
+        if G // ks >= W4A16_I8_MIN_GROUPS:
+            return r, ks
+    return 1, w4a16_splits(Nb * Z, G, resident, sm_count)
 
 
 def _ptr(x) -> int:
@@ -258,19 +286,30 @@ class Ops:
                      _ptr(slot_ids), _ptr(y), I, D, S, k0, nk, e_base, g)
 
     def w4a16_kernel(self, M: int, numerics: str = "fp32") -> tuple[str, int]:
-        """(entry name, row blocks per block) of the w4a16_mma launch for M <= 64 tokens."""
+        """(entry name, row blocks per block) of the w4a16_mma entry for M <= 64 tokens (at one token in
+        fp32 the 1-row-block entry of the family w4a16_plan chooses from)."""
         m, name = next(e for e in W4A16_ENTRIES[numerics] if e[0] >= M)
         return name, next(r for mm, r in W4A16_ROW_BLOCKS.items() if mm >= m)
 
-    def w4a16_plan(self, Nb: int, G: int, Z: int, ks: int | None = None, M: int = 1,
-                   numerics: str = "fp32") -> tuple[int, int]:
-        """(blocks along the output, k splits) of one w4a16_mma launch of M <= 64 tokens."""
-        _, rpb = self.w4a16_kernel(M, numerics)
-        gx = -(-Nb // rpb)
-        if ks is None:
-            # (the FP32-faithful entry's residency for both numerics: the same splits, the same summing order)
-            ks = w4a16_splits(gx * Z, G, self._w4_resident(self.w4a16_kernel(M)[0]), self.sm_count)
-        return gx, max(1, min(int(ks), G, W4A16_MAX_SPLITS))
+    def w4a16_plan(self, Nb: int, G: int, Z: int, ks: int | None = None, M: int = 1, numerics: str = "fp32",
+                   rows: int | None = None) -> tuple[str, int, int]:
+        """(entry name, blocks along the output, k splits) of one w4a16_mma launch of M <= 64 tokens. One
+        FP32-faithful token: the entry by w4a16_i8_plan, or `rows` row blocks per block where given (tests);
+        ks, where given, overrides the splits."""
+        name, rpb = self.w4a16_kernel(M, numerics)
+        # (the FP32-faithful entry's residency for both numerics: the same splits, the same summing order)
+        resident = self._w4_resident(self.w4a16_kernel(M)[0])
+        if M == 1 and numerics == "fp32":
+            rpb, k = w4a16_i8_plan(Nb, G, Z, resident, self.sm_count)
+            if rows is not None:
+                _need(rows in W4A16_I8_ROWS, "w4a16_mma", f"rows={rows}: choose one of {sorted(W4A16_I8_ROWS)}")
+                rpb, k = rows, w4a16_splits(-(-Nb // rows) * Z, G, resident, self.sm_count)
+            name = W4A16_I8_ROWS[rpb]
+        else:
+            _need(rows is None, "w4a16_mma", f"rows={rows}: only the one-token fp32 entries take a row count")
+            k = w4a16_splits(-(-Nb // rpb) * Z, G, resident, self.sm_count)
+        k = k if ks is None else ks
+        return name, -(-Nb // rpb), max(1, min(int(k), G, W4A16_MAX_SPLITS))
 
     def _w4_resident(self, name: str) -> int:
         """Blocks of kernel `name` resident on the whole GPU at once (shared memory and registers per SM)."""
@@ -301,19 +340,20 @@ class Ops:
         self._reserve("w4a16_mma", partials, tickets, "Ops.w4a16_reserve(*Ops.w4a16_need(...))")
 
     def w4a16_need(self, packed: DevBuf, M: int = 1, Z: int = 1, ks: int | None = None,
-                   numerics: str = "fp32") -> tuple[int, int]:
+                   numerics: str = "fp32", rows: int | None = None) -> tuple[int, int]:
         """(partials floats, tickets) one w4a16_mma launch over `packed` needs."""
         _, Nb, G, _ = packed.shape
         need = (0, 0)
         for m in {min(M, 64), M % 64 or 64}:                   # the launches of <= 64 tokens
-            gx, k = self.w4a16_plan(Nb, G, Z, ks, m, numerics)
+            _, gx, k = self.w4a16_plan(Nb, G, Z, ks, m, numerics, rows)
             if k > 1:
                 need = (max(need[0], Z * k * m * Nb * 32), max(need[1], Z * gx))
         return need
 
     def w4a16_mma(self, x, x_stride: int, packed: DevBuf, N: int, out, out_stride: int, M: int = 1, *,
                   mode: int = 0, numerics: str = "fp32", slot_ids=None, T: int = 1, S: int = 1, k0: int = 0,
-                  nk: int = 1, e_base: int = 0, x_by_slot: bool = False, ks: int | None = None) -> None:
+                  nk: int = 1, e_base: int = 0, x_by_slot: bool = False, ks: int | None = None,
+                  rows: int | None = None) -> None:
         """The fast W4A16 GEMM (kernels/w4a16_mma.cu) on weights repacked by cuda_engine/w4a16_pack.py.
 
         packed int32 [E, Nb, G, 144]; mode 0: out[t, :N] = W x[t] (N <= 32 Nb); mode 1: the fused SwiGLU
@@ -322,7 +362,7 @@ class Ops:
         the slots k0 .. k0+nk-1 of T tokens (M = 1), expert slot_ids[ts] - e_base; x row t, or ts when
         x_by_slot (the down projection's input is per slot); output row ts. numerics: "fp32" (three bf16
         terms, or one token's eight int8 digits: float32-accurate) or "bf16" (one term: activations rounded to
-        bf16)."""
+        bf16). rows: the one-token fp32 entry's row blocks per block (1, 2, 4, 8; tests), else by shape."""
         E, Nb, G, words = packed.shape
         _need(packed.dtype == np.int32 and words == W4A16_CHUNK_WORDS, "w4a16_mma",
               f"packed weights must be int32 [E, Nb, G, {W4A16_CHUNK_WORDS}], got {packed.dtype} {packed.shape}")
@@ -339,11 +379,10 @@ class Ops:
             Z = T * nk
         else:
             _need(E >= 1 and M >= 1, "w4a16_mma", f"need E >= 1 experts and M >= 1 tokens, got {E}, {M}")
-        self.w4a16_reserve(*self.w4a16_need(packed, M, Z, ks, numerics))
+        self.w4a16_reserve(*self.w4a16_need(packed, M, Z, ks, numerics, rows))
         for m0 in range(0, M, 64):
             m = min(64, M - m0)
-            gx, k = self.w4a16_plan(Nb, G, Z, ks, m, numerics)
-            name = self.w4a16_kernel(m, numerics)[0]
+            name, gx, k = self.w4a16_plan(Nb, G, Z, ks, m, numerics, rows)
             self._launch(name, (gx, k, Z), _ptr(x) + 4 * m0 * x_stride,
                          x_stride, packed.ptr, 0 if slot_ids is None else _ptr(slot_ids), S, k0, nk, e_base,
                          int(x_by_slot), m, N, Nb, G, k, _ptr(out) + 4 * m0 * out_stride, out_stride,

@@ -63,19 +63,21 @@ def test_w4a16_wrapper_tables_match_the_kernel_entries():
     import re
 
     from cuda_engine.build import KERNEL_DIR
-    from cuda_engine.ops import W4A16_ENTRIES, W4A16_ROW_BLOCKS
+    from cuda_engine.ops import W4A16_ENTRIES, W4A16_I8_ROWS, W4A16_ROW_BLOCKS
 
     text = (KERNEL_DIR / "w4a16_mma.cu").read_text()
-    entry = (r"(w4a16_mma_(i8|t\d)_m(\d+))\(W4A16_ARGS\) \{ w4a16_mma_body<(\d+), (\d), (?:true|false), (\d), \d, "
-             r"(true|false)>")
-    entries = re.findall(entry, text)           # (name, kind, most tokens, MT, TERMS, WS, I8) per entry
+    entry = (r"(w4a16_mma_(i8|t\d)_m(\d+)(?:_r(\d+))?)\(W4A16_ARGS\) \{ w4a16_mma_body<(\d+), (\d), (?:true|false), "
+             r"(\d), \d, (true|false)>")
+    entries = re.findall(entry, text)           # (name, kind, most tokens, R, MT, TERMS, WS, I8) per entry
     assert len(entries) == len(set(e[0] for e in entries)) > 0
     table = {name: (m, numerics) for numerics, es in W4A16_ENTRIES.items() for m, name in es}
+    table.update({name: (1, "fp32") for name in W4A16_I8_ROWS.values()})
     assert {e[0] for e in entries} == set(table)
-    for name, kind, m, mt, terms, ws, i8 in entries:
+    for name, kind, m, r, mt, terms, ws, i8 in entries:
         top, numerics = table[name]
-        rpb = next(r for t, r in W4A16_ROW_BLOCKS.items() if t >= int(m))
+        rpb = int(r) if r else next(rb for t, rb in W4A16_ROW_BLOCKS.items() if t >= int(m))
         assert (int(mt), int(m), 8 // int(ws)) == (top, top, rpb), name
+        assert name not in W4A16_I8_ROWS.values() or W4A16_I8_ROWS[rpb] == name, name
         assert (i8 == "true") == (kind == "i8"), name                           # the int8 digits path
         assert numerics == ("bf16" if int(terms) == 1 and i8 == "false" else "fp32"), name
     sizes = {numerics: [m for m, _ in es] for numerics, es in W4A16_ENTRIES.items()}
@@ -97,6 +99,27 @@ def test_w4a16_splits_follow_the_measured_costs():
     assert w4a16_splits(1, 3, 264, 132) == 3
     assert w4a16_splits(1, 224, 264, 132) == W4A16_MAX_SPLITS
     assert all(1 <= w4a16_splits(b, G, 396, 132) <= min(G, W4A16_MAX_SPLITS) for b in (1, 7, 64, 500) for G in (1, 5, 224))
+
+
+def test_w4a16_i8_plan_picks_the_measured_configurations():
+    """w4a16_i8_plan on the H200 (132 SMs, 396 resident blocks), the (row blocks per block, k splits) the A/B
+    sweep of docs/cuda-engine.md measured fastest or within 5% of it: the MoE decode launches (9 slots) take
+    8 row blocks per block, gate+up (224 groups) in 4 splits of 56 groups, down (64 groups) unsplit; single
+    K2.6 weights the most row blocks that keep 16 groups a split; small shapes (engine bundles) fall back to
+    1 row block per block at the one-wave split, as before the row counts existed."""
+    from cuda_engine.ops import W4A16_I8_ROWS, W4A16_MAX_SPLITS, w4a16_i8_plan, w4a16_splits
+
+    assert w4a16_i8_plan(128, 224, 9, 396, 132) == (8, 4)       # MoE gate+up: 53.2 us (fastest 52.9)
+    assert w4a16_i8_plan(224, 64, 9, 396, 132) == (8, 1)        # MoE down: 26.2 us (fastest)
+    assert w4a16_i8_plan(64, 224, 1, 396, 132) == (2, 8)        # 7168 -> 2048: 8.02 us (fastest 7.88)
+    assert w4a16_i8_plan(224, 64, 1, 396, 132) == (4, 4)        # 2048 -> 7168: 7.70 us (fastest 7.39)
+    assert w4a16_i8_plan(128, 224, 1, 396, 132) == (4, 8)       # gate+up 7168 -> 4096: 11.10 us (fastest)
+    assert w4a16_i8_plan(2, 3, 8, 396, 132) == (1, w4a16_splits(16, 3, 396, 132))
+    for Nb in (1, 3, 64, 500):
+        for G in (1, 5, 224):
+            for Z in (1, 9):
+                r, ks = w4a16_i8_plan(Nb, G, Z, 396, 132)
+                assert r in W4A16_I8_ROWS and 1 <= ks <= min(G, W4A16_MAX_SPLITS), (Nb, G, Z)
 
 
 def test_combine_slice_matches_the_kernel():

@@ -71,10 +71,10 @@ def plain_linear(ops, x, qw, sc_bits):
     return y.get()
 
 
-def fast_linear(ops, x, packed, N, numerics="fp32", ks=None):
+def fast_linear(ops, x, packed, N, numerics="fp32", ks=None, rows=None):
     M, K = x.shape
     y = dev(np.zeros((M, N), np.float32))
-    ops.w4a16_mma(dev(x), K, dev(packed[None]), N, y, N, M, numerics=numerics, ks=ks)
+    ops.w4a16_mma(dev(x), K, dev(packed[None]), N, y, N, M, numerics=numerics, ks=ks, rows=rows)
     ops.stream.synchronize()
     return y.get()
 
@@ -165,6 +165,59 @@ def test_int8_digits_path_outlier_on_a_zero_weight_column(ops, log2_outlier):
     x[0, 0] = 2.0 ** log2_outlier
     errors(f"int8 digits outlier 2^{log2_outlier} on a zero-weight column, unsplit", fast_linear(ops, x, pack_linear(qw, sc), N, ks=1),
            plain_linear(ops, x, qw, sc), x.astype(np.float64) @ W.T, x @ W.astype(np.float32).T)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 8])
+def test_int8_entries_every_row_count(ops, rows):
+    """The one-token entries differ only in how many blocks of 32 rows one block covers (ops.w4a16_i8_plan
+    picks by shape): each, on rows that end mid-block, split and unsplit; x staged from L2 in two segments
+    (224 groups unsplit) and from the copy the exponent pass keeps in shared memory (7 groups); the fused
+    gate+up; the MoE slot path (both launches, per-slot down input)."""
+    from cuda_engine.w4a16_pack import pack_experts, pack_experts_gate_up, pack_gate_up, pack_linear
+
+    rng = np.random.default_rng(50 + rows)
+    for N, K, splits in ((200, 224, (None, 2, 1)), (520, 7168, (1, 5))):
+        qw, sc, W = quantized(rng, N, K)
+        x = rand(rng, 1, K)
+        packed, plain, base = pack_linear(qw, sc), plain_linear(ops, x, qw, sc), x @ W.astype(np.float32).T
+        for ks in splits:
+            errors(f"int8 rows {rows}: linear {K}->{N} splits {ks}", fast_linear(ops, x, packed, N, ks=ks, rows=rows),
+                   plain, x.astype(np.float64) @ W.T, base)
+    I, D = 40, 224
+    (qg, sg, Wg), (qu, su, Wu) = quantized(rng, I, D), quantized(rng, I, D)
+    x = rand(rng, 1, D)
+    act, plain = dev(np.zeros((1, I), np.float32)), dev(np.zeros((1, I), np.float32))
+    ops.w4a16_mma(dev(x), D, dev(pack_gate_up(qg, sg, qu, su)[None]), I, act, I, 1, mode=1, rows=rows)
+    ops.w4a16_gate_up(dev(x), dev(qg[None]), dev(sg[None]), dev(qu[None]), dev(su[None]), dev(np.zeros(1, np.int32)),
+                      plain, 1, 1)
+    ops.stream.synchronize()
+    a, b = x.astype(np.float64) @ Wg.T, x.astype(np.float64) @ Wu.T
+    a32, b32 = x @ Wg.astype(np.float32).T, x @ Wu.astype(np.float32).T
+    errors(f"int8 rows {rows}: gate+up {D}->2x{I}", act.get(), plain.get(), a / (1 + np.exp(-a)) * b,
+           a32 / (np.float32(1) + np.exp(-a32)) * b32)
+    E, I, D, S = 6, 64, 96, 3
+    G, U, Dn = ([quantized(rng, *sh) for _ in range(E)] for sh in ((I, D), (I, D), (D, I)))
+    st = lambda L, k: np.stack([t[k] for t in L])  # noqa: E731
+    ids = dev(rng.permutation(E)[:S][None].astype(np.int32))
+    x = rand(rng, 1, D)
+    act_f, y_f, act_p, y_p = (dev(np.zeros(sh, np.float32)) for sh in ((S, I), (S, D), (S, I), (S, D)))
+    gu, dn = dev(pack_experts_gate_up(st(G, 0), st(G, 1), st(U, 0), st(U, 1))), dev(pack_experts(st(Dn, 0), st(Dn, 1)))
+    ops.w4a16_mma(dev(x), D, gu, I, act_f, I, mode=1, slot_ids=ids, T=1, S=S, nk=S, rows=rows)
+    ops.w4a16_gate_up(dev(x), dev(st(G, 0)), dev(st(G, 1)), dev(st(U, 0)), dev(st(U, 1)), ids, act_p, 1, S)
+    ops.stream.synchronize()
+    a_f = act_f.get()
+    ops.w4a16_mma(act_f, I, dn, D, y_f, D, slot_ids=ids, T=1, S=S, nk=S, x_by_slot=True, rows=rows)
+    ops.w4a16_down(act_f, dev(st(Dn, 0)), dev(st(Dn, 1)), ids, y_p, 1, S)
+    ops.stream.synchronize()
+    ids_h = ids.get()[0]
+    oracle = np.stack([Dn[e][2] @ a_f[k].astype(np.float64) for k, e in enumerate(ids_h)])
+    base = np.stack([Dn[e][2].astype(np.float32) @ a_f[k] for k, e in enumerate(ids_h)])
+    errors(f"int8 rows {rows}: MoE down over slots (fast gate+up's act)", y_f.get(), y_p.get(), oracle, base)
+    x64 = x[0].astype(np.float64)
+    ag = np.stack([(lambda a, b: a / (1 + np.exp(-a)) * b)(G[e][2] @ x64, U[e][2] @ x64) for e in ids_h])
+    a32 = np.stack([(lambda a, b: a / (np.float32(1) + np.exp(-a)) * b)(G[e][2].astype(np.float32) @ x[0],
+                                                                        U[e][2].astype(np.float32) @ x[0]) for e in ids_h])
+    errors(f"int8 rows {rows}: MoE gate+up over slots", a_f, act_p.get(), ag, a32)
 
 
 @pytest.mark.parametrize("I,D,M,ks", [(2048, 7168, 1, None), (2048, 7168, 16, None), (24, 96, 3, None),

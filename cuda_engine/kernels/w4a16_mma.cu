@@ -46,7 +46,10 @@
 // weights and 8 of scales per chunk straight into registers (no shared-memory round trip, no pipeline
 // bookkeeping), U chunks per batch, two batches in flight: the one it computes and the next. The block
 // splits x into its digits or bf16 terms once and stages them in shared memory in fragment order (W4A16_XS_WORDS,
-// segment by segment when the columns do not fit), while the weight stream is already in flight. With ks > 1
+// segment by segment when the columns do not fit), while the weight stream is already in flight; the 8 / WS row
+// blocks share that work (one token: ops.w4a16_i8_plan picks WS per launch shape). At one token the exponent
+// pass reads x, and when the split's digits and x fit xs together it keeps x there for the staging (x read
+// from L2 once, not twice). With ks > 1
 // each block writes fp32 partials [z, ky, M, Nb * 32]; the last block of a column range to finish (a ticket
 // per (z, blockIdx.x), reset by that block) adds them in split order and applies the epilogue: deterministic,
 // no float atomics.
@@ -131,7 +134,6 @@ struct W4Config {
     // the widest token count must still stage one batch of every warp (U WS groups) per segment
     static_assert(I8 ? W4A16_XS_WORDS / GW >= U * WS : ((W4A16_XS_WORDS / MT - 16) / (4 * TW)) >= U * WS,
                   "activation staging too small");
-    static_assert(!TCOL || WS == W4A16_WARPS, "terms as columns: the whole block on one row block");
     static_assert(!I8 || (TCOL && MT == 1), "int8 digits: the 8 digit columns of one token");
 };
 
@@ -148,10 +150,10 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
     __shared__ unsigned xmax[MT];                                // I8: a token's largest |x| (float bits), this split
     __shared__ float xfac[MT][2];                                // I8: 2^(E-66) in two factors: digit sums -> float
     // after the main loop xs is free: red = one column tile of every warp's accumulators [warp][8][lane];
-    // TCOL: colsum = [mt][row][column], the warps summed
+    // TCOL: colsum = [row block][row][column], the warps summed
     float (*red)[8][WARP_SIZE] = reinterpret_cast<float (*)[8][WARP_SIZE]>(xs);
     float* colsum = reinterpret_cast<float*>(xs) + W4A16_WARPS * 8 * WARP_SIZE;
-    static_assert(W4A16_WARPS * 8 * WARP_SIZE + 2 * 16 * 8 * CT <= W4A16_XS_WORDS, "epilogue does not fit xs");
+    static_assert(W4A16_WARPS * 8 * WARP_SIZE + (TCOL ? RPB * 32 * 8 * CT : 0) <= W4A16_XS_WORDS, "epilogue does not fit xs");
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE, g = lane >> 2, c = lane & 3;
     const int bx = blockIdx.x, ky = blockIdx.y, z = blockIdx.z;
     const int rb = warp / WS, kw = warp % WS;
@@ -203,6 +205,11 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
     constexpr int XR = 4;
     const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     float xin[MT][2];                                           // I8: 2^(62-E) per token, in two factors
+    // I8: when the split's digits (GW words a group) and its x (32 words a group) fit xs together, the exponent
+    // pass also keeps x in xs, past the digits, and the staging converts it from there: x is read from L2 once,
+    // one round trip less per block (then the split is one segment: n <= W4A16_XS_WORDS / (GW + 32) < seg)
+    const bool one_read = I8 && (GW + 32) * n <= W4A16_XS_WORDS;
+    float4* xraw = reinterpret_cast<float4*>(xs + GW * n);     // quad u at xraw[u]
     if constexpr (I8) {                                         // each token's largest |x| over the whole split
         if (threadIdx.x < MT) xmax[threadIdx.x] = 0u;
         __syncthreads();
@@ -214,6 +221,9 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
                     float4 v[XR];
 #pragma unroll
                     for (int k = 0; k < XR; ++k) v[k] = u0 + k * (int)blockDim.x < 8 * n ? quad(tok, u0 + k * blockDim.x) : zero4;
+#pragma unroll
+                    for (int k = 0; k < XR; ++k)
+                        if (one_read && u0 + k * (int)blockDim.x < 8 * n) xraw[u0 + k * blockDim.x] = v[k];
 #pragma unroll
                     for (int k = 0; k < XR; ++k)
                         m = max(max(m, max(__float_as_uint(v[k].x) & 0x7FFFFFFFu, __float_as_uint(v[k].y) & 0x7FFFFFFFu)),
@@ -281,7 +291,8 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
                         float4 xv[XR];
 #pragma unroll
                         for (int k = 0; k < XR; ++k)
-                            xv[k] = tok < M && u0 + k * (int)blockDim.x < units ? quad(tok, 8 * s0 + u0 + k * blockDim.x) : zero4;
+                            xv[k] = tok >= M || u0 + k * (int)blockDim.x >= units ? zero4
+                                  : one_read ? xraw[u0 + k * blockDim.x] : quad(tok, 8 * s0 + u0 + k * blockDim.x);
 #pragma unroll
                         for (int k = 0; k < XR; ++k) {
                           const int u = u0 + k * (int)blockDim.x;
@@ -458,8 +469,8 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
             }
             const int r16 = ln / 4 + 8 * (r >> 1), col = nt * 8 + 2 * (ln % 4) + (r & 1);
             if (TCOL) {
-                colsum[r16 * 8 * CT + col] = v0;
-                colsum[(16 + r16) * 8 * CT + col] = v1;
+                colsum[(rbk * 32 + r16) * 8 * CT + col] = v0;
+                colsum[(rbk * 32 + 16 + r16) * 8 * CT + col] = v1;
             } else {
                 emit(rbk, r16, col, v0, v1);
             }
@@ -467,10 +478,10 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
     }
     if (TCOL) {                                                // a token's terms (digits), smallest first, in fp32
         __syncthreads();
-        for (int idx = threadIdx.x; idx < 16 * M; idx += blockDim.x) {
-            const int r16 = idx % 16, tok = idx / 16;
-            const float* c0 = colsum + r16 * 8 * CT + tok * TC;
-            const float* c1 = colsum + (16 + r16) * 8 * CT + tok * TC;
+        for (int idx = threadIdx.x; idx < RPB * 16 * M; idx += blockDim.x) {
+            const int r16 = idx % 16, tok = idx / 16 % M, rbk = idx / (16 * M);
+            const float* c0 = colsum + (rbk * 32 + r16) * 8 * CT + tok * TC;
+            const float* c1 = colsum + (rbk * 32 + 16 + r16) * 8 * CT + tok * TC;
             float v0 = 0.0f, v1 = 0.0f;
             if (I8) {                                          // digit d weighs 256^d; then 2^(E-66): exact scalings
 #pragma unroll
@@ -483,7 +494,7 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
 #pragma unroll
                 for (int t = TC - 1; t >= 0; --t) v0 += c0[t], v1 += c1[t];
             }
-            emit(0, r16, tok, v0, v1);
+            emit(rbk, r16, tok, v0, v1);
         }
     }
     if (ks == 1) return;
@@ -523,12 +534,19 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
                    tickets, mode
 
 // One entry per (numerics, most tokens per launch); template <MT, TERMS, TCOL, WS, U, I8>. FP32-faithful:
-// w4a16_mma_i8_m1 (the 8 int8 digits of one token as columns), then w4a16_mma_t3_m<MT> (bf16 terms as columns
-// at 2..8 tokens, the 8 warps on one row block; from 9 tokens one
+// w4a16_mma_i8_m1_r<R> (the 8 int8 digits of one token as columns; R = 8 / WS row blocks per block, chosen
+// per launch shape by ops.w4a16_plan: more rows share one block's staged x, fewer blocks to fill the GPU),
+// then w4a16_mma_t3_m<MT> (bf16 terms as columns at 2..8 tokens, the 8 warps on one row block; from 9 tokens one
 // column per token, fewer warps per row block: the staged x of more tokens holds fewer groups); bf16
 // activations: w4a16_mma_t1_m<MT>.
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 3)
-w4a16_mma_i8_m1(W4A16_ARGS) { w4a16_mma_body<1, 3, true, 8, 2, true>(W4A16_PASS); }
+w4a16_mma_i8_m1_r1(W4A16_ARGS) { w4a16_mma_body<1, 3, true, 8, 2, true>(W4A16_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 3)
+w4a16_mma_i8_m1_r2(W4A16_ARGS) { w4a16_mma_body<1, 3, true, 4, 2, true>(W4A16_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 3)
+w4a16_mma_i8_m1_r4(W4A16_ARGS) { w4a16_mma_body<1, 3, true, 2, 2, true>(W4A16_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 3)
+w4a16_mma_i8_m1_r8(W4A16_ARGS) { w4a16_mma_body<1, 3, true, 1, 2, true>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
 w4a16_mma_t3_m2(W4A16_ARGS) { w4a16_mma_body<2, 3, true, 8, 4, false>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
