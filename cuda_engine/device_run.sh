@@ -18,7 +18,7 @@
 # 5. `kdtr bench engine` (decode latency, with and without the CUDA graph, vs the launch floor; an INT4 bundle
 #    in both --w4a16 modes), `kdtr bench w4a16` (the W4A16 kernels vs floor, cuBLAS, tinygemm; MoE layer) and
 #    `kdtr bench ddtree` (DDTree vs AR tokens/s on both bundles, one run);
-# 6. `kdtr verify --engine auto` picks cuda.
+# 6. `kdtr verify --engine auto` picks cuda; racecheck over the one-token W4A16 entries' own GPU test.
 # Everything goes to OUTDIR/log; the exit status is 1 when any step failed.
 set -u
 OUT_DIR=${1:?usage: bash cuda_engine/device_run.sh OUTDIR}
@@ -70,5 +70,9 @@ for k in w4a16_mma ddtree_ mla_attention_kernel; do
         python3 -c 'from cli.main import main; main()' verify bundles/model_int4_tiny.kdtr --engine cuda
 done
 step kdtr verify bundles/model_tiny.kdtr --engine auto
+# racecheck over the one-token entries with 2, 4 and 8 row blocks per block (the tiny bundle's experts run the
+# 1-row-block one): their GPU test, every launch shape it has
+step timeout 120 compute-sanitizer --tool racecheck --kernel-name kns=w4a16_mma_i8 --error-exitcode 9 \
+    python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_w4a16.py -k every_row_count
 echo "device_run: $([ $failed -eq 0 ] && echo ALL STEPS PASSED || echo SOME STEP FAILED)"
 exit $failed

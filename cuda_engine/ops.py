@@ -76,13 +76,16 @@ def w4a16_i8_plan(Nb: int, G: int, Z: int, resident: int, sm_count: int) -> tupl
     blocks to fill the GPU, which k splits then make up at the cost of the split-K exchange. Two regimes:
     - many rows (Z * ceil(Nb / 8) >= the SM count: the MoE decode path): 8 row blocks per block, split only so
       far that a split holds at most W4A16_I8_MAX_GROUPS groups (more, shorter blocks balance over the SMs);
-    - a single weight: the most row blocks per block whose one-wave split (w4a16_splits) keeps at least
-      W4A16_I8_MIN_GROUPS groups per split, else 1 row block per block at its one-wave split.
+    - a single weight: 1 row block per block where that fills the wave unsplit; else the most row blocks per
+      block whose one-wave split (w4a16_splits) keeps at least W4A16_I8_MIN_GROUPS groups per split, else 1
+      row block per block at its one-wave split.
     Measured on the H200 (an A/B sweep of every row count and split, docs/cuda-engine.md): this picks the
-    fastest configuration or one within 5% of it on the K2.6 shapes (MoE gate+up and down, 7168 -> 2048,
+    fastest configuration or one within 2% of it on the K2.6 shapes (MoE gate+up and down, 7168 -> 2048,
     2048 -> 7168, gate+up 7168 -> 4096)."""
     if Z * -(-Nb // 8) >= sm_count:
         return 8, max(1, min(-(-G // W4A16_I8_MAX_GROUPS), W4A16_MAX_SPLITS))
+    if w4a16_splits(Nb * Z, G, resident, sm_count) == 1:
+        return 1, 1
     for r in (8, 4, 2):
         ks = w4a16_splits(-(-Nb // r) * Z, G, resident, sm_count)
         if G // ks >= W4A16_I8_MIN_GROUPS:

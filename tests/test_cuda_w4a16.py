@@ -244,10 +244,14 @@ def test_fast_gate_up_within_2x_plain(ops, I, D, M, ks):
            a32 / (np.float32(1) + np.exp(-a32)) * b32)
 
 
-@pytest.mark.parametrize("E,I,D,K,T", [(6, 64, 96, 3, 1), (5, 32, 192, 4, 2), (4, 2048, 7168, 2, 1)])
+@pytest.mark.parametrize("E,I,D,K,T", [(6, 64, 96, 3, 1), (5, 32, 192, 4, 2), (4, 2048, 7168, 2, 1),
+                                       (4, 2048, 7168, 4, 4)])
 def test_fused_moe_slots_within_2x_plain(ops, E, I, D, K, T):
     """The engine's fused MoE decode path: one launch for the selected experts' gate+up, one for their down,
-    over (token, slot) pairs with per-slot expert ids, against the plain kernels on the same slots."""
+    over (token, slot) pairs with per-slot expert ids, against the plain kernels on the same slots. At K2.6
+    shapes with 16 (token, slot) pairs the launches take ops.w4a16_i8_plan's many-row regime (8 row blocks
+    per block; the gate+up in 4 splits), the one the one-token MoE layer runs; with 2 pairs its single-weight
+    regime."""
     from cuda_engine.w4a16_pack import pack_experts, pack_experts_gate_up
 
     rng = np.random.default_rng(E * I + D)

@@ -248,7 +248,8 @@ moe_combine_kernel(const float* __restrict__ y, const int* __restrict__ slot_ids
     __threadfence();
     float total = 0.0f;                                       // thread 0's, in block order
     for (int b0 = 0; b0 < nblk; b0 += BLOCK_THREADS) {        // the partials staged a block's width at a time
-        if (b0 + threadIdx.x < nblk) buf[threadIdx.x] = partials[(size_t)t * nblk + b0 + threadIdx.x];
+        // (L2 loads: other blocks wrote these; this SM's L1 holds no copy the ticket would have ordered)
+        if (b0 + threadIdx.x < nblk) buf[threadIdx.x] = __ldcg(&partials[(size_t)t * nblk + b0 + threadIdx.x]);
         __syncthreads();
         if (threadIdx.x == 0)
             for (int b = 0; b < BLOCK_THREADS && b0 + b < nblk; ++b) total += buf[b];
@@ -265,7 +266,7 @@ moe_combine_kernel(const float* __restrict__ y, const int* __restrict__ slot_ids
 #pragma unroll
         for (int u = 0; u < COMBINE_NORM_U; ++u) {            // past D: element D - 1 again (unused), so the
             const int dd = min(d0 + u * BLOCK_THREADS, D - 1);  // loads carry no predicate between them
-            hn[u] = h_out[row + dd];
+            hn[u] = __ldcg(&h_out[row + dd]);                 // (other blocks' slices: L2, as the partials)
             wn[u] = w_norm[dd];
         }
 #pragma unroll
