@@ -73,22 +73,29 @@ def w4a16_i8_plan(Nb: int, G: int, Z: int, resident: int, sm_count: int) -> tupl
     over Nb blocks of 32 rows and G groups, `resident` blocks of the entry fitting on the GPU at once.
 
     A block stages x once for all its rows, so more row blocks per block share that work, but leave fewer
-    blocks to fill the GPU, which k splits then make up at the cost of the split-K exchange. Two regimes:
-    - many rows (Z * ceil(Nb / 8) >= the SM count: the MoE decode path): 8 row blocks per block, split only so
-      far that a split holds at most W4A16_I8_MAX_GROUPS groups (more, shorter blocks balance over the SMs);
+    blocks to fill the GPU, which k splits then make up at the cost of the split-K exchange. Never more row
+    blocks per block than the weight has, rounded up to a power of two (the others' warps would idle). Two
+    regimes:
+    - many rows (Z * ceil(Nb / 8) >= the SM count: the MoE decode path and its forwards over many tokens): the
+      most row blocks per block, split only so far that a split holds at most W4A16_I8_MAX_GROUPS groups (more,
+      shorter blocks balance over the SMs) and the blocks stay within two waves of `resident` (beyond that a
+      split only adds exchange and split-K workspace: Z * ks * Nb * 32 floats);
     - a single weight: 1 row block per block where that fills the wave unsplit; else the most row blocks per
       block whose one-wave split (w4a16_splits) keeps at least W4A16_I8_MIN_GROUPS groups per split, else 1
       row block per block at its one-wave split.
     Measured on the H200 (an A/B sweep of every row count and split, docs/cuda-engine.md): this picks the
-    fastest configuration or one within 2% of it on the K2.6 shapes (MoE gate+up and down, 7168 -> 2048,
-    2048 -> 7168, gate+up 7168 -> 4096)."""
+    fastest configuration or one within 2% of it on the K2.6 shapes (MoE gate+up and down with 9 slots,
+    7168 -> 2048, 2048 -> 7168, gate+up 7168 -> 4096); the two-wave bound was not measured apart (it leaves
+    those shapes' choices as they are)."""
+    top = min(8, 1 << max(0, Nb - 1).bit_length())
     if Z * -(-Nb // 8) >= sm_count:
-        return 8, max(1, min(-(-G // W4A16_I8_MAX_GROUPS), W4A16_MAX_SPLITS))
+        ks = min(-(-G // W4A16_I8_MAX_GROUPS), 2 * resident // (Z * -(-Nb // top)))
+        return top, max(1, min(ks, W4A16_MAX_SPLITS))
     if w4a16_splits(Nb * Z, G, resident, sm_count) == 1:
         return 1, 1
     for r in (8, 4, 2):
         ks = w4a16_splits(-(-Nb // r) * Z, G, resident, sm_count)
-        if G // ks >= W4A16_I8_MIN_GROUPS:
+        if r <= top and G // ks >= W4A16_I8_MIN_GROUPS:
             return r, ks
     return 1, w4a16_splits(Nb * Z, G, resident, sm_count)
 
@@ -300,7 +307,8 @@ class Ops:
         FP32-faithful token: the entry by w4a16_i8_plan, or `rows` row blocks per block where given (tests);
         ks, where given, overrides the splits."""
         name, rpb = self.w4a16_kernel(M, numerics)
-        # (the FP32-faithful entry's residency for both numerics: the same splits, the same summing order)
+        # (the FP32-faithful 1-row-block entry's residency for both numerics; at one token the bf16 numerics
+        # run w4a16_splits on its own row blocks while fp32 follows w4a16_i8_plan: different launches)
         resident = self._w4_resident(self.w4a16_kernel(M)[0])
         if M == 1 and numerics == "fp32":
             rpb, k = w4a16_i8_plan(Nb, G, Z, resident, self.sm_count)

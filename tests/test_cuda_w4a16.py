@@ -144,6 +144,32 @@ def test_wide_ranges(ops, M):
     np.testing.assert_array_equal(got[1:], fast_linear(ops, x, packed, N)[1:])
 
 
+@pytest.mark.parametrize("scale", ["1e-30", "subnormal", "zero", "inf"])
+def test_int8_digits_path_extreme_scales(ops, scale):
+    """One token (the int8 digits path), split and unsplit: x around 1e-30 (2^(62-E) and 2^(E-66) exceed
+    float32's powers of two: each applied as two normal factors) and x of float32 subnormals only, within 2x
+    the plain kernel's error; x = 0 gives exact zeros; an infinite x makes every output NaN."""
+    from cuda_engine.w4a16_pack import pack_linear
+
+    rng = np.random.default_rng(60)
+    N, K = 96, 1024
+    qw, sc, W = quantized(rng, N, K)
+    x = rand(rng, 1, K)
+    x = {"1e-30": x * np.float32(1e-30), "subnormal": x * np.float32(1e-40), "zero": np.zeros_like(x),
+         "inf": np.where(np.arange(K) == 9, np.float32(np.inf), x)}[scale].astype(np.float32)
+    packed = pack_linear(qw, sc)
+    plain, oracle, base = plain_linear(ops, x, qw, sc), x.astype(np.float64) @ W.T, x @ W.astype(np.float32).T
+    for ks in (None, 2):
+        got = fast_linear(ops, x, packed, N, ks=ks)
+        if scale == "zero":
+            np.testing.assert_array_equal(got, 0.0)
+        elif scale == "inf":
+            assert np.isnan(got).all()
+        else:
+            assert np.abs(got).max() > 0, f"{scale}: the outputs underflowed to zero"
+            errors(f"int8 digits {scale} x, splits {ks}", got, plain, oracle, base)
+
+
 @pytest.mark.parametrize("log2_outlier", [12, 20, 30])
 def test_int8_digits_path_outlier_on_a_zero_weight_column(ops, log2_outlier):
     """One token, one split: x ~ N(0, 1) with x[0] = 2^12 .. 2^30 and every row's weight on column 0 zero
@@ -173,8 +199,10 @@ def test_int8_entries_every_row_count(ops, rows):
     picks by shape): each, on rows that end mid-block, split and unsplit; x staged from L2 in two segments
     (224 groups unsplit) and from the copy the exponent pass keeps in shared memory (7 groups); the fused
     gate+up; the MoE slot path (both launches, per-slot down input)."""
+    from cuda_engine.ops import W4A16_I8_ROWS
     from cuda_engine.w4a16_pack import pack_experts, pack_experts_gate_up, pack_gate_up, pack_linear
 
+    assert ops.w4a16_plan(7, 7, 1, None, 1, "fp32", rows)[0] == W4A16_I8_ROWS[rows]    # rows= picks the entry
     rng = np.random.default_rng(50 + rows)
     for N, K, splits in ((200, 224, (None, 2, 1)), (520, 7168, (1, 5))):
         qw, sc, W = quantized(rng, N, K)
@@ -250,7 +278,7 @@ def test_fused_moe_slots_within_2x_plain(ops, E, I, D, K, T):
     """The engine's fused MoE decode path: one launch for the selected experts' gate+up, one for their down,
     over (token, slot) pairs with per-slot expert ids, against the plain kernels on the same slots. At K2.6
     shapes with 16 (token, slot) pairs the launches take ops.w4a16_i8_plan's many-row regime (8 row blocks
-    per block; the gate+up in 4 splits), the one the one-token MoE layer runs; with 2 pairs its single-weight
+    per block; the gate+up in 3 splits), the one the one-token MoE layer runs; with 2 pairs its single-weight
     regime."""
     from cuda_engine.w4a16_pack import pack_experts, pack_experts_gate_up
 

@@ -63,7 +63,7 @@
 #define W4A16_WARPS WARPS_PER_BLOCK          // BLOCK_THREADS threads per block
 #define W4A16_XS_WORDS 11264                // 44 KB of staged activations per block: at one token (int8 digits:
                                             // 64 words per group) 176 groups per segment, K2.6's 7168 columns
-                                            // (224 groups, the unsplit MoE path) in two
+                                            // (224 groups) unsplit in two
 #define W4A16_CHUNK_WORDS 144
 
 __device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, const unsigned* b) {
@@ -209,6 +209,8 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
     // pass also keeps x in xs, past the digits, and the staging converts it from there: x is read from L2 once,
     // one round trip less per block (then the split is one segment: n <= W4A16_XS_WORDS / (GW + 32) < seg)
     const bool one_read = I8 && (GW + 32) * n <= W4A16_XS_WORDS;
+    static_assert(!I8 || W4A16_XS_WORDS / (GW + 32) < W4A16_XS_WORDS / GW / (U * WS) * (U * WS),
+                  "one_read must imply a single staging segment (the staging reads xraw from the split's start)");
     float4* xraw = reinterpret_cast<float4*>(xs + GW * n);     // quad u at xraw[u]
     if constexpr (I8) {                                         // each token's largest |x| over the whole split
         if (threadIdx.x < MT) xmax[threadIdx.x] = 0u;
