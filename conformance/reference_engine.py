@@ -22,7 +22,6 @@ from refmodel.model import KVCache, block, causal_mask, expert_weights, forward,
 from refmodel.stored import StoredWeights, upcast_if_fits
 
 
-
 def bundle_weights(f, dtype=np.float64) -> tuple[ModelConfig, StoredWeights]:
     """(cfg, weights) of an open bundle: the stored tensors memory-mapped, each upcast to `dtype` when a
     forward reads it (INT4 `.qw`/`.sc` dequantized exactly), so the model is never whole in `dtype`."""

@@ -61,6 +61,14 @@ def errors(case: str, fast, plain, oracle, baseline) -> tuple[float, float]:
     return fe, pe
 
 
+def swiglu_refs(x, Wg, Wu):
+    """silu(Wg x) * (Wu x) for x [M, D]: (float64 oracle, float32 NumPy baseline)."""
+    x64 = x.astype(np.float64)
+    a, b = x64 @ Wg.T, x64 @ Wu.T
+    a32, b32 = x @ Wg.astype(np.float32).T, x @ Wu.astype(np.float32).T
+    return a / (1 + np.exp(-a)) * b, a32 / (np.float32(1) + np.exp(-a32)) * b32
+
+
 def plain_linear(ops, x, qw, sc_bits):
     """The plain kernel as a linear layer: one expert, every token its own slot (w4a16_down_kernel)."""
     M, K = x.shape
@@ -220,10 +228,7 @@ def test_int8_entries_every_row_count(ops, rows):
     ops.w4a16_gate_up(dev(x), dev(qg[None]), dev(sg[None]), dev(qu[None]), dev(su[None]), dev(np.zeros(1, np.int32)),
                       plain, 1, 1)
     ops.stream.synchronize()
-    a, b = x.astype(np.float64) @ Wg.T, x.astype(np.float64) @ Wu.T
-    a32, b32 = x @ Wg.astype(np.float32).T, x @ Wu.astype(np.float32).T
-    errors(f"int8 rows {rows}: gate+up {D}->2x{I}", act.get(), plain.get(), a / (1 + np.exp(-a)) * b,
-           a32 / (np.float32(1) + np.exp(-a32)) * b32)
+    errors(f"int8 rows {rows}: gate+up {D}->2x{I}", act.get(), plain.get(), *swiglu_refs(x, Wg, Wu))
     E, I, D, S = 6, 64, 96, 3
     G, U, Dn = ([quantized(rng, *sh) for _ in range(E)] for sh in ((I, D), (I, D), (D, I)))
     st = lambda L, k: np.stack([t[k] for t in L])  # noqa: E731
@@ -242,11 +247,8 @@ def test_int8_entries_every_row_count(ops, rows):
     oracle = np.stack([Dn[e][2] @ a_f[k].astype(np.float64) for k, e in enumerate(ids_h)])
     base = np.stack([Dn[e][2].astype(np.float32) @ a_f[k] for k, e in enumerate(ids_h)])
     errors(f"int8 rows {rows}: MoE down over slots (fast gate+up's act)", y_f.get(), y_p.get(), oracle, base)
-    x64 = x[0].astype(np.float64)
-    ag = np.stack([(lambda a, b: a / (1 + np.exp(-a)) * b)(G[e][2] @ x64, U[e][2] @ x64) for e in ids_h])
-    a32 = np.stack([(lambda a, b: a / (np.float32(1) + np.exp(-a)) * b)(G[e][2].astype(np.float32) @ x[0],
-                                                                        U[e][2].astype(np.float32) @ x[0]) for e in ids_h])
-    errors(f"int8 rows {rows}: MoE gate+up over slots", a_f, act_p.get(), ag, a32)
+    refs = [swiglu_refs(x, G[e][2], U[e][2]) for e in ids_h]                  # [1, I] per slot
+    errors(f"int8 rows {rows}: MoE gate+up over slots", a_f, act_p.get(), *(np.concatenate(r) for r in zip(*refs)))
 
 
 @pytest.mark.parametrize("I,D,M,ks", [(2048, 7168, 1, None), (2048, 7168, 16, None), (24, 96, 3, None),
@@ -266,11 +268,8 @@ def test_fast_gate_up_within_2x_plain(ops, I, D, M, ks):
     ops.w4a16_gate_up(dev(x), dev(qg[None]), dev(sg[None]), dev(qu[None]), dev(su[None]), dev(np.zeros(M, np.int32)),
                       plain, M, 1)
     ops.stream.synchronize()
-    x64 = x.astype(np.float64)
-    a, b = x64 @ Wg.T, x64 @ Wu.T
-    a32, b32 = x @ Wg.astype(np.float32).T, x @ Wu.astype(np.float32).T     # the float32 NumPy baseline
-    errors(f"gate+up {D}->2x{I} batch {M}" + (f" {ks} split" if ks else ""), act.get(), plain.get(), a / (1 + np.exp(-a)) * b,
-           a32 / (np.float32(1) + np.exp(-a32)) * b32)
+    errors(f"gate+up {D}->2x{I} batch {M}" + (f" {ks} split" if ks else ""), act.get(), plain.get(),
+           *swiglu_refs(x, Wg, Wu))
 
 
 @pytest.mark.parametrize("E,I,D,K,T", [(6, 64, 96, 3, 1), (5, 32, 192, 4, 2), (4, 2048, 7168, 2, 1),
