@@ -29,11 +29,13 @@ W4A16_ENTRIES = {
     "bf16": tuple((m, f"w4a16_mma_t1_m{m}") for m in (8, 16, 32, 64)),
 }
 W4A16_ROW_BLOCKS = {8: 1, 16: 2, 32: 4, 64: 8}
-# The one-token FP32-faithful entries by row blocks per block (8 / that many warps per row block): the same
-# arithmetic, more rows sharing one block's staged x; w4a16_i8_plan picks one per launch shape
-W4A16_I8_ROWS = {r: f"w4a16_mma_i8_m1_r{r}" for r in (1, 2, 4, 8)}
-W4A16_I8_MIN_GROUPS = 16            # a single weight's k splits keep at least this many groups (w4a16_i8_plan)
-W4A16_I8_MAX_GROUPS = 64            # the many-row path's k splits at most this many groups (w4a16_i8_plan)
+# The FP32-faithful entries of up to 5 tokens by row blocks per block (8 / that many warps per row block), keyed
+# by the entry's most tokens (1: the int8 digits, 2 and 5: the bf16 terms): the same arithmetic, more rows
+# sharing one block's staged x; w4a16_rows_plan picks one per launch shape
+W4A16_ROWS = {1: {r: f"w4a16_mma_i8_m1_r{r}" for r in (1, 2, 4, 8)},
+              **{m: {r: f"w4a16_mma_t3_m{m}" + (f"_r{r}" if r > 1 else "") for r in (1, 2, 4, 8)} for m in (2, 5)}}
+W4A16_ROWS_MIN_GROUPS = 16          # a single weight's k splits keep at least this many groups (w4a16_rows_plan)
+W4A16_ROWS_MAX_GROUPS = 64          # the many-row path's k splits at most this many groups (w4a16_rows_plan)
 
 # kernel name -> argument types (struct codes: P pointer, i int32, q int64, f float32, d float64)
 SIGNATURES = {
@@ -52,7 +54,7 @@ SIGNATURES = {
     "moe_combine_kernel": "PPPPiiiPPPPfPP",
     "stream_read_kernel": "PqP",
     **{name: "PiPP" + "i" * 10 + "PiPPi" for entries in W4A16_ENTRIES.values() for _, name in entries},
-    **{name: "PiPP" + "i" * 10 + "PiPPi" for name in W4A16_I8_ROWS.values()},
+    **{name: "PiPP" + "i" * 10 + "PiPPi" for family in W4A16_ROWS.values() for name in family.values()},
     "argmax_kernel": "PiP",
     "decode_advance_kernel": "PP",
 }
@@ -61,41 +63,44 @@ SIGNATURES = {
 def w4a16_splits(blocks: int, G: int, resident: int, sm_count: int) -> int:
     """K splits of a w4a16_mma launch with `blocks` blocks per split over G groups, `resident` blocks of its
     entry fitting on the GPU at once: as many as fill one wave of at most two blocks per SM, at least one, at
-    most G and W4A16_MAX_SPLITS. Measured on the H200 (kdtr bench w4a16 and A/B runs, docs/cuda-engine.md):
-    one K2.6 weight at batch 1 is fastest at 4 splits (2, 3, 6 and 8 were slower: filling the third block per
-    SM of the int8 entries costs more in split-K work than it gains), the MoE path's many blocks unsplit (2
-    splits: 18% and 55% slower), and 9..64 tokens at a full wave (fewer splits: up to 2x slower at 64)."""
+    most G and W4A16_MAX_SPLITS. The split of 6..64 tokens and of the bf16 numerics; w4a16_rows_plan decides
+    up to 5 FP32-faithful tokens and uses this rule for a single weight's one-wave split. Measured on the
+    H200 (kdtr bench w4a16 and A/B runs, docs/cuda-engine.md): 9..64 tokens are fastest at a full wave (fewer
+    splits: up to 2x slower at 64)."""
     return max(1, min(min(resident, 2 * sm_count) // max(blocks, 1), G, W4A16_MAX_SPLITS))
 
 
-def w4a16_i8_plan(Nb: int, G: int, Z: int, resident: int, sm_count: int) -> tuple[int, int]:
-    """(row blocks per block, k splits) of a one-token FP32-faithful w4a16_mma launch of Z (token, slot) pairs
-    over Nb blocks of 32 rows and G groups, `resident` blocks of the entry fitting on the GPU at once.
+def w4a16_rows_plan(Nb: int, G: int, Z: int, resident: int, sm_count: int) -> tuple[int, int]:
+    """(row blocks per block, k splits) of an FP32-faithful w4a16_mma launch of up to 5 tokens (the entries of
+    W4A16_ROWS) with Z (token, slot) pairs over Nb blocks of 32 rows and G groups, `resident` blocks of the
+    family's 1-row-block entry fitting on the GPU at once.
 
     A block stages x once for all its rows, so more row blocks per block share that work, but leave fewer
     blocks to fill the GPU, which k splits then make up at the cost of the split-K exchange. Never more row
     blocks per block than the weight has, rounded up to a power of two (the others' warps would idle). Two
     regimes:
     - many rows (Z * ceil(Nb / 8) >= the SM count: the MoE decode path and its forwards over many tokens): the
-      most row blocks per block, split only so far that a split holds at most W4A16_I8_MAX_GROUPS groups (more,
-      shorter blocks balance over the SMs) and the blocks stay within two waves of `resident` (beyond that a
-      split only adds exchange and split-K workspace: Z * ks * Nb * 32 floats);
+      most row blocks per block, split only so far that a split holds at most W4A16_ROWS_MAX_GROUPS groups
+      (more, shorter blocks balance over the SMs) and the blocks stay within two waves of `resident` (beyond
+      that a split only adds exchange and split-K workspace: Z * ks * Nb * 32 floats);
     - a single weight: 1 row block per block where that fills the wave unsplit; else the most row blocks per
-      block whose one-wave split (w4a16_splits) keeps at least W4A16_I8_MIN_GROUPS groups per split, else 1
+      block whose one-wave split (w4a16_splits) keeps at least W4A16_ROWS_MIN_GROUPS groups per split, else 1
       row block per block at its one-wave split.
-    Measured on the H200 (an A/B sweep of every row count and split, docs/cuda-engine.md): this picks the
+    Measured on the H200 (A/B runs of every row count, docs/cuda-engine.md). One token (the int8 digits): the
     fastest configuration or one within 2% of it on the K2.6 shapes (MoE gate+up and down with 9 slots,
-    7168 -> 2048, 2048 -> 7168, gate+up 7168 -> 4096); the two-wave bound was not measured apart (it leaves
-    those shapes' choices as they are)."""
+    7168 -> 2048, 2048 -> 7168, gate+up 7168 -> 4096). Two and four tokens (the bf16 terms): the fastest of
+    1, 2 and 4 row blocks on five of those six launches; on 2048 -> 7168 at four tokens 1 row block unsplit
+    took 10.86 us against 10.17 at 2 row blocks. The two-wave bound was not measured apart (it leaves those
+    shapes' choices as they are)."""
     top = min(8, 1 << max(0, Nb - 1).bit_length())
     if Z * -(-Nb // 8) >= sm_count:
-        ks = min(-(-G // W4A16_I8_MAX_GROUPS), 2 * resident // (Z * -(-Nb // top)))
+        ks = min(-(-G // W4A16_ROWS_MAX_GROUPS), 2 * resident // (Z * -(-Nb // top)))
         return top, max(1, min(ks, W4A16_MAX_SPLITS))
     if w4a16_splits(Nb * Z, G, resident, sm_count) == 1:
         return 1, 1
     for r in (8, 4, 2):
         ks = w4a16_splits(-(-Nb // r) * Z, G, resident, sm_count)
-        if r <= top and G // ks >= W4A16_I8_MIN_GROUPS:
+        if r <= top and G // ks >= W4A16_ROWS_MIN_GROUPS:
             return r, ks
     return 1, w4a16_splits(Nb * Z, G, resident, sm_count)
 
@@ -151,8 +156,8 @@ class Ops:
         self.launches = 0
         self.capturing = False
         self.debug_sync = os.environ.get("KDTR_CUDA_SYNC") == "1"
-        # workspaces (fp32 partials, int32 tickets) by owner, "w4a16" (split-K) and "combine" (the norm's sums):
-        # grown, never freed (a captured graph may still point at an old one, kept in _retired)
+        # workspaces (fp32 partials, int32 tickets) by owner, "w4a16_mma" (split-K) and "moe_combine" (the
+        # norm's sums): grown, never freed (a captured graph may still point at an old one, kept in _retired)
         self._ws: dict[str, tuple[DevBuf, DevBuf]] = {}
         self._retired: list[DevBuf] = []
 
@@ -296,28 +301,32 @@ class Ops:
                      _ptr(slot_ids), _ptr(y), I, D, S, k0, nk, e_base, g)
 
     def w4a16_kernel(self, M: int, numerics: str = "fp32") -> tuple[str, int]:
-        """(entry name, row blocks per block) of the w4a16_mma entry for M <= 64 tokens (at one token in
-        fp32 the 1-row-block entry of the family w4a16_plan chooses from)."""
+        """(entry name, row blocks per block) of the w4a16_mma entry for M <= 64 tokens (up to 5 FP32-faithful
+        tokens: the 1-row-block entry of the W4A16_ROWS family w4a16_plan chooses from)."""
         m, name = next(e for e in W4A16_ENTRIES[numerics] if e[0] >= M)
         return name, next(r for mm, r in W4A16_ROW_BLOCKS.items() if mm >= m)
 
     def w4a16_plan(self, Nb: int, G: int, Z: int, ks: int | None = None, M: int = 1, numerics: str = "fp32",
                    rows: int | None = None) -> tuple[str, int, int]:
-        """(entry name, blocks along the output, k splits) of one w4a16_mma launch of M <= 64 tokens. One
-        FP32-faithful token: the entry by w4a16_i8_plan, or `rows` row blocks per block where given (tests);
-        ks, where given, overrides the splits."""
+        """(entry name, blocks along the output, k splits) of one w4a16_mma launch of M <= 64 tokens. Up to 5
+        FP32-faithful tokens: the entry and splits by w4a16_rows_plan, or `rows` row blocks per block where
+        given (tests) at their one-wave split; ks, where given, overrides the splits."""
         name, rpb = self.w4a16_kernel(M, numerics)
-        # (the FP32-faithful 1-row-block entry's residency for both numerics; at one token the bf16 numerics
-        # run w4a16_splits on its own row blocks while fp32 follows w4a16_i8_plan: different launches)
+        # (the FP32-faithful 1-row-block entry's residency for both numerics: the bf16 numerics run
+        # w4a16_splits on their own row blocks, a different launch)
         resident = self._w4_resident(self.w4a16_kernel(M)[0])
-        if M == 1 and numerics == "fp32":
-            rpb, k = w4a16_i8_plan(Nb, G, Z, resident, self.sm_count)
-            if rows is not None:
-                _need(rows in W4A16_I8_ROWS, "w4a16_mma", f"rows={rows}: choose one of {sorted(W4A16_I8_ROWS)}")
+        cap = next(m for m, _ in W4A16_ENTRIES["fp32"] if m >= M)
+        if numerics == "fp32" and cap in W4A16_ROWS:
+            family = W4A16_ROWS[cap]
+            if rows is None:
+                rpb, k = w4a16_rows_plan(Nb, G, Z, resident, self.sm_count)
+            else:
+                _need(rows in family, "w4a16_mma", f"rows={rows}: choose one of {sorted(family)}")
                 rpb, k = rows, w4a16_splits(-(-Nb // rows) * Z, G, resident, self.sm_count)
-            name = W4A16_I8_ROWS[rpb]
+            name = family[rpb]
         else:
-            _need(rows is None, "w4a16_mma", f"rows={rows}: only the one-token fp32 entries take a row count")
+            _need(rows is None, "w4a16_mma", f"rows={rows}: only the FP32-faithful entries of up to "
+                  f"{max(W4A16_ROWS)} tokens take a row count (this launch: {M} tokens, numerics {numerics})")
             k = w4a16_splits(-(-Nb // rpb) * Z, G, resident, self.sm_count)
         k = k if ks is None else ks
         return name, -(-Nb // rpb), max(1, min(int(k), G, W4A16_MAX_SPLITS))
@@ -373,7 +382,8 @@ class Ops:
         the slots k0 .. k0+nk-1 of T tokens (M = 1), expert slot_ids[ts] - e_base; x row t, or ts when
         x_by_slot (the down projection's input is per slot); output row ts. numerics: "fp32" (three bf16
         terms, or one token's eight int8 digits: float32-accurate) or "bf16" (one term: activations rounded to
-        bf16). rows: the one-token fp32 entry's row blocks per block (1, 2, 4, 8; tests), else by shape."""
+        bf16). rows: the row blocks per block (1, 2, 4, 8) of an FP32-faithful entry of up to 5 tokens (tests),
+        else by shape."""
         E, Nb, G, words = packed.shape
         _need(packed.dtype == np.int32 and words == W4A16_CHUNK_WORDS, "w4a16_mma",
               f"packed weights must be int32 [E, Nb, G, {W4A16_CHUNK_WORDS}], got {packed.dtype} {packed.shape}")

@@ -63,7 +63,7 @@ def test_w4a16_wrapper_tables_match_the_kernel_entries():
     import re
 
     from cuda_engine.build import KERNEL_DIR
-    from cuda_engine.ops import W4A16_ENTRIES, W4A16_I8_ROWS, W4A16_ROW_BLOCKS
+    from cuda_engine.ops import W4A16_ENTRIES, W4A16_ROW_BLOCKS, W4A16_ROWS
 
     text = (KERNEL_DIR / "w4a16_mma.cu").read_text()
     entry = (r"(w4a16_mma_(i8|t\d)_m(\d+)(?:_r(\d+))?)\(W4A16_ARGS\) \{ w4a16_mma_body<(\d+), (\d), (?:true|false), "
@@ -71,11 +71,13 @@ def test_w4a16_wrapper_tables_match_the_kernel_entries():
     entries = re.findall(entry, text)           # (name, kind, most tokens, R, MT, TERMS, WS, I8) per entry
     assert len(entries) == len(set(e[0] for e in entries)) > 0
     table = {name: (m, numerics) for numerics, es in W4A16_ENTRIES.items() for m, name in es}
-    table.update({name: (1, "fp32") for name in W4A16_I8_ROWS.values()})
+    table.update({name: (m, "fp32") for m, family in W4A16_ROWS.items() for name in family.values()})
     assert {e[0] for e in entries} == set(table)
+    rows = {name: r for family in W4A16_ROWS.values() for r, name in family.items()}
     for name, kind, m, r, mt, terms, ws, i8 in entries:
         top, numerics = table[name]
         rpb = int(r) if r else next(rb for t, rb in W4A16_ROW_BLOCKS.items() if t >= int(m))
+        assert rows.get(name, rpb) == rpb, name                               # W4A16_ROWS names its row count
         assert (int(mt), int(m), 8 // int(ws)) == (top, top, rpb), name
         assert (i8 == "true") == (kind == "i8"), name                           # the int8 digits path
         assert numerics == ("bf16" if int(terms) == 1 and i8 == "false" else "fp32"), name
@@ -100,33 +102,38 @@ def test_w4a16_splits_follow_the_measured_costs():
     assert all(1 <= w4a16_splits(b, G, 396, 132) <= min(G, W4A16_MAX_SPLITS) for b in (1, 7, 64, 500) for G in (1, 5, 224))
 
 
-def test_w4a16_i8_plan_picks_the_measured_configurations():
-    """w4a16_i8_plan on the H200 (132 SMs, 396 resident blocks), the (row blocks per block, k splits) the A/B
-    sweep of docs/cuda-engine.md measured fastest or within 2% of it: the MoE decode launches (9 slots) take
-    8 row blocks per block, gate+up (224 groups) in 4 splits of 56 groups, down (64 groups) unsplit; a single
-    K2.6 weight whose 32-row blocks fill the wave unsplit (2048 -> 7168) 1 row block, the others the most row
-    blocks that keep 16 groups a split; small shapes (engine bundles) fall back to 1 row block per block at
-    the one-wave split, as before the row counts existed."""
-    from cuda_engine.ops import W4A16_I8_ROWS, W4A16_MAX_SPLITS, w4a16_i8_plan, w4a16_splits
+def test_w4a16_rows_plan_picks_the_measured_configurations():
+    """w4a16_rows_plan on the H200 (132 SMs; 396 resident blocks of the int8 entries, 264 of the bf16 terms'),
+    the (row blocks per block, k splits) the A/B runs of docs/cuda-engine.md measured fastest or within 2% of
+    it at one token: the MoE decode launches (9 slots) take 8 row blocks per block, gate+up (224 groups) in 4
+    splits of 56 groups, down (64 groups) unsplit; a single K2.6 weight whose 32-row blocks fill the wave
+    unsplit (2048 -> 7168) 1 row block, the others the most row blocks that keep 16 groups a split; small
+    shapes (engine bundles) fall back to 1 row block per block at the one-wave split, as before the row counts
+    existed. At two and four tokens (the bf16 terms) the same choices on the three single K2.6 weights."""
+    from cuda_engine.ops import W4A16_MAX_SPLITS, W4A16_ROWS, w4a16_rows_plan, w4a16_splits
 
-    assert w4a16_i8_plan(128, 224, 9, 396, 132) == (8, 4)       # MoE gate+up: 52.78 us (the fastest)
-    assert w4a16_i8_plan(224, 64, 9, 396, 132) == (8, 1)        # MoE down: 26.5 us (the fastest)
-    assert w4a16_i8_plan(64, 224, 1, 396, 132) == (2, 8)        # 7168 -> 2048: 8.45 us (fastest 8.29)
-    assert w4a16_i8_plan(224, 64, 1, 396, 132) == (1, 1)        # 2048 -> 7168: 7.84 us (fastest 7.82)
-    assert w4a16_i8_plan(128, 224, 1, 396, 132) == (4, 8)       # gate+up 7168 -> 4096: 11.54 us (fastest 11.42)
-    assert w4a16_i8_plan(2, 3, 8, 396, 132) == (1, w4a16_splits(16, 3, 396, 132))
+    assert w4a16_rows_plan(128, 224, 9, 396, 132) == (8, 4)     # MoE gate+up: 52.78 us (the fastest)
+    assert w4a16_rows_plan(224, 64, 9, 396, 132) == (8, 1)      # MoE down: 26.5 us (the fastest)
+    assert w4a16_rows_plan(64, 224, 1, 396, 132) == (2, 8)      # 7168 -> 2048: 8.45 us (fastest 8.29)
+    assert w4a16_rows_plan(224, 64, 1, 396, 132) == (1, 1)      # 2048 -> 7168: 7.84 us (fastest 7.82)
+    assert w4a16_rows_plan(128, 224, 1, 396, 132) == (4, 8)     # gate+up 7168 -> 4096: 11.54 us (fastest 11.42)
+    assert w4a16_rows_plan(2, 3, 8, 396, 132) == (1, w4a16_splits(16, 3, 396, 132))
+    # the bf16 terms, 2 | 4 tokens (1, 2 and 4 row blocks per block measured, docs/cuda-engine.md)
+    assert w4a16_rows_plan(64, 224, 1, 264, 132) == (2, 8)      # 7168 -> 2048: 8.34 | 9.89 us (the fastest)
+    assert w4a16_rows_plan(224, 64, 1, 264, 132) == (1, 1)      # 2048 -> 7168: 7.92 (the fastest) | 10.86 (10.17)
+    assert w4a16_rows_plan(128, 224, 1, 264, 132) == (4, 8)     # gate+up: 12.12 | 14.31 us (the fastest)
     # many (token, slot) pairs (a forward over many tokens): no split past two waves, so no split-K workspace
     # for a long prompt (it would be Z * ks * Nb * 32 floats, never freed); 16 pairs: 256 blocks, 3 splits
-    assert w4a16_i8_plan(128, 224, 9 * 64, 396, 132) == (8, 1)
-    assert w4a16_i8_plan(128, 224, 16, 396, 132) == (8, 3)
+    assert w4a16_rows_plan(128, 224, 9 * 64, 396, 132) == (8, 1)
+    assert w4a16_rows_plan(128, 224, 16, 396, 132) == (8, 3)
     # never more row blocks per block than the weight has (rounded up to a power of two): idle warps otherwise
-    assert w4a16_i8_plan(2, 6, 132, 396, 132) == (2, 1)          # the tiny bundle's gate+up in a verify forward
-    assert w4a16_i8_plan(4, 2048, 1, 396, 132) == (4, 64)
+    assert w4a16_rows_plan(2, 6, 132, 396, 132) == (2, 1)        # the tiny bundle's gate+up in a verify forward
+    assert w4a16_rows_plan(4, 2048, 1, 396, 132) == (4, 64)
     for Nb in (1, 3, 64, 500):
         for G in (1, 5, 224):
             for Z in (1, 9):
-                r, ks = w4a16_i8_plan(Nb, G, Z, 396, 132)
-                assert r in W4A16_I8_ROWS and 1 <= ks <= min(G, W4A16_MAX_SPLITS), (Nb, G, Z)
+                r, ks = w4a16_rows_plan(Nb, G, Z, 396, 132)
+                assert all(r in family for family in W4A16_ROWS.values()) and 1 <= ks <= min(G, W4A16_MAX_SPLITS)
 
 
 def test_combine_slice_matches_the_kernel():

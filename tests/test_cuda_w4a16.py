@@ -204,14 +204,14 @@ def test_int8_digits_path_outlier_on_a_zero_weight_column(ops, log2_outlier):
 
 @pytest.mark.parametrize("rows", [1, 2, 4, 8])
 def test_int8_entries_every_row_count(ops, rows):
-    """The one-token entries differ only in how many blocks of 32 rows one block covers (ops.w4a16_i8_plan
+    """The one-token entries differ only in how many blocks of 32 rows one block covers (ops.w4a16_rows_plan
     picks by shape): each, on rows that end mid-block, split and unsplit; x staged from L2 in two segments
     (224 groups unsplit) and from the copy the exponent pass keeps in shared memory (7 groups); the fused
     gate+up; the MoE slot path (both launches, per-slot down input)."""
-    from cuda_engine.ops import W4A16_I8_ROWS
+    from cuda_engine.ops import W4A16_ROWS
     from cuda_engine.w4a16_pack import pack_experts, pack_experts_gate_up, pack_gate_up, pack_linear
 
-    assert ops.w4a16_plan(7, 7, 1, None, 1, "fp32", rows)[0] == W4A16_I8_ROWS[rows]    # rows= picks the entry
+    assert ops.w4a16_plan(7, 7, 1, None, 1, "fp32", rows)[0] == W4A16_ROWS[1][rows]    # rows= picks the entry
     rng = np.random.default_rng(50 + rows)
     for N, K, splits in ((200, 224, (None, 2, 1)), (520, 7168, (1, 5))):
         qw, sc, W = quantized(rng, N, K)
@@ -251,6 +251,37 @@ def test_int8_entries_every_row_count(ops, rows):
     errors(f"int8 rows {rows}: MoE gate+up over slots", a_f, act_p.get(), *(np.concatenate(r) for r in zip(*refs)))
 
 
+@pytest.mark.parametrize("rows", [1, 2, 4, 8])
+@pytest.mark.parametrize("M", [2, 4, 5])
+def test_bf16_terms_entries_every_row_count(ops, M, rows):
+    """2..5 tokens (the bf16 terms as columns): the entries differ only in how many blocks of 32 rows one block
+    covers (ops.w4a16_rows_plan picks by shape). Each, at 2, 4 (the 5-token entry with a padded token) and 5
+    tokens: rows that end mid-block, split and unsplit; 224 groups unsplit (x staged in segments: 5 tokens'
+    terms hold 46 groups a segment); the fused gate+up."""
+    from cuda_engine.ops import W4A16_ROWS
+    from cuda_engine.w4a16_pack import pack_gate_up, pack_linear
+
+    family = W4A16_ROWS[2 if M == 2 else 5]
+    assert ops.w4a16_plan(7, 7, 1, None, M, "fp32", rows)[0] == family[rows]    # rows= picks the entry
+    rng = np.random.default_rng(70 + 10 * M + rows)
+    for N, K, splits in ((200, 224, (None, 2, 1)), (520, 7168, (1, 5))):
+        qw, sc, W = quantized(rng, N, K)
+        x = rand(rng, M, K)
+        packed, plain, base = pack_linear(qw, sc), plain_linear(ops, x, qw, sc), x @ W.astype(np.float32).T
+        for ks in splits:
+            errors(f"bf16 terms rows {rows}: linear {K}->{N} batch {M} splits {ks}",
+                   fast_linear(ops, x, packed, N, ks=ks, rows=rows), plain, x.astype(np.float64) @ W.T, base)
+    I, D = 40, 224
+    (qg, sg, Wg), (qu, su, Wu) = quantized(rng, I, D), quantized(rng, I, D)
+    x = rand(rng, M, D)
+    act, plain = dev(np.zeros((M, I), np.float32)), dev(np.zeros((M, I), np.float32))
+    ops.w4a16_mma(dev(x), D, dev(pack_gate_up(qg, sg, qu, su)[None]), I, act, I, M, mode=1, rows=rows)
+    ops.w4a16_gate_up(dev(x), dev(qg[None]), dev(sg[None]), dev(qu[None]), dev(su[None]), dev(np.zeros(M, np.int32)),
+                      plain, M, 1)
+    ops.stream.synchronize()
+    errors(f"bf16 terms rows {rows}: gate+up {D}->2x{I} batch {M}", act.get(), plain.get(), *swiglu_refs(x, Wg, Wu))
+
+
 @pytest.mark.parametrize("I,D,M,ks", [(2048, 7168, 1, None), (2048, 7168, 16, None), (24, 96, 3, None),
                                       (2048, 7168, 4, 1), (2048, 7168, 1, 1)])
 def test_fast_gate_up_within_2x_plain(ops, I, D, M, ks):
@@ -277,7 +308,7 @@ def test_fast_gate_up_within_2x_plain(ops, I, D, M, ks):
 def test_fused_moe_slots_within_2x_plain(ops, E, I, D, K, T):
     """The engine's fused MoE decode path: one launch for the selected experts' gate+up, one for their down,
     over (token, slot) pairs with per-slot expert ids, against the plain kernels on the same slots. At K2.6
-    shapes with 16 (token, slot) pairs the launches take ops.w4a16_i8_plan's many-row regime (8 row blocks
+    shapes with 16 (token, slot) pairs the launches take ops.w4a16_rows_plan's many-row regime (8 row blocks
     per block; the gate+up in 3 splits), the one the one-token MoE layer runs; with 2 pairs its single-weight
     regime."""
     from cuda_engine.w4a16_pack import pack_experts, pack_experts_gate_up

@@ -47,9 +47,9 @@
 // bookkeeping), U chunks per batch, two batches in flight: the one it computes and the next. The block
 // splits x into its digits or bf16 terms once and stages them in shared memory in fragment order (W4A16_XS_WORDS,
 // segment by segment when the columns do not fit), while the weight stream is already in flight; the 8 / WS row
-// blocks share that work (one token: ops.w4a16_i8_plan picks WS per launch shape). At one token the exponent
-// pass reads x, and when the split's digits and x fit xs together it keeps x there for the staging (x read
-// from L2 once, not twice). With ks > 1
+// blocks share that work (up to 5 FP32-faithful tokens: ops.w4a16_rows_plan picks WS per launch shape). At one
+// token the exponent pass reads x, and when the split's digits and x fit xs together it keeps x there for the
+// staging (x read from L2 once, not twice). With ks > 1
 // each block writes fp32 partials [z, ky, M, Nb * 32]; the last block of a column range to finish (a ticket
 // per (z, blockIdx.x), reset by that block) adds them in split order and applies the epilogue: deterministic,
 // no float atomics.
@@ -117,12 +117,12 @@ __device__ __forceinline__ uint2 ld_stream_v2(const int* p) {
     return v;
 }
 
-// One launch configuration: MT tokens at most, TERMS bf16 terms (I8: eight int8 digits instead), CT column
-// tiles of the mma's B operand (8 columns each), TCOL: the terms (digits) are columns of their own (column
-// n = token n / TC, term n % TC), else column n = token n and the terms of a group go into one accumulator
-// (three mma's per k-step). WS warps split the k range of one block of 32 rows (summed in shared memory at
-// the end), the block covers 8 / WS row blocks. U chunks per batch: a warp holds two batches of weights in
-// registers (the one it computes, the next one in flight).
+// One launch configuration: MT tokens at most, TERMS bf16 terms (I8: eight int8 digits instead, TERMS unused),
+// CT column tiles of the mma's B operand (8 columns each), TCOL: the terms (digits) are columns of their own
+// (column n = token n / TC, term n % TC), else column n = token n and the terms of a group go into one
+// accumulator (three mma's per k-step). WS warps split the k range of one block of 32 rows (summed in shared
+// memory at the end), the block covers 8 / WS row blocks. U chunks per batch: a warp holds two batches of
+// weights in registers (the one it computes, the next one in flight).
 template <int MT, int TERMS, bool TCOL, int WS, int U, bool I8>
 struct W4Config {
     static constexpr int TC = I8 ? 8 : TCOL ? TERMS : 1;         // B columns per token (I8: its 8 digits)
@@ -536,23 +536,36 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
                    tickets, mode
 
 // One entry per (numerics, most tokens per launch); template <MT, TERMS, TCOL, WS, U, I8>. FP32-faithful:
-// w4a16_mma_i8_m1_r<R> (the 8 int8 digits of one token as columns; R = 8 / WS row blocks per block, chosen
-// per launch shape by ops.w4a16_plan: more rows share one block's staged x, fewer blocks to fill the GPU),
-// then w4a16_mma_t3_m<MT> (bf16 terms as columns at 2..8 tokens, the 8 warps on one row block; from 9 tokens one
-// column per token, fewer warps per row block: the staged x of more tokens holds fewer groups); bf16
-// activations: w4a16_mma_t1_m<MT>.
+// w4a16_mma_i8_m1_r<R> (the 8 int8 digits of one token as columns; TERMS does not apply), then
+// w4a16_mma_t3_m<MT> (bf16 terms as columns at 2..8 tokens; from 9 tokens one column per token, fewer warps per
+// row block: the staged x of more tokens holds fewer groups); bf16 activations: w4a16_mma_t1_m<MT>. Up to 5
+// tokens a family of entries covers R = 8 / WS row blocks per block (the 1-row-block entry of the bf16 terms
+// has no _r1 suffix), chosen per launch shape by ops.w4a16_rows_plan: more rows share one block's staged x,
+// fewer blocks to fill the GPU.
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 3)
-w4a16_mma_i8_m1_r1(W4A16_ARGS) { w4a16_mma_body<1, 3, true, 8, 2, true>(W4A16_PASS); }
+w4a16_mma_i8_m1_r1(W4A16_ARGS) { w4a16_mma_body<1, 1, true, 8, 2, true>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 3)
-w4a16_mma_i8_m1_r2(W4A16_ARGS) { w4a16_mma_body<1, 3, true, 4, 2, true>(W4A16_PASS); }
+w4a16_mma_i8_m1_r2(W4A16_ARGS) { w4a16_mma_body<1, 1, true, 4, 2, true>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 3)
-w4a16_mma_i8_m1_r4(W4A16_ARGS) { w4a16_mma_body<1, 3, true, 2, 2, true>(W4A16_PASS); }
+w4a16_mma_i8_m1_r4(W4A16_ARGS) { w4a16_mma_body<1, 1, true, 2, 2, true>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 3)
-w4a16_mma_i8_m1_r8(W4A16_ARGS) { w4a16_mma_body<1, 3, true, 1, 2, true>(W4A16_PASS); }
+w4a16_mma_i8_m1_r8(W4A16_ARGS) { w4a16_mma_body<1, 1, true, 1, 2, true>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
 w4a16_mma_t3_m2(W4A16_ARGS) { w4a16_mma_body<2, 3, true, 8, 4, false>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
+w4a16_mma_t3_m2_r2(W4A16_ARGS) { w4a16_mma_body<2, 3, true, 4, 4, false>(W4A16_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
+w4a16_mma_t3_m2_r4(W4A16_ARGS) { w4a16_mma_body<2, 3, true, 2, 4, false>(W4A16_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
+w4a16_mma_t3_m2_r8(W4A16_ARGS) { w4a16_mma_body<2, 3, true, 1, 4, false>(W4A16_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
 w4a16_mma_t3_m5(W4A16_ARGS) { w4a16_mma_body<5, 3, true, 8, 2, false>(W4A16_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
+w4a16_mma_t3_m5_r2(W4A16_ARGS) { w4a16_mma_body<5, 3, true, 4, 2, false>(W4A16_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
+w4a16_mma_t3_m5_r4(W4A16_ARGS) { w4a16_mma_body<5, 3, true, 2, 2, false>(W4A16_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
+w4a16_mma_t3_m5_r8(W4A16_ARGS) { w4a16_mma_body<5, 3, true, 1, 2, false>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
 w4a16_mma_t3_m8(W4A16_ARGS) { w4a16_mma_body<8, 3, true, 8, 2, false>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
