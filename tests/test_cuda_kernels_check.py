@@ -105,35 +105,41 @@ def test_w4a16_splits_follow_the_measured_costs():
 def test_w4a16_rows_plan_picks_the_measured_configurations():
     """w4a16_rows_plan on the H200 (132 SMs; 396 resident blocks of the int8 entries, 264 of the bf16 terms'),
     the (row blocks per block, k splits) the A/B runs of docs/cuda-engine.md measured fastest or within 2% of
-    it at one token: the MoE decode launches (9 slots) take 8 row blocks per block, gate+up (224 groups) in 4
+    it. One token: the MoE decode launches (9 slots) take 8 row blocks per block, gate+up (224 groups) in 4
     splits of 56 groups, down (64 groups) unsplit; a single K2.6 weight whose 32-row blocks fill the wave
     unsplit (2048 -> 7168) 1 row block, the others the most row blocks that keep 16 groups a split; small
-    shapes (engine bundles) fall back to 1 row block per block at the one-wave split, as before the row counts
-    existed. At two and four tokens (the bf16 terms) the same choices on the three single K2.6 weights."""
+    shapes (engine bundles) fall back to the family's fewest row blocks at the one-wave split. 2..16 tokens
+    (the bf16 terms, at most 4 row blocks): the same on the single K2.6 weights, except that from 4 tokens
+    2048 -> 7168 shares its staging over 4 row blocks too."""
     from cuda_engine.ops import W4A16_MAX_SPLITS, W4A16_ROWS, w4a16_rows_plan, w4a16_splits
 
-    assert w4a16_rows_plan(128, 224, 9, 396, 132) == (8, 4)     # MoE gate+up: 52.78 us (the fastest)
-    assert w4a16_rows_plan(224, 64, 9, 396, 132) == (8, 1)      # MoE down: 26.5 us (the fastest)
-    assert w4a16_rows_plan(64, 224, 1, 396, 132) == (2, 8)      # 7168 -> 2048: 8.45 us (fastest 8.29)
-    assert w4a16_rows_plan(224, 64, 1, 396, 132) == (1, 1)      # 2048 -> 7168: 7.84 us (fastest 7.82)
-    assert w4a16_rows_plan(128, 224, 1, 396, 132) == (4, 8)     # gate+up 7168 -> 4096: 11.54 us (fastest 11.42)
-    assert w4a16_rows_plan(2, 3, 8, 396, 132) == (1, w4a16_splits(16, 3, 396, 132))
-    # the bf16 terms, 2 | 4 tokens (1, 2 and 4 row blocks per block measured, docs/cuda-engine.md)
-    assert w4a16_rows_plan(64, 224, 1, 264, 132) == (2, 8)      # 7168 -> 2048: 8.34 | 9.89 us (the fastest)
-    assert w4a16_rows_plan(224, 64, 1, 264, 132) == (1, 1)      # 2048 -> 7168: 7.92 (the fastest) | 10.86 (10.17)
-    assert w4a16_rows_plan(128, 224, 1, 264, 132) == (4, 8)     # gate+up: 12.12 | 14.31 us (the fastest)
+    plan = lambda Nb, G, Z, M=1, resident=396: w4a16_rows_plan(Nb, G, Z, resident, 132, M,  # noqa: E731
+                                                                tuple(W4A16_ROWS[next(m for m in W4A16_ROWS if m >= M)]))
+    assert plan(128, 224, 9) == (8, 4)                          # MoE gate+up: 52.78 us (the fastest)
+    assert plan(224, 64, 9) == (8, 1)                           # MoE down: 26.5 us (the fastest)
+    assert plan(64, 224, 1) == (2, 8)                           # 7168 -> 2048: 8.45 us (fastest 8.29)
+    assert plan(224, 64, 1) == (1, 1)                           # 2048 -> 7168: 7.84 us (fastest 7.82)
+    assert plan(128, 224, 1) == (4, 8)                          # gate+up 7168 -> 4096: 11.54 us (fastest 11.42)
+    assert plan(2, 3, 8) == (1, w4a16_splits(16, 3, 396, 132))
+    # the bf16 terms at 2 | 4 | 8 | 16 tokens, microseconds of the plan's choice (the fastest where not named)
+    assert [plan(64, 224, 1, M, 264) for M in (2, 4, 8, 16)] == [(2, 8)] * 4     # 8.34 | 9.89 | 13.31 | 18.28 (17.77)
+    assert [plan(224, 64, 1, M, 264) for M in (2, 4, 8, 16)] == [(1, 1)] + [(4, 4)] * 3   # 7.92 | 10.34 (10.17) | 13.18 | 17.60
+    assert [plan(128, 224, 1, M, 264) for M in (2, 4, 8, 16)] == [(4, 8)] * 4    # 12.12 | 14.31 | 18.78 | 26.32
+    assert plan(2, 3, 8, 16, 264) == (2, w4a16_splits(8, 3, 264, 132))          # 16 tokens: 2 row blocks at least
     # many (token, slot) pairs (a forward over many tokens): no split past two waves, so no split-K workspace
     # for a long prompt (it would be Z * ks * Nb * 32 floats, never freed); 16 pairs: 256 blocks, 3 splits
-    assert w4a16_rows_plan(128, 224, 9 * 64, 396, 132) == (8, 1)
-    assert w4a16_rows_plan(128, 224, 16, 396, 132) == (8, 3)
+    assert plan(128, 224, 9 * 64) == (8, 1)
+    assert plan(128, 224, 16) == (8, 3)
+    assert plan(1152, 224, 1, 8, 264) == (4, 1)                 # the bf16 terms: 4 row blocks at most
     # never more row blocks per block than the weight has (rounded up to a power of two): idle warps otherwise
-    assert w4a16_rows_plan(2, 6, 132, 396, 132) == (2, 1)        # the tiny bundle's gate+up in a verify forward
-    assert w4a16_rows_plan(4, 2048, 1, 396, 132) == (4, 64)
-    for Nb in (1, 3, 64, 500):
-        for G in (1, 5, 224):
-            for Z in (1, 9):
-                r, ks = w4a16_rows_plan(Nb, G, Z, 396, 132)
-                assert all(r in family for family in W4A16_ROWS.values()) and 1 <= ks <= min(G, W4A16_MAX_SPLITS)
+    assert plan(2, 6, 132) == (2, 1)                            # the tiny bundle's gate+up in a verify forward
+    assert plan(4, 2048, 1) == (4, 64)
+    for M in W4A16_ROWS:
+        for Nb in (1, 3, 64, 500, 1200):
+            for G in (1, 5, 224):
+                for Z in (1, 9):
+                    r, ks = plan(Nb, G, Z, M)
+                    assert r in W4A16_ROWS[M] and 1 <= ks <= min(G, W4A16_MAX_SPLITS), (M, Nb, G, Z)
 
 
 def test_combine_slice_matches_the_kernel():

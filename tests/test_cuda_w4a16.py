@@ -251,17 +251,17 @@ def test_int8_entries_every_row_count(ops, rows):
     errors(f"int8 rows {rows}: MoE gate+up over slots", a_f, act_p.get(), *(np.concatenate(r) for r in zip(*refs)))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 4, 8])
-@pytest.mark.parametrize("M", [2, 4, 5])
+@pytest.mark.parametrize("M,rows", [(M, r) for M in (2, 4, 5, 8) for r in (1, 2, 4)] + [(12, 2), (12, 4), (16, 2), (16, 4)])
 def test_bf16_terms_entries_every_row_count(ops, M, rows):
-    """2..5 tokens (the bf16 terms as columns): the entries differ only in how many blocks of 32 rows one block
-    covers (ops.w4a16_rows_plan picks by shape). Each, at 2, 4 (the 5-token entry with a padded token) and 5
-    tokens: rows that end mid-block, split and unsplit; 224 groups unsplit (x staged in segments: 5 tokens'
-    terms hold 46 groups a segment); the fused gate+up."""
+    """2..16 tokens (the bf16 terms; as columns up to 8 tokens, a column per token above): the entries differ
+    only in how many blocks of 32 rows one block covers (ops.w4a16_rows_plan picks by shape). Each, at a full
+    and a padded token count of its family (2; 4, 5; 8; 12, 16): rows that end mid-block, split and unsplit;
+    224 groups unsplit (x staged in segments: 5 tokens' terms hold 46 groups a segment, 16 tokens' 14); the
+    fused gate+up."""
     from cuda_engine.ops import W4A16_ROWS
     from cuda_engine.w4a16_pack import pack_gate_up, pack_linear
 
-    family = W4A16_ROWS[2 if M == 2 else 5]
+    family = W4A16_ROWS[next(m for m in W4A16_ROWS if m >= M)]
     assert ops.w4a16_plan(7, 7, 1, None, M, "fp32", rows)[0] == family[rows]    # rows= picks the entry
     rng = np.random.default_rng(70 + 10 * M + rows)
     for N, K, splits in ((200, 224, (None, 2, 1)), (520, 7168, (1, 5))):

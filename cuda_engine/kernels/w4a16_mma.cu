@@ -538,10 +538,10 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
 // One entry per (numerics, most tokens per launch); template <MT, TERMS, TCOL, WS, U, I8>. FP32-faithful:
 // w4a16_mma_i8_m1_r<R> (the 8 int8 digits of one token as columns; TERMS does not apply), then
 // w4a16_mma_t3_m<MT> (bf16 terms as columns at 2..8 tokens; from 9 tokens one column per token, fewer warps per
-// row block: the staged x of more tokens holds fewer groups); bf16 activations: w4a16_mma_t1_m<MT>. Up to 5
-// tokens a family of entries covers R = 8 / WS row blocks per block (the 1-row-block entry of the bf16 terms
-// has no _r1 suffix), chosen per launch shape by ops.w4a16_rows_plan: more rows share one block's staged x,
-// fewer blocks to fill the GPU.
+// row block: the staged x of more tokens holds fewer groups); bf16 activations: w4a16_mma_t1_m<MT>. Up to 16
+// tokens a family of entries covers R = 8 / WS row blocks per block (one token: 1, 2, 4, 8; the bf16 terms:
+// 1, 2, 4, at 16 tokens 2, 4; the family's first entry has no _r suffix), chosen per launch shape by
+// ops.w4a16_rows_plan: more rows share one block's staged x, fewer blocks to fill the GPU.
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 3)
 w4a16_mma_i8_m1_r1(W4A16_ARGS) { w4a16_mma_body<1, 1, true, 8, 2, true>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 3)
@@ -557,19 +557,21 @@ w4a16_mma_t3_m2_r2(W4A16_ARGS) { w4a16_mma_body<2, 3, true, 4, 4, false>(W4A16_P
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
 w4a16_mma_t3_m2_r4(W4A16_ARGS) { w4a16_mma_body<2, 3, true, 2, 4, false>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
-w4a16_mma_t3_m2_r8(W4A16_ARGS) { w4a16_mma_body<2, 3, true, 1, 4, false>(W4A16_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
 w4a16_mma_t3_m5(W4A16_ARGS) { w4a16_mma_body<5, 3, true, 8, 2, false>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
 w4a16_mma_t3_m5_r2(W4A16_ARGS) { w4a16_mma_body<5, 3, true, 4, 2, false>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
 w4a16_mma_t3_m5_r4(W4A16_ARGS) { w4a16_mma_body<5, 3, true, 2, 2, false>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
-w4a16_mma_t3_m5_r8(W4A16_ARGS) { w4a16_mma_body<5, 3, true, 1, 2, false>(W4A16_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
 w4a16_mma_t3_m8(W4A16_ARGS) { w4a16_mma_body<8, 3, true, 8, 2, false>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
+w4a16_mma_t3_m8_r2(W4A16_ARGS) { w4a16_mma_body<8, 3, true, 4, 2, false>(W4A16_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
+w4a16_mma_t3_m8_r4(W4A16_ARGS) { w4a16_mma_body<8, 3, true, 2, 2, false>(W4A16_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
 w4a16_mma_t3_m16(W4A16_ARGS) { w4a16_mma_body<16, 3, false, 4, 1, false>(W4A16_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
+w4a16_mma_t3_m16_r4(W4A16_ARGS) { w4a16_mma_body<16, 3, false, 2, 1, false>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 1)
 w4a16_mma_t3_m32(W4A16_ARGS) { w4a16_mma_body<32, 3, false, 2, 2, false>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 1)
