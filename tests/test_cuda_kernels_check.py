@@ -109,8 +109,8 @@ def test_w4a16_rows_plan_picks_the_measured_configurations():
     splits of 56 groups, down (64 groups) unsplit; a single K2.6 weight whose 32-row blocks fill the wave
     unsplit (2048 -> 7168) 1 row block, the others the most row blocks that keep 16 groups a split; small
     shapes (engine bundles) fall back to the family's fewest row blocks at the one-wave split. 2..16 tokens
-    (the bf16 terms, at most 4 row blocks): the same on the single K2.6 weights, except that from 4 tokens
-    2048 -> 7168 shares its staging over 4 row blocks too."""
+    (the bf16 terms, at most 4 row blocks): the same on the single K2.6 weights, except that from 3 tokens
+    2048 -> 7168 shares its staging over 4 row blocks too (measured at 4, 8, 16)."""
     from cuda_engine.ops import W4A16_MAX_SPLITS, W4A16_ROWS, w4a16_rows_plan, w4a16_splits
 
     plan = lambda Nb, G, Z, M=1, resident=396: w4a16_rows_plan(Nb, G, Z, resident, 132, M,  # noqa: E731
@@ -131,6 +131,11 @@ def test_w4a16_rows_plan_picks_the_measured_configurations():
     assert plan(128, 224, 9 * 64) == (8, 1)
     assert plan(128, 224, 16) == (8, 3)
     assert plan(1152, 224, 1, 8, 264) == (4, 1)                 # the bf16 terms: 4 row blocks at most
+    # the many-row regime counts blocks at the family's most row blocks (4 for the bf16 terms: 600 row blocks
+    # are 150 blocks, over the 132 SMs; at 8 they would be 75 and take the single-weight path), and at 16
+    # tokens never goes below the family's fewest (2), even for a one-row-block weight
+    assert plan(600, 224, 1, 8, 264) == (4, 3)
+    assert plan(1, 224, 200, 16, 264)[0] == 2
     # never more row blocks per block than the weight has (rounded up to a power of two): idle warps otherwise
     assert plan(2, 6, 132) == (2, 1)                            # the tiny bundle's gate+up in a verify forward
     assert plan(4, 2048, 1) == (4, 64)

@@ -256,7 +256,7 @@ def test_bf16_terms_entries_every_row_count(ops, M, rows):
     """2..16 tokens (the bf16 terms; as columns up to 8 tokens, a column per token above): the entries differ
     only in how many blocks of 32 rows one block covers (ops.w4a16_rows_plan picks by shape). Each, at a full
     and a padded token count of its family (2; 4, 5; 8; 12, 16): rows that end mid-block, split and unsplit;
-    224 groups unsplit (x staged in segments: 5 tokens' terms hold 46 groups a segment, 16 tokens' 14); the
+    224 groups unsplit (x staged in segments of whole batches: 32-44 groups at 5 tokens, 12-14 at 16); the
     fused gate+up."""
     from cuda_engine.ops import W4A16_ROWS
     from cuda_engine.w4a16_pack import pack_gate_up, pack_linear
