@@ -25,8 +25,8 @@ import time
 import numpy as np
 import torch
 
-from conformance.bundle_model import _bf16_round
-from conformance.goldens import random_prompt
+from conformance.gen.bundle_model import _bf16_round
+from conformance.gen.goldens import random_prompt
 from refmodel.config import PRESETS
 from refmodel import ddtree
 from refmodel.ddtree import ddtree_generate

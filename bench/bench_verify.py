@@ -7,8 +7,8 @@ checksum, the floor any verify pays; the ratio says how much the engine run and 
 import sys
 import time
 
-from conformance.reference_engine import ReferenceEngine
-from conformance.runner import verify
+from conformance.engines.reference_engine import ReferenceEngine
+from conformance.verify.runner import verify
 from kdtr_format import open_kdtr
 
 BUNDLES = ["bundles/model_tiny.kdtr", "bundles/model_int4_tiny.kdtr"]

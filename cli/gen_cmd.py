@@ -1,4 +1,4 @@
-"""`kdtr gen`: make a golden bundle (conformance.gen does the work)."""
+"""`kdtr gen`: make a golden bundle (conformance.gen.gen does the work)."""
 from __future__ import annotations
 
 import json
@@ -15,9 +15,9 @@ from rich.table import Table
 from rich.text import Text
 
 from cli.outputs import check_output, fail_write
-from conformance.bundle_model import LONG_POSITION_OFFSET
+from conformance.gen.bundle_model import LONG_POSITION_OFFSET
 from conformance.exit_codes import ExitCode
-from conformance.gen import GenError, GenSettings, apply_quant, generate_bundle, model_from_checkpoint, \
+from conformance.gen.gen import GenError, GenSettings, apply_quant, generate_bundle, model_from_checkpoint, \
     model_from_kdtr, model_from_preset
 from kdtr_format import KdtrError
 from kdtr_format.paths import open_regular

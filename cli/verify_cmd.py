@@ -9,12 +9,12 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from cli.outputs import check_output, fail_write
-from conformance.engine_choice import ENGINES, EngineOptionError, EngineUnavailable, pick_engine
+from conformance.engines.engine_choice import ENGINES, EngineOptionError, EngineUnavailable, pick_engine
 from conformance.exit_codes import ExitCode
-from conformance.console import print_console
-from conformance.profiles import PROFILES, ProfileError
-from conformance.report import PRECEDENCE, write_html, write_json, write_junit
-from conformance.runner import verify
+from conformance.report.console import print_console
+from conformance.precision import PROFILES, ProfileError
+from conformance.report.verdict import PRECEDENCE, write_html, write_json, write_junit
+from conformance.verify.runner import verify
 from conformance.tolerance import load_rules_file
 from cuda_engine.engine import W4A16_MODES
 from kdtr_format.errors import NotARegularFileError

@@ -16,7 +16,10 @@ max_abs, max_rel, max_ulp and nmse infinite so that no tolerance can pass it. Wh
 non-finite (a masked -inf, say) a must be the same value (NaN matches NaN); a mismatch is counted in
 `nonfinite` as well. Integer tensors (expert ids) are compared exactly.
 
-Legend: T rows (tokens), V vocabulary.
+Also the margin of a golden top-K routing decision from a tie (`routing_gaps`): `kdtr gen` rejects
+prompts by it and the judge grants routing near-ties by it.
+
+Legend: T rows (tokens), V vocabulary, E experts, K experts per token.
 """
 from __future__ import annotations
 
@@ -261,3 +264,14 @@ def logits_metrics(golden: np.ndarray, actual: np.ndarray, k: int = 5) -> dict:
             "argmax_actual": ta[:, 0].tolist(),
         },
     }
+
+
+# ---------------------------------------------------------------- decision margins
+
+def routing_gaps(choice: np.ndarray, K: int) -> np.ndarray | None:
+    """[T]: each row's K-th minus (K+1)-th largest biased router score (`choice`: scores + correction bias,
+    [T, E]), how far its top-K decision is from a tie; None when top-K takes every expert (no decision)."""
+    if K >= choice.shape[-1]:
+        return None
+    top = -np.sort(-np.asarray(choice, np.float64), axis=-1)                        # [T, E] descending
+    return top[:, K - 1] - top[:, K]

@@ -2,7 +2,7 @@
 8 new tokens) so the conformance tests run the real generator and runner in seconds."""
 import pytest
 
-from conformance.gen import GenSettings, apply_quant, generate_bundle, model_from_preset
+from conformance.gen.gen import GenSettings, apply_quant, generate_bundle, model_from_preset
 
 
 def pytest_addoption(parser):
@@ -45,8 +45,8 @@ def small_int4_bundle(tmp_path_factory):
 def reference_run(small_bundle):
     """(open small bundle, the reference engine's outputs on it): a correct run, collected once per module
     (module scope: tests may edit the outputs they are given)."""
-    from conformance.collect import collect
-    from conformance.reference_engine import ReferenceEngine
+    from conformance.verify.collect import collect
+    from conformance.engines.reference_engine import ReferenceEngine
     from kdtr_format import open_kdtr
 
     with open_kdtr(small_bundle) as f:

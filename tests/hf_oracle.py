@@ -1,6 +1,6 @@
 """transformers' DeepseekV3ForCausalLM on our ModelConfig + weights: the independent oracle (tests only).
 
-The config translation and the weight loading are the torch engine's (conformance/torch_engine.py:
+The config translation and the weight loading are the torch engine's (conformance/engines/torch_engine.py:
 `hf_config`, `load_weights`; the transformers traps are listed there). Here the model is plain eager
 transformers in any dtype, float64 included (experts_implementation="eager" makes that possible).
 """
@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from transformers import DeepseekV3ForCausalLM
 
-from conformance.torch_engine import hf_config, load_weights
+from conformance.engines.torch_engine import hf_config, load_weights
 from refmodel.config import ModelConfig
 
 

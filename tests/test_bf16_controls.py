@@ -1,15 +1,15 @@
 """Negative controls under the bf16 profile: wrong engines must fail it. The profile is derived from a bf16
-reference run with routing held to the golden expert sets (conformance/profiles.py), so its bounds
+reference run with routing held to the golden expert sets (conformance/gen/bf16_profile.py), so its bounds
 measure arithmetic noise, not the discrete expert flips that once made decode bounds as large as the
 signal (logits x 0.3 passed). Judge-side, a tolerance that would pass an all-zero output is reported as
 skipped with that reason, never as a pass."""
 import numpy as np
 import pytest
 
-from conformance.collect import collect
-from conformance.faults import FaultyEngine
-from conformance.judge import judge
-from conformance.profiles import profile_taps
+from conformance.verify.collect import collect
+from conformance.engines.faults import FaultyEngine
+from conformance.verify.judge import judge
+from conformance.precision import profile_taps
 from conformance.tolerance import DerivedTolerance, RuleOverride
 
 

@@ -12,8 +12,8 @@ from click.testing import CliRunner
 
 from cli.main import main
 from conformance.exit_codes import ExitCode
-from conformance.reference_engine import ReferenceEngine
-from conformance.runner import verify
+from conformance.engines.reference_engine import ReferenceEngine
+from conformance.verify.runner import verify
 from kdtr_format import open_kdtr
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,4 +1,4 @@
-"""The conformance runner end to end: every planted fault (conformance/faults.py) is caught with the
+"""The conformance runner end to end: every planted fault (conformance/engines/faults.py) is caught with the
 right exit code and localized to the right layer and tap; the controls (the clean reference engine, a
 perturbed golden tap, a corrupt bundle, an engine that raises, one flipped token) and run dumps give the
 verdicts docs/conformance.md and docs/run-dump.md promise.
@@ -14,10 +14,10 @@ import pytest
 from safetensors.numpy import save_file
 
 from conformance.exit_codes import ExitCode
-from conformance.faults import FaultyEngine, msb_first, neox_perms
-from conformance.reference_engine import ReferenceEngine
+from conformance.engines.faults import FaultyEngine, msb_first, neox_perms
+from conformance.engines.reference_engine import ReferenceEngine
 from conformance.records import DUMP_SCHEMA
-from conformance.runner import verify
+from conformance.verify.runner import verify
 from kdtr_format import Tensor, open_kdtr, write_kdtr
 from kdtr_format.int4 import pack_int4, unpack_int4
 from kdtr_format.interop import convert_safetensors

@@ -1,5 +1,5 @@
-"""conformance.report: exit-code precedence, and the JSON / JUnit / HTML / console writers on a
-verdict built from real tolerance checks. Also conformance.protocol.check_engine."""
+"""conformance.report.verdict: exit-code precedence, and the JSON / JUnit / HTML / console writers on a
+verdict built from real tolerance checks. Also conformance.engines.protocol.check_engine."""
 import io
 import json
 import os
@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from conformance.protocol import check_engine
+from conformance.engines.protocol import check_engine
 from conformance.exit_codes import ExitCode
-from conformance.console import print_console
-from conformance.report import (CheckResult, Divergence, exit_code_for, layer_series, make_verdict,
+from conformance.report.console import print_console
+from conformance.report.verdict import (CheckResult, Divergence, exit_code_for, layer_series, make_verdict,
                                 write_html, write_json, write_junit)
 from conformance.tolerance import Rule, check_tap
 

@@ -95,8 +95,9 @@ def test_the_engines_records_are_the_reference_engines():
     imports conformance) and the reference engine both use it, and on a real refmodel run its records are
     the Rounds' own, in the layout of docs/run-dump.md §2."""
     import cuda_engine.ddtree
-    from conformance import records, reference_engine
-    from conformance.reference_engine import bundle_drafter, bundle_weights
+    from conformance import records
+    from conformance.engines import reference_engine
+    from conformance.engines.reference_engine import bundle_drafter, bundle_weights
     from refmodel import ddtree
 
     assert cuda_engine.ddtree.live_records is ddtree.live_records, "the CUDA engine builds its own records"
@@ -122,7 +123,7 @@ def test_the_engines_records_are_the_reference_engines():
 
 
 def test_read_drafter_is_the_bundles_drafter_exactly():
-    from conformance.reference_engine import bundle_drafter
+    from conformance.engines.reference_engine import bundle_drafter
     from cuda_engine.drafter import read_drafter
 
     dcfg, DW, settings = read_drafter(TINY)
@@ -167,7 +168,7 @@ def tiny_run(engine_cls):
 
 def _reference_drafts(prompt, pos0, n, dtype):
     """{start: drafter logits [L, V]} of refmodel's DDTree loop in `dtype` on the tiny bundle."""
-    from conformance.reference_engine import bundle_drafter, bundle_weights
+    from conformance.engines.reference_engine import bundle_drafter, bundle_weights
     from refmodel.ddtree import draft_logits, prefill, verify_round
 
     with open_kdtr(TINY) as f:
@@ -334,8 +335,8 @@ def test_every_verified_node_is_an_ar_replay_of_its_path(engine_cls, bundle):
     prefix + root + its ancestor path (the bundle's derived ar/logits tolerance, the one kdtr verify judges
     path logits with), and vs the engine's own causal forward over the same tokens (same tolerance). The
     float64 prefix (committed rows + root) is computed once per round and each node's path continues it."""
-    from conformance.judge import manifest_rule
-    from conformance.reference_engine import bundle_weights
+    from conformance.verify.judge import manifest_rule
+    from conformance.engines.reference_engine import bundle_weights
     from conformance.tolerance import check_tap, resolve_rule
     from cuda_engine.ddtree import ddtree_run
     from refmodel.model import KVCache, forward
@@ -394,7 +395,7 @@ def test_two_runs_and_no_graph_are_identical(tiny_run, engine_cls):
 @pytest.mark.cuda
 @pytest.mark.parametrize("bundle", BUNDLES)
 def test_verify_passes_with_the_live_ddtree(engine_cls, bundle):
-    from conformance.runner import verify
+    from conformance.verify.runner import verify
 
     v = verify(bundle, engine=engine_cls())
     live = [c for c in v.checks if "/ddtree_live/" in c.name]

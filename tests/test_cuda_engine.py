@@ -20,7 +20,7 @@ def engine_cls():
 
 
 def collect_with(engine, bundle):
-    from conformance.collect import collect
+    from conformance.verify.collect import collect
     from kdtr_format import open_kdtr
 
     with open_kdtr(bundle) as f:
@@ -31,7 +31,7 @@ def collect_with(engine, bundle):
 @pytest.mark.cuda
 @pytest.mark.parametrize("bundle", BUNDLES)
 def test_bundle_passes(engine_cls, bundle):
-    from conformance.runner import verify
+    from conformance.verify.runner import verify
 
     v = verify(bundle, engine=engine_cls())
     bad = [f"{c.name}: {c.message or c.metrics}" for c in v.checks if c.status != "pass" and c.status != "skip"]
@@ -42,7 +42,7 @@ def test_bundle_passes(engine_cls, bundle):
 @pytest.mark.parametrize("bundle", [b for b in BUNDLES if "int4" in b])
 def test_int4_bundle_passes_on_dequantized_weights_too(engine_cls, bundle):
     """--w4a16 dense: the INT4 experts dequantized at load and run by the dense kernels."""
-    from conformance.runner import verify
+    from conformance.verify.runner import verify
 
     v = verify(bundle, engine=engine_cls(w4a16="dense"))
     assert v.verdict == "pass", f"{bundle} (w4a16 dense): exit {int(v.exit_code)}"
@@ -52,7 +52,7 @@ def test_int4_bundle_passes_on_dequantized_weights_too(engine_cls, bundle):
 @pytest.mark.parametrize("bundle", [b for b in BUNDLES if "int4" in b])
 def test_int4_bundle_passes_on_the_plain_kernel(engine_cls, bundle):
     """--w4a16 plain: the packed weights as stored (w4a16_plain.cu); the default (fast) is test_bundle_passes."""
-    from conformance.runner import verify
+    from conformance.verify.runner import verify
 
     v = verify(bundle, engine=engine_cls(w4a16="plain"))
     assert v.verdict == "pass", f"{bundle} (w4a16 plain): exit {int(v.exit_code)}"

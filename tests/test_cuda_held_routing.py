@@ -61,8 +61,8 @@ def run(engine, f, g: str, held_prefill: dict, held_ar: dict, tokens, steps: int
 
 @pytest.mark.parametrize("bundle", BUNDLES)
 def test_held_ids_run_as_the_reference_runs_them(engine_cls, bundle):
-    from conformance.reference_engine import ReferenceEngine
-    from conformance.judge import manifest_rule
+    from conformance.engines.reference_engine import ReferenceEngine
+    from conformance.verify.judge import manifest_rule
     from conformance.tolerance import check_tap, resolve_rule
     from kdtr_format import open_kdtr
     from refmodel.config import ModelConfig
@@ -96,7 +96,7 @@ def test_held_ids_run_as_the_reference_runs_them(engine_cls, bundle):
 
 
 def test_a_held_run_on_the_int4_bundle_passes(engine_cls, tmp_path):
-    from conformance.runner import verify
+    from conformance.verify.runner import verify
     from kdtr_format import Tensor, open_kdtr, write_kdtr
 
     src, dst = "bundles/model_int4_tiny.kdtr", tmp_path / "held.kdtr"

@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from cli.main import main
-from conformance.outputs import LIVE, LIVE_RECORDS
+from conformance.verify.outputs import LIVE, LIVE_RECORDS
 from conformance.records import prompts_of
 from cuda_engine.build import PACKAGE_DIR
 from cuda_engine.proofs import REPROVE, ProofError, check_provenance, engine_info, proof_modes, proof_path
@@ -18,7 +18,7 @@ from cuda_oracle import committed_bundles
 
 BUNDLES = committed_bundles()
 PROOFS = [(b, m) for b in BUNDLES for m in proof_modes(b)]      # INT4 bundles: one proof per --w4a16 mode
-# The live DDTree checks that must pass in a CUDA proof's verdict (conformance/judge_live.py; path_logits as
+# The live DDTree checks that must pass in a CUDA proof's verdict (conformance/verify/judge_live.py; path_logits as
 # the replay's): the engine's own drafter, trees and forward count, judged.
 LIVE_CHECKS = ("tokens", "tokens_vs_own_ar", "trees", "target_forwards", "path_logits")
 

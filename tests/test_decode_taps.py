@@ -3,8 +3,8 @@ only in the decode path is localised to its sublayer, not to the layer's resid_o
 import pytest
 
 from conformance.exit_codes import ExitCode
-from conformance.faults import FaultyEngine
-from conformance.runner import verify
+from conformance.engines.faults import FaultyEngine
+from conformance.verify.runner import verify
 from kdtr_format import open_kdtr
 
 

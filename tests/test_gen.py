@@ -7,10 +7,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-import conformance.gen as gen
-import conformance.goldens as goldens
+import conformance.gen.gen as gen
+import conformance.gen.goldens as goldens
 from cli.main import main
-from conformance.gen import GenSettings, apply_quant, generate_bundle, model_from_preset
+from conformance.gen.gen import GenSettings, apply_quant, generate_bundle, model_from_preset
 from conformance.records import numeric_keys
 from hf_oracle import hf_logits, hf_model
 from kdtr_format import open_kdtr

@@ -1,7 +1,7 @@
 """Held routing: under a profile derived with routing held to the golden expert sets (bf16; fp32 on a
 bundle made with `--routing-near-ties held`, tests/test_held_routing_fp32.py), the runner hands a live
 engine that has `hold_routing` the golden set of every forward row on the golden stream
-(conformance/collect.py, HeldRouting); under the fp32 profile of a bundle made without it, it hands
+(conformance/verify/collect.py, HeldRouting); under the fp32 profile of a bundle made without it, it hands
 nothing. A run dump cannot be held after the fact: its metadata `routing` says how its run chose, and the
 verdict reports what it says.
 
@@ -13,8 +13,8 @@ import pytest
 
 from conformance.exit_codes import ExitCode
 from conformance.records import write_dump
-from conformance.reference_engine import ReferenceEngine
-from conformance.runner import verify
+from conformance.engines.reference_engine import ReferenceEngine
+from conformance.verify.runner import verify
 from kdtr_format import open_kdtr
 
 

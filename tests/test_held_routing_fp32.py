@@ -12,23 +12,23 @@ decode step 2 of prompt 1, layer 1's K-th and (K+1)-th biased golden scores are 
   (its flip is a near-tie at topk_ids; later taps ran the golden experts); the same engine pushed to flip a
   decisive decision fails at router_scores and topk_ids;
 - the live DDTree (its router free) is judged exactly before the first near-tie routing row and for
-  self-consistency after it (conformance/judge_live.py);
+  self-consistency after it (conformance/verify/judge_live.py);
 - run dumps say how their run routed; a bundle whose `tolerances.routing` is neither value is invalid.
 """
 import numpy as np
 import pytest
 
-from conformance.bundle_model import as_stored
-from conformance.collect import collect
+from conformance.gen.bundle_model import as_stored
+from conformance.verify.collect import collect
 from conformance.exit_codes import ExitCode
-from conformance.gen import GenSettings, apply_quant, generate_bundle, model_from_preset
-from conformance.goldens import random_prompt, run_reference
-from conformance.judge_live import live_checks
-from conformance.near_ties import _atol, routing_tie_row
-from conformance.outputs import LIVE
-from conformance.reference_engine import ReferenceEngine
-from conformance.runner import verify
-from conformance.tree_ties import GoldenDrafts
+from conformance.gen.gen import GenSettings, apply_quant, generate_bundle, model_from_preset
+from conformance.gen.goldens import random_prompt, run_reference
+from conformance.verify.judge_live import live_checks
+from conformance.verify.near_ties import _atol, routing_tie_row
+from conformance.verify.outputs import LIVE
+from conformance.engines.reference_engine import ReferenceEngine
+from conformance.verify.runner import verify
+from conformance.verify.tree_ties import GoldenDrafts
 from kdtr_format import open_kdtr
 from refmodel.config import ModelConfig
 from refmodel.model import expert_weights
@@ -83,7 +83,7 @@ def test_the_bundle_holds_routing_and_records_its_near_tie(near_tie_bundle):
 
 def test_reference_and_torch_engines_pass_with_routing_held(near_tie_bundle):
     pytest.importorskip("torch")
-    from conformance.torch_engine import TorchEngine
+    from conformance.engines.torch_engine import TorchEngine
 
     path = near_tie_bundle[0]
     for e in (ReferenceEngine(), TorchEngine("float32")):

@@ -20,7 +20,7 @@ from click.testing import CliRunner
 import cli.verify_cmd
 from cli.main import main
 from conformance.exit_codes import ExitCode
-from conformance.report import CheckResult, make_verdict
+from conformance.report.verdict import CheckResult, make_verdict
 from kdtr_format import write_kdtr
 from kdtr_format.paths import TEMP_SUFFIX
 
@@ -341,7 +341,7 @@ def test_replacing_a_file_keeps_its_mode_and_a_link_keeps_pointing(tmp_path):
 
 
 STDOUT_REPORT = """
-from conformance.report import CheckResult, make_verdict, write_json
+from conformance.report.verdict import CheckResult, make_verdict, write_json
 print("console line", flush=True)
 write_json(make_verdict("stub", "b", [CheckResult("bundle/integrity", "pass", "integrity")]), "/dev/stdout")
 print("after", flush=True)
@@ -365,12 +365,12 @@ def test_save_dump_failing_mid_run_is_one_line_exit_2(tmp_path, monkeypatch):
     """Disk full while the run dump is written (after the up-front path check passed): one line, exit 2."""
     import errno
 
-    import conformance.runner
+    import conformance.verify.runner
 
     def full(out, path, *args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr(conformance.runner, "write_dump", full)
+    monkeypatch.setattr(conformance.verify.runner, "write_dump", full)
     target = tmp_path / "run.kdtr"
     r = kdtr("verify", os.path.join(ROOT, "bundles", "model_int4_tiny.kdtr"), "--engine", "reference",
              "--save-dump", str(target))

@@ -1,5 +1,5 @@
 """The live DDTree protocol (`ddtree_generate`): the reference engine's own drafter and trees judged against
-the goldens (conformance/judge_live.py), near-ties of the golden drafter (conformance/tree_ties.py), a
+the goldens (conformance/verify/judge_live.py), near-ties of the golden drafter (conformance/verify/tree_ties.py), a
 planted tree-builder fault, determinism, and the records in a run dump."""
 import io
 from pathlib import Path
@@ -8,16 +8,16 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from conformance.console import print_console
+from conformance.report.console import print_console
 from conformance.exit_codes import ExitCode
-from conformance.faults import FaultyEngine
-from conformance.outputs import LIVE, LIVE_RECORDS
-from conformance.protocol import check_engine
+from conformance.engines.faults import FaultyEngine
+from conformance.verify.outputs import LIVE, LIVE_RECORDS
+from conformance.engines.protocol import check_engine
 from conformance.records import read_dump, write_dump
-from conformance.reference_engine import ReferenceEngine
-from conformance.runner import verify
+from conformance.engines.reference_engine import ReferenceEngine
+from conformance.verify.runner import verify
 from conformance.tolerance import DerivedTolerance
-from conformance.tree_ties import first_difference, log_probs
+from conformance.verify.tree_ties import first_difference, log_probs
 from kdtr_format import open_kdtr
 
 COMMITTED = Path(__file__).resolve().parents[1] / "bundles" / "model_tiny.kdtr"
@@ -97,7 +97,7 @@ def test_two_live_runs_are_identical():
         assert runs[0][k].dtype == runs[1][k].dtype and np.array_equal(runs[0][k], runs[1][k]), k
 
 
-# ------------------------------------------------------------------ near-ties (conformance/tree_ties.py)
+# ------------------------------------------------------------------ near-ties (conformance/verify/tree_ties.py)
 
 def _lp(rows) -> np.ndarray:
     """Log-probs [L, V] of per-depth logits rows."""
@@ -199,7 +199,7 @@ class _MiscountingEngine(ReferenceEngine):
 def test_counters_must_agree_with_the_records_even_when_not_every_tree_is_golden(all_golden):
     """counters[0] = 1 prefill + one verify per round, whatever the trees were: judged against the records
     even when (not every tree golden) the count is not judged against the golden one."""
-    from conformance.judge_live import _forwards_check
+    from conformance.verify.judge_live import _forwards_check
 
     with open_kdtr(COMMITTED) as f:
         e = ReferenceEngine()

@@ -4,10 +4,10 @@ fp32 profile, and a flip the engine's numbers do not explain fails under both.""
 import numpy as np
 import pytest
 
-from conformance.judge import judge
-from conformance.near_ties import logits_atol, routing_near_ties
-from conformance.outputs import InvalidOutputs
-from conformance.profiles import profile_taps
+from conformance.verify.judge import judge
+from conformance.verify.near_ties import logits_atol, routing_near_ties
+from conformance.verify.outputs import InvalidOutputs
+from conformance.precision import profile_taps
 from conformance.tolerance import DerivedTolerance
 from refmodel.config import ModelConfig
 
@@ -90,7 +90,7 @@ def test_a_ddtree_stream_leaving_at_its_first_token_skips_what_it_cannot_compare
     """The stream leaves the golden one at a near-tie token 0 chosen by the engine's own AR token 0: no
     round and no committed row is comparable, so rounds and path_logits are skipped with that reason
     (never a pass over 0 rounds), and coverage says so."""
-    from conformance.judge import coverage_check
+    from conformance.verify.judge import coverage_check
     f, out = run
     margins = np.asarray(f["golden/p0/ar/margins"])
     if margins[0] > 2 * logits_atol(profile_taps(f.metadata, "bf16")):

@@ -19,10 +19,10 @@ import refmodel.config as config
 import refmodel.drafter as drafter
 from cli.main import main
 from conformance.exit_codes import ExitCode
-from conformance.goldens import PromptGoldens, check_decisive, routing_near_tie_count
+from conformance.gen.goldens import PromptGoldens, check_decisive, routing_near_tie_count
 from conformance.tolerance import DerivedTolerance
-from conformance.reference_engine import ReferenceEngine
-from conformance.runner import verify
+from conformance.engines.reference_engine import ReferenceEngine
+from conformance.verify.runner import verify
 from kdtr_format import open_kdtr
 from refmodel.config import PRESETS, SLICE_OF, slice_shrinkage
 
@@ -208,7 +208,7 @@ def test_held_routing_keeps_prompts_that_forbid_rejects():
 def test_gen_bytes_do_not_depend_on_upcasting_once_or_per_matmul(mini_slice, tmp_path, monkeypatch):
     """`kdtr gen` upcasts the model once where memory allows (refmodel.stored.upcast_if_fits), else per
     matmul: the same bytes either way, so the path a machine takes never changes a bundle."""
-    import conformance.gen as gen_mod
+    import conformance.gen.gen as gen_mod
     import refmodel.stored as stored
     took = []
 
@@ -233,7 +233,7 @@ def test_gen_bytes_do_not_depend_on_upcasting_once_or_per_matmul(mini_slice, tmp
 def test_gen_bytes_do_not_depend_on_forked_prompt_jobs(mini_slice, tmp_path, monkeypatch):
     """On a machine with CORES_PER_JOB cores per prompt, the prompts' golden runs go to forked workers:
     the same bytes as one after the other."""
-    import conformance.gen as gen_mod
+    import conformance.gen.gen as gen_mod
     pools = []
 
     class Pool(gen_mod.ProcessPoolExecutor):
@@ -257,7 +257,7 @@ def test_gen_bytes_do_not_depend_on_forked_prompt_jobs(mini_slice, tmp_path, mon
 def test_a_failed_worker_is_a_one_line_gen_error(mini_slice, tmp_path, monkeypatch):
     """A forked golden run that dies (here: out of memory) ends gen with a usage-style error naming the prompt
     and what to change, not a traceback."""
-    import conformance.gen as gen_mod
+    import conformance.gen.gen as gen_mod
     monkeypatch.setattr(gen_mod.os, "cpu_count", lambda: 64)
 
     def oom(*args, **kwargs):                        # runs in the forked worker (fork copies the patch)

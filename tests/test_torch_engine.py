@@ -20,8 +20,8 @@ from click.testing import CliRunner
 
 from cli.main import main
 from conformance.exit_codes import ExitCode
-from conformance.runner import verify
-from conformance.torch_engine import TorchEngine, TorchEngineError
+from conformance.verify.runner import verify
+from conformance.engines.torch_engine import TorchEngine, TorchEngineError
 from kdtr_format import open_kdtr
 
 BUNDLES = ["bundles/model_tiny.kdtr", "bundles/model_int4_tiny.kdtr"]
@@ -201,7 +201,7 @@ def test_hold_routing_runs_the_held_experts_for_one_call_and_reports_its_own_cho
     """Prefill row 0 of layer `first_k_dense_replace` held to the golden set with one expert swapped: that
     row's mlp_out is the float64 reference's with the same experts forced (within the bundle's fp32 rule,
     which the free row fails), the taps still report the router's own choice, and the hold lasts one call."""
-    from conformance.reference_engine import bundle_weights
+    from conformance.engines.reference_engine import bundle_weights
     from conformance.tolerance import DerivedTolerance, check_tap
     from refmodel.model import forward
     e = TorchEngine("float32")
@@ -238,7 +238,7 @@ def test_hold_routing_runs_the_held_experts_for_one_call_and_reports_its_own_cho
 
 
 def test_it_is_an_engine():
-    from conformance.protocol import check_engine
+    from conformance.engines.protocol import check_engine
     assert check_engine(TorchEngine("bfloat16")) == []
 
 

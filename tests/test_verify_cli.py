@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from cli.main import main
-from conformance.engine_choice import EngineUnavailable, pick_engine
+from conformance.engines.engine_choice import EngineUnavailable, pick_engine
 from conformance.exit_codes import ExitCode
 from kdtr_format import Tensor, open_kdtr, write_kdtr
 

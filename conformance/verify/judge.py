@@ -2,35 +2,35 @@
 
 1. numeric: every tap, in execution order (prefill L0..L{n-1}, final_hidden, logits; then the decode
    steps, teacher-forced with the golden tokens), with the tolerances of the chosen precision profile
-   (conformance/profiles.py) or a rules file;
+   (conformance/precision.py) or a rules file;
 2. tokens: the engine's argmax at every golden step equals the golden token (exact); a mismatch reports
    the step, both tokens, the golden top-1/top-2 margin and the engine's logit error there;
 3. ddtree: the engine's DDTree stream equals the golden stream and its own AR stream (100%), every
    round's verify argmax, accepted path and bonus equal the golden ones, target-forward counts equal;
-   for an engine that ran its own DDTree loop too, conformance/judge_live.py (trees vs golden, near-ties).
+   for an engine that ran its own DDTree loop too, conformance/verify/judge_live.py (trees vs golden, near-ties).
 
 Tokens and expert choices at near-ties of the profile that the engine's own reported numbers explain
-(conformance/near_ties.py) are reported, not failed; under the fp32 profile there are none. A check whose
+(conformance/verify/near_ties.py) are reported, not failed; under the fp32 profile there are none. A check whose
 tolerance would pass an all-zero output judges nothing: it is skipped with that reason, never passed.
 
-The first numeric failure in execution order is the first divergence (conformance/localize.py then
+The first numeric failure in execution order is the first divergence (conformance/verify/localize.py then
 tells a local fault from inherited error).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from conformance.coverage import coverage, coverage_text, skip_reasons, skipped
+from conformance.report.coverage import coverage, coverage_text, skip_reasons, skipped
 from conformance.metrics import logits_metrics
-from conformance.judge_live import live_checks
-from conformance.near_ties import (explains_flip, logits_atol, own_choice, routing_near_ties, routing_tie_row,
+from conformance.verify.judge_live import live_checks
+from conformance.verify.near_ties import (explains_flip, logits_atol, own_choice, routing_near_ties, routing_tie_row,
                                    stream_near_tie, token_near_ties)
-from conformance.outputs import LIVE, InvalidOutputs, has_live, tree_offsets, validate_outputs, widened
-from conformance.profiles import holds_routing, profile_taps
+from conformance.verify.outputs import LIVE, InvalidOutputs, has_live, tree_offsets, validate_outputs, widened
+from conformance.precision import holds_routing, profile_taps
 from conformance.records import numeric_keys, position_offset, prompts_of
-from conformance.report import CheckResult, Divergence
+from conformance.report.verdict import CheckResult, Divergence
 from conformance.tolerance import DerivedTolerance, Rule, check_tap, judges_nothing, resolve_rule
-from conformance.tree_ties import GoldenDrafts
+from conformance.verify.tree_ties import GoldenDrafts
 from refmodel.config import ModelConfig
 
 
@@ -65,10 +65,10 @@ def _routing_views(f, g: str, key: str, out: dict, name: str):
 def judge(f, out: dict, overrides=(), dtype: str = "float32",
           profile: str = "fp32") -> tuple[list[CheckResult], Divergence | None]:
     """All checks for outputs `out` (run-dump names) against the open bundle `f` under the precision
-    `profile` (conformance/profiles.py), and the first divergence in execution order (earliest prompt,
+    `profile` (conformance/precision.py), and the first divergence in execution order (earliest prompt,
     then prefill, then the earliest decode step).
     Raises InvalidOutputs (every problem, each naming its record) when `out` breaks docs/run-dump.md:
-    every check below may then rely on the required records (conformance/outputs.py, REQUIRED)."""
+    every check below may then rely on the required records (conformance/verify/outputs.py, REQUIRED)."""
     problems = validate_outputs(f, out, dtype)
     if problems:
         raise InvalidOutputs(problems)
@@ -147,7 +147,7 @@ def long_position_checks(f, checks: list[CheckResult]) -> list[CheckResult]:
 def _routing_near_ties(f, g: str, key: str, name: str, man: dict, out: dict, golden, actual, cfg,
                        overrides, dtype):
     """For topk_ids / topk_weights: the engine's rows whose expert set differs from the golden one at a
-    near-tie (conformance/near_ties.py) take the golden values, so the check judges every other row
+    near-tie (conformance/verify/near_ties.py) take the golden values, so the check judges every other row
     exactly and keeps row numbers; returns (actual, those rows). Other taps pass through. The engine's
     own router_scores must be reported and judged by a tolerance that judges something."""
     tap = key.rsplit("/", 1)[-1]

@@ -1,11 +1,11 @@
 """The conformance runner behind `kdtr verify`: one verdict over taps, token streams and DDTree.
 
-Two ways in, one judge. A live engine (conformance.protocol.Engine) is driven by `collect`
-(conformance/collect.py), which returns its outputs under the run-dump names of docs/run-dump.md; an
+Two ways in, one judge. A live engine (conformance.engines.protocol.Engine) is driven by `collect`
+(conformance/verify/collect.py), which returns its outputs under the run-dump names of docs/run-dump.md; an
 external engine writes a `.kdtr` run dump with the same names itself (conformance/records.py reads it).
-`judge` (conformance/judge.py) compares either against the bundle's goldens; the first numeric failure
+`judge` (conformance/verify/judge.py) compares either against the bundle's goldens; the first numeric failure
 in execution order is the first divergence, and with a live engine that can run one layer alone,
-`localize` (conformance/localize.py) re-runs that layer on golden inputs to tell a local fault from
+`localize` (conformance/verify/localize.py) re-runs that layer on golden inputs to tell a local fault from
 inherited error.
 """
 from __future__ import annotations
@@ -13,14 +13,14 @@ from __future__ import annotations
 import os
 import time
 
-from conformance.collect import can_hold_routing, collect
-from conformance.judge import coverage_check, judge
-from conformance.localize import localize
-from conformance.outputs import InvalidOutputs
-from conformance.profiles import PROFILE_OF_DTYPE, holds_routing, profile_taps
-from conformance.protocol import check_engine
+from conformance.verify.collect import can_hold_routing, collect
+from conformance.verify.judge import coverage_check, judge
+from conformance.verify.localize import localize
+from conformance.verify.outputs import InvalidOutputs
+from conformance.precision import PROFILE_OF_DTYPE, holds_routing, profile_taps
+from conformance.engines.protocol import check_engine
 from conformance.records import check_schema, dump_routing, prompts_of, read_dump, write_dump
-from conformance.report import CheckResult, make_verdict
+from conformance.report.verdict import CheckResult, make_verdict
 from kdtr_format import KdtrError, open_kdtr
 
 
@@ -28,8 +28,8 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
            save_dump: str | None = None, require_coverage: float | None = None, profile: str | None = None):
     """Judge `engine` (live) or `dump` (a run dump) against `bundle`; returns a report.Verdict.
     `require_coverage` (0..1): add a coverage check that fails (exit 7) when a group of checks ran
-    less than that fraction of the checks the bundle defines (conformance/coverage.py).
-    `profile`: the precision profile to judge with (fp32 or bf16, conformance/profiles.py); None = the
+    less than that fraction of the checks the bundle defines (conformance/report/coverage.py).
+    `profile`: the precision profile to judge with (fp32 or bf16, conformance/precision.py); None = the
     one of the engine's (or the dump's) dtype. Raises ProfileError when the bundle lacks it."""
     t0 = time.perf_counter()
     name = "dump" if dump else str(getattr(engine, "name", "engine"))
@@ -44,7 +44,7 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
         lacks = check_engine(engine) if dump is None else []
         if lacks:                                                        # before step 37, not during it
             checks.append(CheckResult("engine/run", "error", "numeric",
-                                      message=f"not an engine (conformance/protocol.py): {'; '.join(lacks)}"))
+                                      message=f"not an engine (conformance/engines/protocol.py): {'; '.join(lacks)}"))
             return make_verdict(name, bundle, checks)
         if engine is not None and dump is None:                          # a missing profile: say so before
             profile = profile or PROFILE_OF_DTYPE.get(engine.dtype, "fp32")   # the run, not after it

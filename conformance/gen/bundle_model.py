@@ -1,7 +1,7 @@
 """Where a golden bundle's model comes from (`kdtr gen --preset / --model / --from-checkpoint`): the target
 weights as they will be stored (float32, or INT4 `.qw`/`.sc`), the drafter (distilled with torch, or read
 from the model file), and INT4 quantization of a float32 target. Also the generator's settings and its
-user-facing error, shared by conformance.goldens and conformance.gen.
+user-facing error, shared by conformance.gen.goldens and conformance.gen.gen.
 """
 from __future__ import annotations
 

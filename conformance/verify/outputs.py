@@ -1,16 +1,16 @@
 """An engine's outputs under run-dump names (docs/run-dump.md §2): which records are required, and the
 checks that every record present has the documented dtype, shape and values consistent with the bundle.
 
-A live engine's outputs (conformance/collect.py) and a run dump (conformance/records.py, read_dump) go
+A live engine's outputs (conformance/verify/collect.py) and a run dump (conformance/records.py, read_dump) go
 through the same `validate_outputs`; any problem makes the run unjudgeable: an invalid file for a dump
 (exit 5), an engine error for a live engine (exit 6), the message naming the record. The judge
-(conformance/judge.py) only ever sees outputs that passed, so it never meets a missing required record.
+(conformance/verify/judge.py) only ever sees outputs that passed, so it never meets a missing required record.
 
 Storage dtypes: integer records are int64; float records are stored in the engine's compute dtype
 (float32; bfloat16 as raw uint16 bit patterns; float16), except that `router_scores` may also be float32
 in any engine: routers compute in float32, and rounding their scores to bfloat16 would hide the values
 the engine chose its experts by (a near-tie flip is granted only when those values explain it,
-conformance/near_ties.py). `widened` turns the float records into float32 (exact) for the judge, which
+conformance/verify/near_ties.py). `widened` turns the float records into float32 (exact) for the judge, which
 measures ULPs in the compute dtype.
 
 Legend: P prompt length, n golden tokens, V vocab, E routed experts, R rounds, T tree rows.
@@ -30,7 +30,7 @@ REQUIRED = ("prefill/logits", "ar/logits", "ar/tokens", "ddtree/tokens", "ddtree
             "ddtree/path_logits")
 # An engine that drafts with its own drafter reports its trees; both or neither.
 OWN_TREES = ("ddtree/tree_tokens", "ddtree/tree_parents")
-# The optional live DDTree group (an engine's own loop, `ddtree_generate` in conformance/protocol.py):
+# The optional live DDTree group (an engine's own loop, `ddtree_generate` in conformance/engines/protocol.py):
 # all of these or none, under p{i}/ddtree_live/.
 LIVE = "ddtree_live"
 LIVE_RECORDS = ("tokens", "tree_tokens", "tree_parents", "verify_argmax", "accepted", "accepted_offsets",

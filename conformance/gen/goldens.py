@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from conformance.bundle_model import GenError, Model, _f32
-from conformance.near_ties import routing_gaps
+from conformance.gen.bundle_model import GenError, Model, _f32
+from conformance.metrics import routing_gaps
 from conformance.tolerance import DEFAULT_FLOOR_ULPS, DEFAULT_MULTIPLIER, DerivedTolerance, derive_tolerance
 from refmodel.config import ModelConfig
 from refmodel.ddtree import ddtree_generate
@@ -49,7 +49,7 @@ def run_reference(cfg, W: dict, prompt, n: int, tokens=None, ar_taps=AR_TAPS, po
     (arrays keyed by bundle names relative to golden/p{i}/: prefill/..., ar/logits, ar/L{l}/{tap}; the
     tokens; each decision's top-1/top-2 margin; the smallest routing gap of all forwards). `routing`:
     goldens holding prefill/L{l}/topk_ids and ar/L{l}/topk_ids, whose expert sets every forward then
-    runs (the bf16 profile's noise measurement, conformance/profiles.py). tick(done, n): after each forward."""
+    runs (the bf16 profile's noise measurement, conformance/gen/bf16_profile.py). tick(done, n): after each forward."""
     cache, taps = KVCache(cfg, dtype=weights_dtype(W)), {}
     rows = [prefill(cfg, W, prompt, cache, taps=taps, pos0=pos0, forced_ids=_forced(cfg, routing, "prefill", None))]
     out = {f"prefill/{k}": v for k, v in taps.items()}
@@ -138,7 +138,7 @@ def check_decisive(pg: PromptGoldens, logits_atol: float, router_atol: float,
                    routing_held: bool = False) -> str | None:
     """Why this prompt cannot be a golden (None if it can). A flip needs an error above half the gap on
     two values, so a gap of MARGIN_SAFETY (4) tolerances leaves a correct engine a 2x reserve.
-    `routing_held`: routing near-ties are judged (conformance/near_ties.py) with the engine's routing held
+    `routing_held`: routing near-ties are judged (conformance/verify/near_ties.py) with the engine's routing held
     to the golden sets, so neither a small routing gap nor a float32 expert flip rejects the prompt."""
     need = MARGIN_SAFETY * logits_atol
     if pg.margins.min() < need:

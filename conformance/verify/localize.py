@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from conformance.judge import canonical_routing, manifest_rule
-from conformance.outputs import widened
-from conformance.profiles import profile_taps
+from conformance.verify.judge import canonical_routing, manifest_rule
+from conformance.verify.outputs import widened
+from conformance.precision import profile_taps
 from conformance.records import position_offset
-from conformance.report import Divergence
+from conformance.report.verdict import Divergence
 from conformance.tolerance import check_tap, resolve_rule
 
 

@@ -11,7 +11,7 @@ Why routing is held: between near-equal routing scores bf16 noise flips expert c
 a whole expert's output. A free-running reference folds those discrete jumps into every later tap's
 baseline, so 16 x that baseline grew as large as the signal (decode logits x 0.3 passed). Held to the
 golden sets, the run measures arithmetic noise only; an engine's own routing flips are judged by the
-routing rules (conformance/near_ties.py), not absorbed into every later bound. The topk_ids taps of
+routing rules (conformance/verify/near_ties.py), not absorbed into every later bound. The topk_ids taps of
 the run still record the router's own choice, so `reference_mismatches` counts the rows where bf16
 would have flipped. Each tap's rule is then `DerivedTolerance` with the same multiplier, and the
 floor is the same number of ULPs, counted in bfloat16 (docs/conformance.md, section 3a).
@@ -26,18 +26,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from conformance.precision import FP32_KEEP
 from conformance.tolerance import DEFAULT_FLOOR_ULPS, DEFAULT_MULTIPLIER, DerivedTolerance
 from kdtr_format import bfloat16_to_float32, float32_to_bfloat16
 from refmodel.stored import StoredWeights
 
-PROFILES = ("fp32", "bf16")
-PROFILE_OF_DTYPE = {"float32": "fp32", "bfloat16": "bf16"}
 BF16_EPS = 2.0**-7                      # bfloat16 machine epsilon: one ULP at 1.0 (8-bit significand)
-FP32_KEEP = (".mlp.gate.weight", ".mlp.gate.e_score_correction_bias")   # router: float32 in bf16 engines
-
-
-class ProfileError(ValueError):
-    """A profile was asked for that the bundle does not carry (or that does not exist)."""
 
 
 # ---------------------------------------------------------------- the bf16 reference
@@ -130,7 +124,7 @@ def bf16_ulp(magnitude: float) -> float:
     return 2.0 ** (np.floor(np.log2(m)) - 7)
 
 
-# ---------------------------------------------------------------- deriving and reading profiles
+# ---------------------------------------------------------------- deriving the profile
 
 def derive_profile(errors: list[dict], quant: str, floor_ulps: int = DEFAULT_FLOOR_ULPS) -> dict:
     """The bf16 profile from per-prompt errors of the bf16 reference (`reference_errors`): per float tap
@@ -173,7 +167,7 @@ def derive_profile(errors: list[dict], quant: str, floor_ulps: int = DEFAULT_FLO
 def bf16_profile(cfg, W64: dict, goldens: list[tuple], quant: str) -> dict:
     """Run the bf16 reference on every (prompt, golden tokens, float64 goldens, first position), routing
     held to the golden expert sets, and derive the profile."""
-    from conformance.goldens import baseline_errors, run_reference   # gen calls this: import when called
+    from conformance.gen.goldens import baseline_errors, run_reference   # gen calls this: import when called
 
     Wb = bf16_weights(W64)
     errors = []
@@ -191,29 +185,3 @@ def reference_errors(g64: dict, gb: dict, baseline_errors) -> dict:
         if g.dtype.kind in "iu":
             out[k] = {"mismatches": int(np.count_nonzero((np.sort(g, -1) != np.sort(gb[k], -1)).any(-1)))}
     return out
-
-
-def holds_routing(meta: dict, profile: str) -> bool:
-    """Whether `profile`'s reference run held routing to the golden expert sets, so that the runner holds a
-    live engine's routing alike (conformance/collect.py) and its taps are measured under the conditions of
-    the derivation: the bf16 profile always; the fp32 profile when the bundle's `tolerances.routing` is
-    "held" (`kdtr gen --routing-near-ties held`: a bundle whose golden routing has near-ties; absent =
-    "free", every routing decision decisive). The value is validated by records.check_schema."""
-    if profile == "bf16":
-        return True
-    return profile == "fp32" and meta.get("tolerances", {}).get("routing", "free") == "held"
-
-
-def profile_taps(meta: dict, profile: str) -> dict:
-    """The per-tap manifest entries of `profile` from a bundle's metadata; a clear error when absent."""
-    if profile not in PROFILES:
-        raise ProfileError(f"unknown precision profile {profile!r}; choose one of {', '.join(PROFILES)}")
-    tol = meta["tolerances"]
-    if profile == "fp32":
-        return tol["taps"]
-    prof = tol.get("profiles", {}).get(profile)
-    if prof is None:
-        raise ProfileError(f"this bundle carries no {profile!r} precision profile (bundles made before "
-                           f"profiles existed); regenerate it with the command in bundles/MANIFEST.md, or "
-                           f"judge with --profile fp32 and a rules file")
-    return prof["taps"]

@@ -5,7 +5,7 @@ Taps are returned as a dict keyed by the names of docs/architecture.md, per call
 router_scores, topk_ids, topk_weights, mlp_out, resid_out; the three routing taps on MoE layers
 only), plus "final_hidden" and "logits". Each value is [T, ...] for the T tokens of that call, as
 NumPy arrays in the compute dtype (float32; bfloat16 as uint16 bit patterns; float16), topk_ids
-int64: outputs of another dtype or shape are an engine error (conformance/outputs.py). An engine may
+int64: outputs of another dtype or shape are an engine error (conformance/verify/outputs.py). An engine may
 return a subset (the runner reports the taps it lacks as skipped, and counts them in the coverage)
 but never a tap under another name. An engine that raises makes the run an engine error
 (ExitCode.ENGINE_ERROR).

@@ -9,7 +9,7 @@ values are themselves judged numerically.
 - **A token** at step s is a near-tie candidate when its golden top-1/top-2 margin is at most twice the
   profile's logits atol (a flip needs an error of half the margin on two logits) and that atol judges
   something (a tolerance that would pass all-zero logits grants nothing). A flip there is a near-tie
-  when the engine's token is the argmax of its own `ar/logits` row (validated, conformance/outputs.py)
+  when the engine's token is the argmax of its own `ar/logits` row (validated, conformance/verify/outputs.py)
   and its logit error on that row is at least half the golden margin and at most the logits atol
   (`explains_flip`): the engine's own numbers, within the profile, chose its token. A DDTree
   stream that leaves the golden one at a candidate j is a near-tie when its token j is the engine's own
@@ -24,7 +24,7 @@ Under the fp32 profile `kdtr gen` keeps every margin above 4 atol, so no token i
 the bundle was made with `--routing-near-ties held` (metadata `tolerances.routing` "held"), every routing
 gap above 4 router atol, so no expert set is one either and everything stays exact.
 
-- **The live DDTree** (an engine's own loop, conformance/judge_live.py) runs its router freely: tree rows
+- **The live DDTree** (an engine's own loop, conformance/verify/judge_live.py) runs its router freely: tree rows
   have no golden expert sets to hold. On a bundle whose fp32 routing is held, the first golden routing
   decision of a prompt that is a near-tie (`routing_tie_row`) is where the live run may legitimately part
   from the golden one: the live checks judge exactly what lies before it and only self-consistency after
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from conformance.metrics import routing_gaps
 from conformance.tolerance import DerivedTolerance
 from refmodel.model import select_experts
 
@@ -143,12 +144,3 @@ def near_tie_rows(f, g: str, phase: str, l: int, man: dict, cfg) -> np.ndarray |
     bias = np.asarray(f.get(f"model.layers.{l}.mlp.gate.e_score_correction_bias"), np.float64)     # [E]
     gaps = routing_gaps(np.asarray(f[g + key], np.float64) + bias, cfg.num_experts_per_tok)
     return None if gaps is None else gaps <= 2 * _atol(man.get(key))
-
-
-def routing_gaps(choice: np.ndarray, K: int) -> np.ndarray | None:
-    """[T]: each row's K-th minus (K+1)-th largest biased router score (`choice`: scores + correction bias,
-    [T, E]), how far its top-K decision is from a tie; None when top-K takes every expert (no decision)."""
-    if K >= choice.shape[-1]:
-        return None
-    top = -np.sort(-np.asarray(choice, np.float64), axis=-1)                        # [T, E] descending
-    return top[:, K - 1] - top[:, K]

@@ -3,7 +3,7 @@
 An engine may skip taps it cannot produce (say `q` for an absorbed-MLA engine): the judge then reports
 that check as skipped, never silently drops it, so every defined check is in the verdict and coverage is
 a count over them. `--require-coverage FRACTION` (or `full` = 1) turns a shortfall into a failed check
-of kind "coverage" (exit code 7, below every other failure: what ran, passed; conformance/judge.py,
+of kind "coverage" (exit code 7, below every other failure: what ran, passed; conformance/verify/judge.py,
 `coverage_check`).
 
 Groups: prefill (prefill taps and logits), decode (teacher-forced decode taps and logits), tokens (the

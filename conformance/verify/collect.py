@@ -1,4 +1,4 @@
-"""Driving a live engine (conformance.protocol.Engine) through a bundle's golden prompts: the AR run,
+"""Driving a live engine (conformance.engines.protocol.Engine) through a bundle's golden prompts: the AR run,
 teacher-forced with the golden tokens, the DDTree replay of the golden trees, and, for an engine that has
 `ddtree_generate`, its own live DDTree loop. Returns the outputs under the run-dump names of
 docs/run-dump.md, which the judge then compares with the goldens."""
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from conformance.near_ties import near_tie_rows
-from conformance.outputs import LIVE
+from conformance.verify.near_ties import near_tie_rows
+from conformance.verify.outputs import LIVE
 from conformance.records import golden_tree, offsets, position_offset, prompts_of, ragged
 from kdtr_format import bfloat16_to_float32
 from refmodel.config import ModelConfig
@@ -21,13 +21,13 @@ def _values(logits, dtype: str) -> np.ndarray:
 
 
 def can_hold_routing(engine) -> bool:
-    """Whether the engine takes held expert sets (the optional `hold_routing`, conformance/protocol.py)."""
+    """Whether the engine takes held expert sets (the optional `hold_routing`, conformance/engines/protocol.py)."""
     return callable(getattr(engine, "hold_routing", None))
 
 
 class HeldRouting:
     """The golden expert sets of one prompt, handed to an engine's `hold_routing` before each forward
-    (conformance/protocol.py) when the profile was derived with routing held (profiles.holds_routing):
+    (conformance/engines/protocol.py) when the profile was derived with routing held (profiles.holds_routing):
     like teacher-forced tokens, it keeps a near-tie expert flip from moving every later tap, so those
     taps are judged under the conditions their tolerance was derived in. Only near-tie rows are held
     (`man`: the profile's taps; near_ties.near_tie_rows), every other row gets -1, "the router decides":

@@ -1,7 +1,7 @@
 """The `reference` engine: refmodel run in float32 on a bundle's own weights.
 
 It is the CI-side proof that a correct fp32 engine passes the bundle's tolerances, and the engine that
-fault injection (conformance/faults.py) wraps. Implements conformance.protocol.Engine, teacher forcing
+fault injection (conformance/engines/faults.py) wraps. Implements conformance.engines.protocol.Engine, teacher forcing
 included (run_layer feeds a layer its golden input and golden cache rows), the optional held routing
 (`hold_routing`: the next forward runs the given expert sets, as refmodel's `forced_ids` does for the
 profiles' noise measurements) and the optional live DDTree (`ddtree_generate`: refmodel/ddtree.py's loop
@@ -71,7 +71,7 @@ class ReferenceEngine:
 
     def hold_routing(self, ids: dict | None) -> None:
         """The expert sets the next forward runs ({layer: [T, K]}, a row of -1: the router decides;
-        conformance/protocol.py). The taps still report the router's own choice: its scores, its expert
+        conformance/engines/protocol.py). The taps still report the router's own choice: its scores, its expert
         ids (refmodel.model.moe) and the weights of those ids."""
         self._held_ids = {int(l): np.asarray(v, np.int64) for l, v in (ids or {}).items()}
 
@@ -87,7 +87,7 @@ class ReferenceEngine:
         for l, v in held.items():                                        # rows whose held set is not its own
             own = taps[f"L{l}/topk_ids"]
             self.held_rows += int(np.count_nonzero((v >= 0).all(-1) & (np.sort(v, -1) != np.sort(own, -1)).any(-1)))
-            # the taps report the router's own decision (conformance/protocol.py): its weights too
+            # the taps report the router's own decision (conformance/engines/protocol.py): its weights too
             taps[f"L{l}/topk_weights"] = expert_weights(self.cfg, taps[f"L{l}/router_scores"], own)
         return logits, taps
 

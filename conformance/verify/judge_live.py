@@ -5,7 +5,7 @@
   stream is golden, up to and including its first deviation);
 - `trees`: every live round that starts where a golden round starts (in exact arithmetic the drafter's
   input there is the same, whatever the earlier rounds were) has the golden tree; where it differs, the
-  first differing node must be a near-tie of the golden drafter (conformance/tree_ties.py), else the
+  first differing node must be a near-tie of the golden drafter (conformance/verify/tree_ties.py), else the
   check fails naming the round. On an equal tree the accepted path, the target's argmax on it and the
   bonus equal the golden ones. The records must also be self-consistent: each round's accepted path and
   bonus are the walk of its verify argmax over its tree, and the rounds produce the stream;
@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from conformance.outputs import LIVE, tree_offsets
-from conformance.report import CheckResult
-from conformance.tree_ties import GoldenDrafts, first_difference
+from conformance.verify.outputs import LIVE, tree_offsets
+from conformance.report.verdict import CheckResult
+from conformance.verify.tree_ties import GoldenDrafts, first_difference
 from refmodel.ddtree import walk
 
 

@@ -40,8 +40,8 @@ import torch
 from transformers import AttentionInterface, DeepseekV3Config, DeepseekV3ForCausalLM, DynamicCache, PreTrainedModel
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import eager_attention_forward
 
-from conformance.profiles import FP32_KEEP
-from conformance.reference_engine import bundle_weights
+from conformance.precision import FP32_KEEP
+from conformance.engines.reference_engine import bundle_weights
 from kdtr_format import open_kdtr
 from refmodel.config import ModelConfig
 from refmodel.model import causal_mask, tap_names
@@ -164,7 +164,7 @@ def _rope_inverse(R: int) -> np.ndarray:
 
 
 class TorchEngine:
-    """The Engine protocol (conformance/protocol.py) over a PyTorch DeepseekV3 module, with teacher forcing (run_layer)."""
+    """The Engine protocol (conformance/engines/protocol.py) over a PyTorch DeepseekV3 module, with teacher forcing (run_layer)."""
     name = "torch"
     supports_teacher_forcing = True
 
@@ -308,7 +308,7 @@ class TorchEngine:
 
     def hold_routing(self, ids: dict | None) -> None:
         """The expert sets the next forward runs ({layer: [T, K]}, -1 rows: the router decides;
-        conformance/protocol.py). The taps still report the router's own decision."""
+        conformance/engines/protocol.py). The taps still report the router's own decision."""
         self._held = dict(ids or {})
 
     def _forward(self, ids, positions, mask) -> tuple[np.ndarray, dict]:

@@ -37,7 +37,7 @@ import os
 
 import numpy as np
 
-from conformance.reference_engine import ReferenceEngine
+from conformance.engines.reference_engine import ReferenceEngine
 from conformance.records import prompts_of
 from kdtr_format import open_kdtr
 from refmodel.model import yarn_inv_freq

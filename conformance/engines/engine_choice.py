@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from conformance.reference_engine import ReferenceEngine
+from conformance.engines.reference_engine import ReferenceEngine
 
 ENGINES = ("cuda", "reference", "torch")
 
@@ -36,12 +36,12 @@ def _cuda_engine_class():
 
 
 def _torch_engine(dtype: str | None, module: str | None):
-    """The torch engine (conformance/torch_engine.py), imported only now: torch is an optional extra."""
+    """The torch engine (conformance/engines/torch_engine.py), imported only now: torch is an optional extra."""
     missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
     if missing:
         raise EngineUnavailable(f"--engine torch needs {' and '.join(missing)}: pip install -e '.[torch]' "
                                 f"(install the CPU wheel first: pip install torch==2.13.0)")
-    from conformance.torch_engine import TorchEngine
+    from conformance.engines.torch_engine import TorchEngine
 
     e = TorchEngine(dtype or "float32", module)
     return e, f"requested; {e.describe()}"

@@ -8,7 +8,7 @@ weights; each tap's tolerance is derived from a float32 run of the same referenc
 tokens, and a prompt whose greedy margins are not far above that noise, or whose float32 run already
 picks other experts, is rejected: a correct fp32 engine can then never flip a golden decision.
 
-Three modules: conformance.bundle_model (where the model comes from), conformance.goldens (golden runs,
+Three modules: conformance.gen.bundle_model (where the model comes from), conformance.gen.goldens (golden runs,
 prompts, tolerances) and this one (which prompts, the redraw loop, the bundle's records and metadata).
 """
 from __future__ import annotations
@@ -24,15 +24,15 @@ from typing import Callable
 
 import numpy as np
 
-# The CLI, the tests and conformance.profiles take the model sources and golden runs from here too.
-from conformance.bundle_model import (GenError, GenSettings, Model, _f32, apply_quant, as_stored,  # noqa: F401
+# The CLI, the tests and conformance.gen.bf16_profile take the model sources and golden runs from here too.
+from conformance.gen.bundle_model import (GenError, GenSettings, Model, _f32, apply_quant, as_stored,  # noqa: F401
                                       default_drafter, model_from_checkpoint, model_from_kdtr,
                                       model_from_preset, quant_of)
-from conformance.goldens import (AR_TAPS, LONG_NEW_TOKENS, MAX_REDRAWS, PromptGoldens,  # noqa: F401
+from conformance.gen.goldens import (AR_TAPS, LONG_NEW_TOKENS, MAX_REDRAWS, PromptGoldens,  # noqa: F401
                                  baseline_errors, check_decisive, check_prompt, decisive_atols,
                                  golden_for_prompt, long_prompt, manifest, random_prompt,
                                  routing_near_tie_count, run_reference)
-from conformance.profiles import bf16_profile
+from conformance.gen.bf16_profile import bf16_profile
 from conformance.records import BUNDLE_SCHEMA, offsets, ragged
 from kdtr_format import Tensor, write_kdtr
 from refmodel.config import PRESETS  # noqa: F401 - tests pick the preset config through this module
@@ -289,7 +289,7 @@ def generate_bundle(m: Model, s: GenSettings, out: str, progress=None) -> dict:
     Returns the summary figures (also stored in the metadata)."""
     W64 = as_stored(m.W)                     # float64 per tensor as a matmul reads it, never the whole model
     pgs, man = decisive_goldens(m, W64, s, plan_prompts(m, s), progress)
-    # Precision profiles beyond fp32 (conformance/profiles.py): same prompts, same rule, other dtypes.
+    # Precision profiles beyond fp32 (conformance/gen/bf16_profile.py): same prompts, same rule, other dtypes.
     man["profiles"] = {}
     if s.bf16_profile:
         if progress:

@@ -1,5 +1,5 @@
 """Verdicts and their reports: data classes, the exit code, and three file writers (JSON, JUnit XML, one
-self-contained HTML file with inline SVG plots; the console view is conformance/console.py). Every file
+self-contained HTML file with inline SVG plots; the console view is conformance/report/console.py). Every file
 write is atomic.
 
 Exit-code precedence when checks of several kinds fail (docs/conformance.md says why):
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from conformance.coverage import coverage, coverage_text
+from conformance.report.coverage import coverage, coverage_text
 from conformance.exit_codes import ExitCode
 from kdtr_format.paths import write_atomically
 
@@ -58,7 +58,7 @@ class Divergence:
     """The first tap over tolerance in execution order. `local_error` is the tap's error when the
     layer ran on golden inputs (teacher forcing), `inherited_error` its error in the full run, on the
     engine's own inputs (what earlier layers passed on plus the local part); both None when the engine
-    cannot run a layer alone. `cause` (conformance/localize.py): "local" (over tolerance on golden
+    cannot run a layer alone. `cause` (conformance/verify/localize.py): "local" (over tolerance on golden
     inputs too), "inherited" (within tolerance there, over it on the engine's own reported inputs:
     sub-tolerance errors of earlier layers added up), "input" (within tolerance on both: what differs is
     an input no tap shows, such as positions, the cache rows read or the embedding), or None; `evidence`
@@ -88,7 +88,7 @@ class Verdict:
     exit_code: ExitCode
     verdict: str                             # "pass", "fail" (a check failed) or "error"
     info: dict = field(default_factory=dict)  # free-form: engine dtype, timings, bundle sha256
-    coverage: dict = field(default_factory=dict)  # conformance/coverage.py: per group {run, defined}
+    coverage: dict = field(default_factory=dict)  # conformance/report/coverage.py: per group {run, defined}
 
 
 def exit_code_for(checks: list[CheckResult]) -> ExitCode:

@@ -1,0 +1,1 @@
+"""Reports of a verdict: the verdict itself, coverage, console, JSON, JUnit and HTML."""
