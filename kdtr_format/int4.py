@@ -34,15 +34,13 @@ does when handed bf16 scales).
 """
 import numpy as np
 
+from kdtr_format.errors import Int4LayoutError
+
 NUM_BITS = 4
 Q_MIN, Q_MAX = -8, 7
 NIBBLES_PER_WORD = 8
 BF16_EPS = 2.0 ** -7        # torch.finfo(torch.bfloat16).eps: compressed-tensors' scale for all-zero groups
 BF16_MAX = 3.3895313892515355e38
-
-
-class Int4LayoutError(ValueError):
-    """A weight, packed tensor or scale tensor does not fit the INT4 W4A16 layout."""
 
 
 def bf16_round(x: np.ndarray) -> np.ndarray:
