@@ -24,7 +24,8 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from kdtr_format.int4 import bf16_bits, bf16_round, bf16_to_float32, dequantize_w4a16, quantize_w4a16
+from kdtr_format.bf16 import bf16_bits, bf16_to_float32
+from kdtr_format.int4 import dequantize_w4a16, quantize_w4a16, scale_bits
 from refmodel.config import ModelConfig
 from refmodel.quant import is_quantized
 from refmodel.weights import iter_weights
@@ -196,7 +197,7 @@ def generate_stored(cfg: ModelConfig, seed: int, dense: str = "float32", int4_sc
         module = name[: -len(".weight")] if name.endswith(".weight") else None
         if int4_scope is not None and module is not None and is_quantized(module, int4_scope):
             qw, sc = quantize_w4a16(w, group_size)
-            W[module + ".qw"], W[module + ".sc"] = qw, bf16_bits(sc)
+            W[module + ".qw"], W[module + ".sc"] = qw, scale_bits(sc)
         elif dense == "bfloat16":
             W[name] = _bf16_bits_by_rows(w)
             bf16.add(name)
@@ -208,11 +209,11 @@ def generate_stored(cfg: ModelConfig, seed: int, dense: str = "float32", int4_sc
 
 
 def _bf16_bits_by_rows(w: np.ndarray, rows: int = 1024) -> np.ndarray:
-    """bf16_bits(bf16_round(w)) a block of rows at a time: the rounding's float64 temporaries stay small
-    (an 18432 x 7168 dense MLP weight would otherwise need ~5 GB of them)."""
+    """bf16_bits(w) (one rounding from float64) a block of rows at a time: the rounding's temporaries
+    stay small (an 18432 x 7168 dense MLP weight would otherwise need ~5 GB of them)."""
     out = np.empty(w.shape, np.uint16)
     for r in range(0, w.shape[0], rows):
-        out[r:r + rows] = bf16_bits(bf16_round(w[r:r + rows]))
+        out[r:r + rows] = bf16_bits(w[r:r + rows])
     return out
 
 

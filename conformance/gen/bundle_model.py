@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kdtr_format import bfloat16_to_float32, float32_to_bfloat16, open_kdtr
+from kdtr_format import bf16_round, open_kdtr
 from refmodel.config import PRESETS, SLICE_OF, ModelConfig, slice_shrinkage
 from refmodel.drafter import DrafterConfig, drafter_preset, init_drafter
 from refmodel.quant import dequantize_model, quant_config, quantize_model
@@ -167,9 +167,10 @@ def default_drafter(cfg: ModelConfig) -> DrafterConfig:
 
 
 def _bf16_round(W: dict) -> dict:
-    """Round to bfloat16 (RNE), kept as float32. The drafter ships bf16, as real drafters do: it halves
-    the bundle's largest part and only moves its proposals, never the target's goldens."""
-    return {k: bfloat16_to_float32(float32_to_bfloat16(v.astype(np.float32))) for k, v in W.items()}
+    """Round to bfloat16 (RNE, once from the values' own precision), kept as float32. The drafter ships
+    bf16, as real drafters do: it halves the bundle's largest part and only moves its proposals, never
+    the target's goldens."""
+    return {k: bf16_round(v) for k, v in W.items()}
 
 
 TORCH_NEEDED = ("distilling the drafter needs torch, which is not installed here: pip install torch==2.13.0 "

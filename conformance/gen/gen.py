@@ -35,6 +35,7 @@ from conformance.gen.goldens import (AR_TAPS, LONG_NEW_TOKENS, MAX_REDRAWS, Prom
 from conformance.gen.bf16_profile import bf16_profile
 from conformance.records import BUNDLE_SCHEMA, offsets, ragged
 from kdtr_format import Tensor, write_kdtr
+from kdtr_format.bf16 import bf16_bits, is_bf16
 from refmodel.config import PRESETS  # noqa: F401 - tests pick the preset config through this module
 from refmodel.model import tap_names
 from refmodel.stored import StoredWeights, upcast_if_fits
@@ -104,10 +105,9 @@ def _weight_tensors(W):
 
 
 def _bf16_bits(x: np.ndarray) -> np.ndarray:
-    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    if np.any(bits & 0xFFFF):
+    if not is_bf16(x):
         raise GenError("bfloat16 tensors (INT4 scales, drafter) must be exactly bfloat16-representable")
-    return (bits >> 16).astype(np.uint16)
+    return bf16_bits(x)
 
 
 def figures(pgs: list[PromptGoldens], L: int) -> dict:
