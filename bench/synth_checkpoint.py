@@ -5,8 +5,10 @@ The layout is Kimi K2.6's (docs/int4.md, docs/model.md section 1): a K2.5/K2.6 w
 prefix in several safetensors shards named by `model.safetensors.index.json`, the routed experts as
 `weight_packed` / `weight_scale` (bf16) / `weight_shape`, the gate bias float32, every other tensor bf16.
 Values: embedding N(0, 1), linears N(0, 1/fan_in), norms U(0.9, 1.1), gate bias N(0, 0.1^2), each tensor from
-its own seeded stream (PCG64([seed, tensor index])), the experts quantized by kdtr_format.int4.quantize_w4a16
-(compressed-tensors' own min-max rule). Because every tensor has its own stream and its place in its shard is
+its own seeded stream (PCG64([seed, tensor index])); the experts' INT4 codes uniform over the 16 levels with
+one bf16 scale per row (U(0.5, 1.5) x 1/sqrt(fan_in) / rms(code)), drawn as random words: a valid W4A16
+model of the right scale, made at disk speed (tests/test_gen_checkpoint.py quantizes with compressed-tensors
+itself where the packing is what is tested). Because every tensor has its own stream and its place in its shard is
 fixed before any value is drawn, tensors are written in parallel straight to their offsets (--jobs), which is
 what makes K2.6's true dimensions (384 experts: 9.5 GB of INT4 per MoE layer) a few minutes' work.
 
@@ -26,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kdtr_format.int4 import bf16_bits, bf16_round, quantize_w4a16  # noqa: E402
+from kdtr_format.int4 import bf16_bits, bf16_round  # noqa: E402
 from refmodel.config import PRESETS, ModelConfig  # noqa: E402
 from refmodel.quant import is_quantized  # noqa: E402
 from refmodel.weights import expected_shapes  # noqa: E402
@@ -123,14 +125,19 @@ def _fill(job: tuple) -> int:
         out_dim, in_dim = shape
         std = 1.0 if kind == "embed" else 1.0 / np.sqrt(in_dim)
         for r in range(0, out_dim, ROWS):
-            w = rng.standard_normal((min(ROWS, out_dim - r), in_dim), dtype=np.float32) * np.float32(std)
+            rows = min(ROWS, out_dim - r)
             if kind == "int4":
-                qw, sc = quantize_w4a16(w, GROUP)
+                # codes uniform over the 16 levels (mean -1/2, variance 85/4): random words; one scale per row
+                # (U(0.5, 1.5) around std / rms(q), bf16) repeated over its groups: W ~ std in every row
+                qw = rng.integers(0, 2**32, size=(rows, in_dim // 8), dtype=np.uint32)
+                row_scale = rng.uniform(0.5, 1.5, size=(rows, 1)) * std / np.sqrt(85 / 4 + 1 / 4)
+                sc = np.repeat(bf16_bits(bf16_round(row_scale).astype(np.float32)), in_dim // GROUP, axis=1)
                 fh.seek(offsets[0] + r * (in_dim // 8) * 4)
-                fh.write(qw.astype("<i4").tobytes())
+                fh.write(qw.astype("<u4").tobytes())
                 fh.seek(offsets[1] + r * (in_dim // GROUP) * 2)
-                fh.write(bf16_bits(sc).tobytes())
+                fh.write(np.ascontiguousarray(sc, "<u2").tobytes())
             else:
+                w = rng.standard_normal((rows, in_dim), dtype=np.float32) * np.float32(std)
                 fh.seek(offsets[0] + r * in_dim * 2)
                 fh.write(bf16_bits(bf16_round(w)).tobytes())
     return _nbytes("BF16", shape)

@@ -12,7 +12,7 @@ from cli.outputs import check_output, fail_write
 from conformance.exit_codes import ExitCode
 from kdtr_format import KdtrError
 from refmodel.checkpoint import CheckpointError, import_checkpoint
-from refmodel.truncate import import_truncated
+from refmodel.truncate import LayersError, import_truncated
 
 
 @click.command("import")
@@ -35,7 +35,7 @@ def import_cmd(checkpoint_dir: str, out_path: str, layers: int | None) -> None:
                        import_truncated(checkpoint_dir, out_path, layers, progress=report))
     except (CheckpointError, KdtrError) as e:
         click.echo(f"error: {e}", err=True)
-        sys.exit(int(ExitCode.INVALID_FILE))
+        sys.exit(int(ExitCode.USAGE if isinstance(e, LayersError) else ExitCode.INVALID_FILE))
     except OSError as e:
         fail_write(e)
     q = summary.quantization

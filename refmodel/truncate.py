@@ -46,6 +46,10 @@ _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 HASH_CHUNK = 16 << 20           # bytes per read while hashing a tensor
 
 
+class LayersError(CheckpointError):
+    """--layers is not 1..num_hidden_layers of the checkpoint (a usage error: exit 2)."""
+
+
 def layer_of(name: str) -> int | None:
     """The decoder layer a text-model tensor belongs to (None: embedding, final norm, lm_head)."""
     m = _LAYER.match(name)
@@ -55,7 +59,7 @@ def layer_of(name: str) -> int | None:
 def truncated_config(cfg: ModelConfig, layers: int) -> ModelConfig:
     """cfg with num_hidden_layers = layers (first_k_dense_replace capped at it: the same dense layers)."""
     if not isinstance(layers, int) or not 1 <= layers <= cfg.num_hidden_layers:
-        raise CheckpointError(f"--layers {layers}: the checkpoint has {cfg.num_hidden_layers} layers; pass "
+        raise LayersError(f"--layers {layers}: the checkpoint has {cfg.num_hidden_layers} layers; pass "
                               f"1..{cfg.num_hidden_layers}")
     return dataclasses.replace(cfg, num_hidden_layers=layers,
                                first_k_dense_replace=min(cfg.first_k_dense_replace, layers))
