@@ -38,10 +38,13 @@ def _status_kib(field: str) -> int:
 
 def child(ckpt: str, layers: int, out: str, gen_args: list[str]) -> None:
     """The gen in this fresh process; prints its figures as one JSON line."""
+    import conformance.gen.gen as gen
     from cli.gen_cmd import gen_cmd
     from conformance.gen.from_checkpoint import model_from_checkpoint
     from conformance.gen.gen import GenSettings, apply_quant, generate_bundle
     from refmodel.truncate import layer_of
+
+    gen.CORES_PER_JOB = 1 << 30     # every prompt in this process: VmHWM and the record see every forward
 
     ctx = gen_cmd.make_context("gen", ["--from-checkpoint", ckpt, "--layers", str(layers), "--out", out, *gen_args])
     p = ctx.params

@@ -237,7 +237,9 @@ class _GoldenRuns:
         self.W32 = _f32(W64)                 # one float32 copy (a view computed per access when W64 is stored)
 
     def jobs(self, n: int) -> int:
-        if n < 2 or not isinstance(self.W64, dict) or "fork" not in multiprocessing.get_all_start_methods():
+        # a plain dict is shared copy-on-write; a mapped checkpoint is read by each worker from the files
+        shared = isinstance(self.W64, dict) or getattr(self.W64, "mapped", False)
+        if n < 2 or not shared or "fork" not in multiprocessing.get_all_start_methods():
             return 1
         return max(1, min(n, (os.cpu_count() or 1) // CORES_PER_JOB))
 
@@ -285,6 +287,9 @@ def _golden_job(item: tuple) -> PromptGoldens:
     # plain streams, never through it.
     sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
     m, W64, W32, budget, held = _FORKED
+    for W in (W64, W32):                     # a mapped model's layer bar reports to the parent's display
+        if getattr(W, "watch", None) is not None:
+            W.watch = None
     i, prompt, n, pos0 = item
     return golden_for_prompt(m, W64, prompt, n, budget, pos0, None, hold_routing=held, W32=W32)
 
