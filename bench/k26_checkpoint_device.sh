@@ -67,11 +67,13 @@ if [ "$PHASE" = gen ] || [ "$PHASE" = all ]; then
           echo "$peak" > "$OUT_DIR/gen.mem"; done ) &
         sampler=$!
         base=$(free -b | awk '/Mem:/ {print $3}')
-        # 1 prompt of 1 token and the long-position prompt (6 tokens at 196608), 8 tokens each: every forward
-        # upcasts lm_head (1.2 G values) and the routed experts it runs; budget 4: trees of <= 5 rows
+        # 1 prompt of 1 token and the long-position prompt (6 tokens at 196608), 4 tokens each: every forward
+        # upcasts lm_head (1.2 G values) and the routed experts it runs; budget 4: trees of <= 5 rows.
+        # KDTR_CKPT_GEN_ARGS replaces these prompt options.
+        GEN_ARGS=${KDTR_CKPT_GEN_ARGS:---num-prompts 1 --max-new-tokens 4 --budget 4}
+        # shellcheck disable=SC2086
         step timed "$OUT_DIR/gen.time" python3 -c 'from cli.main import main; main()' gen --from-checkpoint "$CKPT" \
-            --layers 3 --num-prompts 1 --max-new-tokens 8 --budget 4 --distill-steps 0 --bf16-profile no \
-            --out "$BUNDLE"
+            --layers 3 $GEN_ARGS --distill-steps 0 --bf16-profile no --out "$BUNDLE"
         kill "$sampler" 2>/dev/null
         echo "machine memory used: $(( $(cat "$OUT_DIR/gen.mem") / 2**20 )) MiB at peak, $(( base / 2**20 )) MiB before the gen"
         grep -E "Maximum resident|Elapsed" "$OUT_DIR/gen.time" 2>/dev/null

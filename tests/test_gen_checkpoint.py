@@ -9,8 +9,10 @@ import dataclasses
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -150,19 +152,48 @@ def test_peak_memory_is_bounded_by_the_touched_layer(made):
     assert fig["peak_rss_bytes"] <= bound
 
 
-def test_peak_memory_stays_bounded_where_a_whole_upcast_would_not(tmp_path):
-    """1024 experts at hidden 256: the truncated model is 1.6 GB in float64, above the bound, so a gen that
-    upcast it (or read the checkpoint whole) would fail here; the forwards touch ~3% of the experts."""
-    ck, out = str(tmp_path / "ck"), str(tmp_path / "b.kdtr")
+@pytest.fixture(scope="module")
+def many_experts(tmp_path_factory):
+    """1024 experts at hidden 256, 3 layers (bench/synth_checkpoint.py), and the figures of its gen with all
+    3 layers: the truncated model is 1.5 GiB in float64."""
+    d = tmp_path_factory.mktemp("e1024")
+    ck, out = str(d / "ck"), str(d / "b.kdtr")
     fig = bench(ck, 3, out, ["--num-prompts", "1", "--max-new-tokens", "3", "--long-position", "0",
                              "--bf16-profile", "no", "--budget", "4", "--distill-steps", "0"],
                 synth="tiny:3:1024:256:128")
+    return ck, fig
+
+
+def test_peak_memory_stays_bounded_where_a_whole_upcast_would_not(many_experts):
+    """The whole truncated model in float64 is above the bound, so a gen that upcast it (or read the
+    checkpoint whole) would fail here; the forwards touch ~3% of the experts."""
+    fig = many_experts[1]
     bound = 1.5 * fig["largest_touched_float64_bytes"] + GiB
     print(f"\n1024 experts: gen peak RSS {fig['peak_rss_bytes'] / 2**20:.0f} MiB, bound {bound / 2**20:.0f} MiB, "
           f"whole model in float64 {fig['model_float64_bytes'] / 2**20:.0f} MiB, checkpoint "
           f"{fig['checkpoint_bytes'] / 2**20:.0f} MiB, experts touched {fig['touched_experts']}, {fig['seconds']:.1f} s")
     assert fig["model_float64_bytes"] > bound            # the test can fail: a whole upcast exceeds the bound
     assert fig["peak_rss_bytes"] <= bound
+
+
+def test_a_gen_interrupted_while_writing_leaves_nothing(many_experts, tmp_path):
+    """Ctrl-C once the bundle's temp file exists (the 116 MiB of weights are being streamed into it): no
+    bundle, no temp file (the atomic writer; SIGTERM and SIGHUP are tested on kdtr convert)."""
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "gen", "--from-checkpoint", many_experts[0],
+                             "--layers", "3", "--num-prompts", "1", "--max-new-tokens", "2", "--long-position", "0",
+                             "--bf16-profile", "no", "--budget", "2", "--distill-steps", "0",
+                             "--out", str(out_dir / "b.kdtr")], cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not list(out_dir.iterdir()) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    seen = [p.name for p in out_dir.iterdir()]
+    proc.send_signal(signal.SIGINT)
+    rc = proc.wait(60)
+    assert seen and seen[0].endswith(".kdtr-tmp"), f"no temp file seen before the gen ended (exit {rc}): {seen}"
+    assert rc != 0 and list(out_dir.iterdir()) == []
 
 
 def test_layers_past_the_first_n_are_never_read(ckpt, tmp_path):
