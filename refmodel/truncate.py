@@ -79,6 +79,7 @@ class Truncated:
     group_size: int | None
     qc: dict | None                 # the checkpoint's quantization_config
     index_sha256: str | None
+    dropped: int = 0                # vision_tower / mm_projector tensors the index lists (never read)
 
     @property
     def quantization(self) -> dict | None:
@@ -93,7 +94,7 @@ def open_truncated(ckpt_dir, layers: int) -> Truncated:
     ckpt_dir = os.fspath(ckpt_dir)
     raw_cfg, full, qc = read_config(ckpt_dir)
     cfg = truncated_config(full, layers)
-    files, index_sha = _needed_shards(ckpt_dir, layers)
+    files, index_sha, dropped = _needed_shards(ckpt_dir, layers)
     paths = [os.path.join(ckpt_dir, f) for f in files]
     found = {}
     for path in paths:
@@ -107,7 +108,7 @@ def open_truncated(ckpt_dir, layers: int) -> Truncated:
     has_int4 = any(n.endswith(".weight_packed") for n in found)
     group_size = check_quantization_config(qc, has_int4)
     int4, scope = plan(cfg, found, group_size)
-    return Truncated(ckpt_dir, raw_cfg, full, cfg, paths, found, int4, scope, group_size, qc, index_sha)
+    return Truncated(ckpt_dir, raw_cfg, full, cfg, paths, found, int4, scope, group_size, qc, index_sha, dropped)
 
 
 def _wanted(name: str, layers: int) -> bool:
@@ -115,14 +116,14 @@ def _wanted(name: str, layers: int) -> bool:
     return l is None or l < layers
 
 
-def _needed_shards(ckpt_dir: str, layers: int) -> tuple[list[str], str | None]:
+def _needed_shards(ckpt_dir: str, layers: int) -> tuple[list[str], str | None, int]:
     """The shard files holding a tensor of the first `layers` layers (or embedding, norm, head), in order,
-    and the index's sha256 (None for a one-file checkpoint)."""
+    the index's sha256 (None for a one-file checkpoint) and how many vision tensors it lists."""
     index = os.path.join(ckpt_dir, INDEX)
     if not os.path.exists(index):
         if not os.path.exists(os.path.join(ckpt_dir, "model.safetensors")):
             raise CheckpointError(f"{ckpt_dir}: neither model.safetensors nor {INDEX}")
-        return ["model.safetensors"], None
+        return ["model.safetensors"], None, 0
     with open_regular(index, "checkpoint index") as fh:
         raw = fh.read()
     try:
@@ -139,7 +140,8 @@ def _needed_shards(ckpt_dir: str, layers: int) -> tuple[list[str], str | None]:
     for f in sorted(files):
         if not os.path.exists(os.path.join(ckpt_dir, f)):
             raise CheckpointError(f"{os.path.join(ckpt_dir, f)}: shard named by {INDEX} is missing")
-    return sorted(files), hashlib.sha256(raw).hexdigest()
+    dropped = sum(k.startswith(DROPPED_PREFIXES) for k in weight_map)
+    return sorted(files), hashlib.sha256(raw).hexdigest(), dropped
 
 
 # ---------------------------------------------------------------- the weights, mapped per lookup
@@ -251,5 +253,5 @@ def import_truncated(ckpt_dir, out_path, layers: int, progress=None) -> ImportSu
                                    **provenance(t, tensor_hashes(t)))}
     write_kdtr(os.fspath(out_path), stored_tensors(t.found, set(t.int4), t.paths, progress), metadata)
     written = len(t.found) - len(t.int4)
-    return ImportSummary(os.fspath(out_path), len(t.paths), written, len(t.int4), written - 2 * len(t.int4), 0,
-                         sum(e.nbytes for e in t.found.values()), t.quantization)
+    return ImportSummary(os.fspath(out_path), len(t.paths), written, len(t.int4), written - 2 * len(t.int4),
+                         t.dropped, sum(e.nbytes for e in t.found.values()), t.quantization)

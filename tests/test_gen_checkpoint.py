@@ -216,6 +216,7 @@ def test_import_layers_writes_the_truncated_model(ckpt, tmp_path):
     out = str(tmp_path / "m.kdtr")
     r = CliRunner().invoke(main, ["import", root, "--layers", str(N), "--out", out])
     assert r.exit_code == 0, r.output
+    assert f"{CFG.n_routed_experts * 3} INT4 linears kept packed" in r.output and "2 vision tensors dropped" in r.output
     cfg, W = load_model(out)
     assert cfg.num_hidden_layers == N
     want = truncated(deq)
