@@ -10,7 +10,7 @@ why.
 """
 from __future__ import annotations
 
-from conformance.gen.bundle_model import GenError, GenSettings, Model, _bf16_round, _distill, default_drafter
+from conformance.gen.bundle_model import GenSettings, Model, _bf16_round, _distill, default_drafter
 from refmodel.config import ModelConfig
 from refmodel.drafter import DrafterConfig, init_drafter
 from refmodel.stored import StoredWeights, available_memory
@@ -72,8 +72,6 @@ def small_drafter(cfg: ModelConfig) -> DrafterConfig:
     """The untrained drafter: the real-shape slice's shape (one layer fed by the last target layer, MLP 1024,
     block 4, 8 heads of 64), sized to the target's hidden size and vocabulary, so that its float64 DDTree
     rounds cost little next to the target's forwards."""
-    if cfg.hidden_size < 8:
-        raise GenError(f"hidden_size {cfg.hidden_size}: the drafter needs at least 8")
     return DrafterConfig(hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, num_hidden_layers=1,
                          num_attention_heads=8, num_key_value_heads=1, head_dim=64, intermediate_size=1024,
                          block_size=4, mask_token_id=mask_token_id(cfg), target_layer_ids=[cfg.num_hidden_layers - 1],
