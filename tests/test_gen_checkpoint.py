@@ -254,3 +254,29 @@ def test_the_drafter_is_distilled_only_where_the_float64_model_fits(ckpt):
     assert distill_fits(W, budget=int(need) + 1) == (True, "")
     fits, why = distill_fits(W, budget=int(need) - 1)
     assert not fits and why.startswith("the truncated model is 0.0 GiB in float64; distilling needs")
+
+
+def test_forked_prompt_workers_on_a_mapped_checkpoint_give_the_same_bytes(ckpt, tmp_path, monkeypatch):
+    """With CORES_PER_JOB cores per prompt the prompts of a mapped checkpoint run in forked workers, each
+    mapping the shards itself (the layer bar stays in the parent): the same bundle as one after the other."""
+    import conformance.gen.gen as gen_mod
+    pools = []
+
+    class Pool(gen_mod.ProcessPoolExecutor):
+        def __init__(self, jobs, **kw):
+            pools.append(jobs)
+            super().__init__(jobs, **kw)
+
+    monkeypatch.setattr(gen_mod, "ProcessPoolExecutor", Pool)
+    shas = []
+    for cores in (1, 64):
+        monkeypatch.setattr(gen_mod.os, "cpu_count", lambda cores=cores: cores)
+        out = tmp_path / "c.kdtr"                                   # the command, --out included, is recorded
+        r = CliRunner().invoke(main, ["gen", "--from-checkpoint", ckpt[0], "--layers", str(N), "--num-prompts", "2",
+                                      "--max-new-tokens", "4", "--bf16-profile", "no", "--distill-steps", "0",
+                                      "--out", str(out)])
+        assert r.exit_code == 0, r.output
+        shas.append(hashlib.sha256(out.read_bytes()).hexdigest())
+        out.unlink()
+    assert pools == [3]                      # 2 prompts + the long-position one, forked only with 64 cores
+    assert shas[0] == shas[1]
