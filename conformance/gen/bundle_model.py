@@ -35,7 +35,9 @@ class GenSettings:
     max_new_tokens: int = 64
     budget: int = 32                      # DDTree node budget
     distill_steps: int = 1000
-    long_position: int = LONG_POSITION_OFFSET   # first position of the long-position prompt; 0: no such prompt
+    long_position: int | None = None      # first position of the long-position prompt; 0: no such prompt;
+                                          # None: the default, long_position_default(cfg) (docs/golden-bundles.md)
+    layers: int | None = None             # --from-checkpoint: the first N layers (None: all)
     command: str = ""                     # provenance: the command line that made the bundle
     bf16_profile: bool = True             # derive the bf16 precision profile (a bf16 reference run per prompt)
     routing_near_ties: str = "forbid"     # forbid: reject prompts with near-tie routing; held: judge them
@@ -136,21 +138,6 @@ def _read(f, name: str) -> np.ndarray:
     if f.info(name).int4_shape is not None:
         return np.array(f[name])
     return np.array(f.get(name), dtype=np.float32)
-
-
-def model_from_checkpoint(path: str, s: GenSettings, progress=None) -> Model:
-    """An HF-layout checkpoint (bf16/fp16/fp32, compressed-tensors INT4 experts), via `kdtr import`."""
-    import os
-    import tempfile
-
-    from refmodel.checkpoint import import_checkpoint
-
-    with tempfile.TemporaryDirectory() as d:
-        tmp = os.path.join(d, "model.kdtr")
-        import_checkpoint(path, tmp)
-        m = model_from_kdtr(tmp, s, progress)
-    m.meta["source"] = {"checkpoint": os.path.basename(os.path.abspath(path))}
-    return m
 
 
 def default_drafter(cfg: ModelConfig) -> DrafterConfig:
