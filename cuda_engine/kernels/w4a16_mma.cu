@@ -56,6 +56,14 @@
 // blockIdx.z: with slot_ids, (token, slot) pair z of the MoE decode path (M = 1): expert
 // slot_ids[ts] - e_base, x row t (x_by_slot = 0, the gate+up input) or ts (x_by_slot = 1, the down input),
 // output row ts; without slot_ids z = 0, expert 0, x rows = the M tokens.
+// With groups (the grouped MoE path of a forward over several tokens; bf16-terms entries only, slot_ids null):
+// z is group z of moe_group_kernel's work list (kernels/moe.cu): groups[0] = the number of groups (z past it
+// returns at once), groups[1 + 3 z ..] = (expert + e_base, first pair p, count m <= M), the pairs ts (ts = t S
+// + slot) at groups[1 + 3 gridDim.z + p ..]. The z's m tokens are its pairs: token j's x row is ts_j / S (the
+// gate+up input, x_by_slot = 0) or ts_j (the down input), its output row ts_j. The only change to the body is
+// this indirection: token j's x row and output row are read from zrows[][j] (shared memory) instead of being
+// xrow + j and orow + j; M is then the group's count, and the split-K partials keep the launch's M as their
+// stride per z.
 // Limits: M <= 64 tokens per launch, K a multiple of 32 (G = K / 32 <= 65535), g a multiple of 32.
 #include "common.cuh"
 #include <cuda_bf16.h>
@@ -142,7 +150,7 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
                                                const int* __restrict__ slot_ids, int S, int k0, int nk, int e_base,
                                                int x_by_slot, int M, int N, int Nb, int G, int ks,
                                                float* __restrict__ out, int out_stride, float* __restrict__ partials,
-                                               int* __restrict__ tickets, int mode) {
+                                               int* __restrict__ tickets, int mode, const int* __restrict__ groups) {
     using C = W4Config<MT, TERMS, TCOL, WS, U, I8>;
     constexpr int CT = C::CT, RPB = C::RPB, TW = C::TW, TC = C::TC, COLS = C::COLS, GW = C::GW;
     __shared__ __align__(16) unsigned xs[W4A16_XS_WORDS];
@@ -165,8 +173,29 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
         xrow = x_by_slot ? ts : t;
         orow = ts;
     }
-    const float* xb = x + (size_t)xrow * x_stride;
-    float* ob = out + (size_t)orow * out_stride;
+    const int Mz = M;                                           // the launch's tokens per z: the partials' stride
+    // the bf16 terms entries: token tok's x row and output row (zrows[0][tok], zrows[1][tok]); the int8 digits
+    // entry (one token, never grouped) keeps xrow and orow
+    __shared__ int zrows[2][I8 ? 1 : MT];
+    if constexpr (!I8) {
+        if (groups != nullptr) {                               // the grouped MoE path: z is a group of pairs
+            if (z >= groups[0]) return;                        // past the work list (block-uniform)
+            const int* gz = groups + 1 + 3 * z;
+            e = gz[0] - e_base;
+            M = gz[2];
+            const int* pairs = groups + 1 + 3 * gridDim.z + gz[1];
+            for (int tok = threadIdx.x; tok < M; tok += blockDim.x) {
+                const int ts = pairs[tok];
+                zrows[0][tok] = x_by_slot ? ts : ts / S;
+                zrows[1][tok] = ts;
+            }
+        } else {
+            for (int tok = threadIdx.x; tok < MT; tok += blockDim.x) zrows[0][tok] = xrow + tok, zrows[1][tok] = orow + tok;
+        }
+        __syncthreads();
+    }
+    auto xrow_of = [&](int tok) -> const float* { return x + (size_t)(I8 ? xrow + tok : zrows[0][tok]) * x_stride; };
+    auto orow_of = [&](int tok) -> float* { return out + (size_t)(I8 ? orow + tok : zrows[1][tok]) * out_stride; };
     // the split's groups (32-bit: the wrapper keeps G <= 65535, so ky G fits)
     const int g0 = (int)((unsigned)(ky * G) / (unsigned)ks), g1 = (int)((unsigned)((ky + 1) * G) / (unsigned)ks);
     const int n = g1 - g0;
@@ -196,7 +225,7 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
 
     // x's quad (tok, unit): unit = 8 i + 4 r + cc is columns 32 i + 16 r + 4 cc .. + 3 of group i of the split
     auto quad = [&](int tok, int unit) -> float4 {
-        const float* p = xb + (size_t)tok * x_stride + (size_t)(g0 + (unit >> 3)) * 32 + 16 * ((unit >> 2) & 1) + 4 * (unit & 3);
+        const float* p = xrow_of(tok) + (size_t)(g0 + (unit >> 3)) * 32 + 16 * ((unit >> 2) & 1) + 4 * (unit & 3);
         const float2 lo = __ldg(reinterpret_cast<const float2*>(p)), hi = __ldg(reinterpret_cast<const float2*>(p + 2));
         return make_float4(lo.x, lo.y, hi.x, hi.y);
     };
@@ -439,7 +468,7 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
     // threads of the block. Thread entry (rb, r = q and lane): rows r16 = lane / 4 + 8 (q / 2) of both m-tiles
     // (mode 1: the gate and the up sum of one output), column 8 nt + 2 (lane % 4) + q % 2.
     const int Nb32 = Nb * 32;
-    float* part = partials + ((size_t)z * ks + ky) * M * Nb32;
+    float* part = partials + ((size_t)z * ks + ky) * Mz * Nb32;
     auto emit = [&](int rbk, int r16, int tok, float v0, float v1) {    // block row r16 of both m-tiles
         const int bb = bx * RPB + rbk;
         if (bb >= Nb || tok >= M) return;
@@ -447,10 +476,10 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
             part[(size_t)tok * Nb32 + bb * 32 + r16] = v0;
             part[(size_t)tok * Nb32 + bb * 32 + 16 + r16] = v1;
         } else if (mode == 0) {
-            if (bb * 32 + r16 < N) ob[(size_t)tok * out_stride + bb * 32 + r16] = v0;
-            if (bb * 32 + 16 + r16 < N) ob[(size_t)tok * out_stride + bb * 32 + 16 + r16] = v1;
+            if (bb * 32 + r16 < N) orow_of(tok)[bb * 32 + r16] = v0;
+            if (bb * 32 + 16 + r16 < N) orow_of(tok)[bb * 32 + 16 + r16] = v1;
         } else if (bb * 16 + r16 < N) {
-            ob[(size_t)tok * out_stride + bb * 16 + r16] = silu(v0) * v1;
+            orow_of(tok)[bb * 16 + r16] = silu(v0) * v1;
         }
     };
 #pragma unroll
@@ -508,21 +537,21 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
     __syncthreads();
     if (!is_last) return;
     __threadfence();
-    const float* p0 = partials + (size_t)z * ks * M * Nb32;
-    const size_t pstride = (size_t)M * Nb32;
+    const float* p0 = partials + (size_t)z * ks * Mz * Nb32;
+    const size_t pstride = (size_t)Mz * Nb32;
     const int rows = RPB * 32;
     if (mode == 0) {
         for (int idx = threadIdx.x; idx < M * rows; idx += blockDim.x) {
             const int tok = idx / rows, nn = bx * rows + idx % rows;
             if (nn >= N) continue;
-            ob[(size_t)tok * out_stride + nn] = split_sum(p0 + (size_t)tok * Nb32 + nn, pstride, ks);
+            orow_of(tok)[nn] = split_sum(p0 + (size_t)tok * Nb32 + nn, pstride, ks);
         }
     } else {
         for (int idx = threadIdx.x; idx < M * rows / 2; idx += blockDim.x) {
             const int tok = idx / (rows / 2), jj = idx % (rows / 2), bl = bx * RPB + jj / 16, j = jj % 16;
             if (bl >= Nb || bl * 16 + j >= N) continue;
             const float* pr = p0 + (size_t)tok * Nb32 + bl * 32 + j;
-            ob[(size_t)tok * out_stride + bl * 16 + j] = silu(split_sum(pr, pstride, ks)) * split_sum(pr + 16, pstride, ks);
+            orow_of(tok)[bl * 16 + j] = silu(split_sum(pr, pstride, ks)) * split_sum(pr + 16, pstride, ks);
         }
     }
     if (threadIdx.x == 0) tickets[z * gridDim.x + bx] = 0;    // ready for the next launch (graph replays)
@@ -531,9 +560,9 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
 #define W4A16_ARGS                                                                                               \
     const float *__restrict__ x, int x_stride, const int *__restrict__ wq, const int *__restrict__ slot_ids, int S, \
         int k0, int nk, int e_base, int x_by_slot, int M, int N, int Nb, int G, int ks, float *__restrict__ out,   \
-        int out_stride, float *__restrict__ partials, int *__restrict__ tickets, int mode
+        int out_stride, float *__restrict__ partials, int *__restrict__ tickets, int mode, const int *__restrict__ groups
 #define W4A16_PASS x, x_stride, wq, slot_ids, S, k0, nk, e_base, x_by_slot, M, N, Nb, G, ks, out, out_stride, partials, \
-                   tickets, mode
+                   tickets, mode, groups
 
 // One entry per (numerics, most tokens per launch); template <MT, TERMS, TCOL, WS, U, I8>. FP32-faithful:
 // w4a16_mma_i8_m1_r<R> (the 8 int8 digits of one token as columns; TERMS does not apply), then
