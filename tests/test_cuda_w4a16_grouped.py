@@ -81,24 +81,23 @@ def experts(rng, E, I, D, bases=None):
         sc = bf16_round(((np.abs(rng.standard_normal((N, K // 32))) * 0.25 + 0.05) * K ** -0.5 / 4).astype(np.float32))
         return qw, bf16_bits(sc), dequantize_w4a16(qw, sc, (N, K))
 
+    from cuda_engine.device import DevBuf, driver
+
     n = bases or E
     G, U, Dn = ([one(*s) for _ in range(n)] for s in ((I, D), (I, D), (D, I)))
     st = lambda L, k: np.stack([t[k] for t in L])  # noqa: E731
-    gu, dn = pack_experts_gate_up(st(G, 0), st(G, 1), st(U, 0), st(U, 1)), pack_experts(st(Dn, 0), st(Dn, 1))
+    host = [pack_experts_gate_up(st(G, 0), st(G, 1), st(U, 0), st(U, 1)), pack_experts(st(Dn, 0), st(Dn, 1)),
+            *(st(L, k) for L in (G, U, Dn) for k in (0, 1))]            # fast gate+up, fast down, plain .qw/.sc
     W = [(G[b][2], U[b][2], Dn[b][2]) for b in range(n)]
     if bases is None:
-        return dev(gu), dev(dn), W
-    from cuda_engine.device import DevBuf
-
-    gud, dnd = DevBuf((E,) + gu.shape[1:], np.int32), DevBuf((E,) + dn.shape[1:], np.int32)
-    one_gu, one_dn = gu[0].nbytes, dn[0].nbytes
-    gb, db = dev(gu), dev(dn)
-    for e in range(E):                                             # device copies: expert e = base e % n
-        from cuda_engine.device import driver
-
-        driver().memcpy_dtod(gud.ptr + e * one_gu, gb.ptr + (e % n) * one_gu, one_gu)
-        driver().memcpy_dtod(dnd.ptr + e * one_dn, db.ptr + (e % n) * one_dn, one_dn)
-    return gud, dnd, W
+        return [dev(a) for a in host], W
+    bufs = []
+    for a in host:                                                 # device copies: expert e = base e % n
+        full, one, src = DevBuf((E,) + a.shape[1:], a.dtype), a[0].nbytes, dev(a)
+        for e in range(E):
+            driver().memcpy_dtod(full.ptr + e * one, src.ptr + (e % n) * one, one)
+        bufs.append(full)
+    return bufs, W
 
 
 def oracle(x, ids, nk: int, S: int, W, bases=None):
@@ -118,21 +117,22 @@ def oracle(x, ids, nk: int, S: int, W, bases=None):
     return out[np.float64], out[np.float32], ts
 
 
-def judge(case: str, got_g, got_p, truth, base, rows) -> tuple[float, float]:
-    """Asserts the per-pair path within check's tolerance and the grouped path within 2x its max error."""
-    g, p, o, b = (np.asarray(a, np.float64)[rows] for a in (got_g, got_p, truth, base))
-    fe, pe = float(np.abs(g - o).max()), float(np.abs(p - o).max())
+def judge(case: str, got_g, got_p, got_pl, truth, base, rows) -> list[str]:
+    """Prints and records the max errors against float64 of the grouped path, the per-pair path, the plain
+    kernel and float32 NumPy; asserts the per-pair path and the plain kernel within check's tolerance; returns
+    the failure of the grouped path's criterion (at most 2x the per-pair path's max error), if any."""
+    g, p, pl, o, b = (np.asarray(a, np.float64)[rows] for a in (got_g, got_p, got_pl, truth, base))
+    fe, pe, le, ne = (float(np.abs(a - o).max()) for a in (g, p, pl, b))
     floor = F32_EPS * float(np.abs(o).max())
-    ne = float(np.abs(b - o).max())
-    print(f"{case}: grouped max {fe:.3g}, per-pair max {pe:.3g}, NumPy fp32 max {ne:.3g}, ratio "
-          f"{fe / max(pe, floor):.3f}")
+    print(f"{case}: grouped max {fe:.3g}, per-pair max {pe:.3g}, plain max {le:.3g}, NumPy fp32 max {ne:.3g}; "
+          f"grouped / per-pair {fe / max(pe, floor):.3f}, grouped / plain {fe / max(le, floor):.3f}")
     if os.environ.get("KDTR_W4A16_ERRORS"):
         with open(os.environ["KDTR_W4A16_ERRORS"], "a") as f:
-            f.write(json.dumps({"case": case, "grouped_err": fe, "pairs_err": pe, "numpy_fp32_err": ne,
-                                "ulp_floor": floor}) + "\n")
+            f.write(json.dumps({"case": case, "grouped_err": fe, "pairs_err": pe, "plain_err": le,
+                                "numpy_fp32_err": ne, "ulp_floor": floor}) + "\n")
     check(f"{case}: per-pair path vs float64", p, o, b)
-    assert fe <= 2 * max(pe, floor), f"{case}: grouped error {fe:.3g} > 2 x per-pair error {pe:.3g}"
-    return fe, pe
+    check(f"{case}: plain kernel vs float64", pl, o, b)
+    return [] if fe <= 2 * max(pe, floor) else [f"{case}: grouped error {fe:.3g} > 2 x per-pair error {pe:.3g}"]
 
 
 def run_case(ops, case, ids, E, I, D, S, nk, seed, bases=None, weights=None):
@@ -140,7 +140,7 @@ def run_case(ops, case, ids, E, I, D, S, nk, seed, bases=None, weights=None):
 
     rng = np.random.default_rng(seed)
     T = ids.shape[0]
-    gu, dn, W = weights or experts(rng, E, I, D, bases)
+    (gu, dn, qg, sg, qu, su, qd, sdn), W = weights or experts(rng, E, I, D, bases)
     slots = np.full((T, S), E + 7, np.int32)                       # slots past nk: outside the INT4 range
     slots[:, :nk] = ids[:, :nk]
     x = rand(rng, T, D)
@@ -151,11 +151,14 @@ def run_case(ops, case, ids, E, I, D, S, nk, seed, bases=None, weights=None):
     sentinel = np.float32(-1234.5)
     act_g, y_g = dev(np.full((T * S, I), sentinel)), dev(np.full((T * S, D), sentinel))
     act_p, y_p = dev(np.zeros((T * S, I), np.float32)), dev(np.zeros((T * S, D), np.float32))
+    act_l, y_l = dev(np.zeros((T * S, I), np.float32)), dev(np.zeros((T * S, D), np.float32))
     ops.moe_group(sd, T, S, 0, nk, 0, E, MT, Z, groups)
     ops.w4a16_mma(xd, D, gu, I, act_g, I, MT, mode=1, groups=groups, Z=Z, S=S)
     ops.w4a16_mma(act_g, I, dn, D, y_g, D, MT, groups=groups, Z=Z, S=S, x_by_slot=True)
     ops.w4a16_mma(xd, D, gu, I, act_p, I, mode=1, slot_ids=sd, T=T, S=S, nk=nk)
     ops.w4a16_mma(act_p, I, dn, D, y_p, D, slot_ids=sd, T=T, S=S, nk=nk, x_by_slot=True)
+    ops.w4a16_gate_up(xd, qg, sg, qu, su, sd, act_l, T, S, 0, nk)          # the plain kernel: exact dequant, fp32
+    ops.w4a16_down(act_l, qd, sdn, sd, y_l, T, S, 0, nk)
     ops.stream.synchronize()
     want_g, want_p = work_list(slots, S, nk, MT)
     got = groups.get()
@@ -169,8 +172,9 @@ def run_case(ops, case, ids, E, I, D, S, nk, seed, bases=None, weights=None):
     other = np.setdiff1d(np.arange(T * S), ts)
     assert (ag[other] == sentinel).all() and (yg[other] == sentinel).all(), f"{case}: rows of other slots written"
     label = f"{case} (T={T}, entry of {MT} tokens, {n} groups of {sizes[0]}..{sizes[-1]})"
-    judge(f"{label}: gate+up", ag, act_p.get(), a64, a32, ts)
-    judge(f"{label}: down", yg, y_p.get(), y64, y32, ts)
+    bad = judge(f"{label}: gate+up", ag, act_p.get(), act_l.get(), a64, a32, ts)
+    bad += judge(f"{label}: down", yg, y_p.get(), y_l.get(), y64, y32, ts)
+    assert not bad, "; ".join(bad)
     return want_g
 
 
