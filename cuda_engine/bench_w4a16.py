@@ -234,7 +234,8 @@ def _moe_layer(torch, ops, sink, reps: int, progress) -> dict:
 def moe_grouped(torch, ops, sink, Ts=GROUPED_T, reps: int = 20, progress=print) -> list[dict]:
     """The K2.6 MoE layer over a forward of T tokens (each of Ts), random routing (top-8 of 384 INT4 experts,
     distinct per token; the shared expert's slot present but not run): the grouped path (moe_group, grouped
-    gate+up, grouped down: the engine's T > 1 path) and the one-pair-per-z path on the same routing, each one
+    gate+up, grouped down: the engine's T > 1 path, int8 digits; and the same on the bf16 terms' entries) and
+    the one-pair-per-z path on the same routing, each one
     captured graph replayed (a forward reads far more than the L2 holds). Floor: the distinct experts' bytes
     at the copy bandwidth of one large stream read."""
     from cuda_engine.ops import w4a16_group_tokens, w4a16_groups_cap
@@ -254,31 +255,36 @@ def moe_grouped(torch, ops, sink, Ts=GROUPED_T, reps: int = 20, progress=print) 
         ids_d = DevBuf.from_array(ids)
         x = DevBuf.from_array(rng.standard_normal((T, D)).astype(np.float32))
         act, y = DevBuf((T * S, I), np.float32), DevBuf((T * S, D), np.float32)
-        M = w4a16_group_tokens(T)
-        Z = w4a16_groups_cap(T * K, E, M)
-        groups = DevBuf((1 + 3 * Z + T * K,), np.int32)
+        Ms = {"digits": w4a16_group_tokens(T), "terms": w4a16_group_tokens(T, digits=False)}
+        Zs = {k: w4a16_groups_cap(T * K, E, m) for k, m in Ms.items()}
+        glist = {k: DevBuf((1 + 3 * z + T * K,), np.int32) for k, z in Zs.items()}
 
-        def part(which: str) -> None:
+        def part(which: str, kind: str = "digits") -> None:
+            M, Z, groups, dg = Ms[kind], Zs[kind], glist[kind], kind == "digits"
             if which in ("group", "layer"):
                 ops.moe_group(ids_d, T, S, 0, K, 0, E, M, Z, groups)
             if which in ("gate_up", "layer"):
-                ops.w4a16_mma(x, D, gud, I, act, I, M, mode=1, groups=groups, Z=Z, S=S)
+                ops.w4a16_mma(x, D, gud, I, act, I, M, mode=1, groups=groups, Z=Z, S=S, digits=dg)
             if which in ("down", "layer"):
-                ops.w4a16_mma(act, I, dnd, D, y, D, M, groups=groups, Z=Z, S=S, x_by_slot=True)
+                ops.w4a16_mma(act, I, dnd, D, y, D, M, groups=groups, Z=Z, S=S, x_by_slot=True, digits=dg)
             if which == "pairs":
                 ops.w4a16_mma(x, D, gud, I, act, I, mode=1, slot_ids=ids_d, T=T, S=S, nk=K)
                 ops.w4a16_mma(act, I, dnd, D, y, D, slot_ids=ids_d, T=T, S=S, nk=K, x_by_slot=True)
 
-        for w in ("layer", "pairs"):
-            part(w)                                            # reserves the split-K workspace
+        for w, kind in (("layer", "digits"), ("layer", "terms"), ("pairs", "digits")):
+            part(w, kind)                                      # reserves the split-K workspace
         ops.stream.synchronize()
         t = {w: _graph_us(ops, lambda w=w: part(w), 1, reps) for w in ("layer", "group", "gate_up", "down", "pairs")}
+        t["terms"] = _graph_us(ops, lambda: part("layer", "terms"), 1, reps)
+        M = Ms["digits"]
         distinct = int(np.unique(ids[:, :K]).size)
         floor = distinct * per_expert / copy_gbps / 1e3
         r = {"tokens": T, "pairs": T * K, "distinct_experts": distinct, "bytes": distinct * per_expert,
              "group_tokens": M, "groups_cap": Z, "copy_gbps": copy_gbps, "floor_us": floor, "us_layer": t["layer"],
              "layer_vs_floor": t["layer"] / floor, "us_group": t["group"], "us_gate_up": t["gate_up"],
              "us_down": t["down"], "us_pairs": t["pairs"], "pairs_vs_floor": t["pairs"] / floor,
+             "us_layer_bf16_terms": t["terms"], "terms_vs_floor": t["terms"] / floor,
+             "terms_group_tokens": Ms["terms"],
              "what": "moe_group + grouped gate+up + grouped down (router, shared expert and combine not included)"}
         rows.append(r)
         progress(_grouped_text(r))
@@ -292,7 +298,8 @@ def _grouped_text(r: dict) -> str:
             f"{r['bytes'] / 1e9:.2f} GB, groups of <= {r['group_tokens']}): grouped {r['us_layer']:.1f} us = "
             f"{r['layer_vs_floor']:.2f}x the floor {r['floor_us']:.1f} us (work list {r['us_group']:.1f}, gate+up "
             f"{r['us_gate_up']:.1f}, down {r['us_down']:.1f}); one pair per z {r['us_pairs']:.1f} us = "
-            f"{r['pairs_vs_floor']:.2f}x")
+            f"{r['pairs_vs_floor']:.2f}x; grouped on the bf16 terms (groups of <= {r['terms_group_tokens']}) "
+            f"{r['us_layer_bf16_terms']:.1f} us = {r['terms_vs_floor']:.2f}x")
 
 
 def _row_text(r: dict) -> str:

@@ -118,13 +118,14 @@ class CudaEngine:
             k4 = self._int4_slots(l)[2]
             if k4:
                 M, Z = self._moe_launch(l, T)
-                need += [self.ops.w4a16_need(w[k], M, Z) for k in ("gate_up.mma", "down.mma")]
+                need += [self.ops.w4a16_need(w[k], M, Z, digits=T > 1) for k in ("gate_up.mma", "down.mma")]
         self.ops.w4a16_reserve(max(p for p, _ in need), max(t for _, t in need))
 
     def _moe_launch(self, l: int, T: int) -> tuple[int, int]:
         """(tokens per z, grid z) of layer l's fast INT4 expert launches in a forward of T tokens: at one token a
         (token, slot) pair per z (M = 1); from two the grouped path, a group of at most M pairs of one expert
-        per z, Z the most groups there can be (ops.w4a16_groups_cap)."""
+        per z (the int8 digits entries of ops.W4A16_DIGITS_TOKENS), Z the most groups there can be
+        (ops.w4a16_groups_cap)."""
         k4 = self._int4_slots(l)[2]
         if T == 1:
             return 1, k4
@@ -388,12 +389,13 @@ class CudaEngine:
             o.w4a16_mma(b["act"], I, w["down.mma"], D, b["y_slots"], D, mode=0, slot_ids=slots, T=T, S=S, k0=0,
                         nk=k4, x_by_slot=True)
         elif k4 and self.w4a16 == "fast":       # T > 1: the pairs grouped by expert (on the device), each touched
-            I = self.int4_width[l]              # expert's weights read once for all its tokens, one launch each
-            M, Z = self._moe_launch(l, T)       # for gate+up and down over every group (the bf16 terms)
+            I = self.int4_width[l]              # expert's weights read once for up to M of its tokens, one launch
+            M, Z = self._moe_launch(l, T)       # each for gate+up and down over every group (the int8 digits)
             o.moe_group(slots, T, S, 0, k4, 0, n_int4, M, Z, b["groups"])
-            o.w4a16_mma(xm, D, w["gate_up.mma"], I, b["act"], I, M, mode=1, groups=b["groups"], Z=Z, S=S)
+            o.w4a16_mma(xm, D, w["gate_up.mma"], I, b["act"], I, M, mode=1, groups=b["groups"], Z=Z, S=S,
+                        digits=True)
             o.w4a16_mma(b["act"], I, w["down.mma"], D, b["y_slots"], D, M, mode=0, groups=b["groups"], Z=Z, S=S,
-                        x_by_slot=True)
+                        x_by_slot=True, digits=True)
         elif k4:
             o.w4a16_gate_up(xm, w["gate_proj.qw"], w["gate_proj.sc"], w["up_proj.qw"], w["up_proj.sc"], slots,
                             b["act"], T, S, 0, k4)                                    # [T S, I]

@@ -40,9 +40,14 @@ W4A16_ROWS = {1: {r: f"w4a16_mma_i8_m1_r{r}" for r in (1, 2, 4, 8)},
 W4A16_ROWS_MIN_GROUPS = 16          # a single weight's k splits keep at least this many groups (w4a16_rows_plan)
 W4A16_ROWS_MAX_GROUPS = 64          # the many-row path's k splits at most this many groups (w4a16_rows_plan)
 MOE_GROUP_MAX_E = ROUTER_MAX_E + 1  # kernels/moe.cu, moe_group_kernel: the routed experts and the shared one
-# The grouped MoE path (a forward of T > 1 tokens): the bf16-terms entries' most tokens, one of which a launch
-# runs for all its groups (w4a16_group_tokens); a larger group is cut into chunks of the largest
+# The grouped MoE path (a forward of T > 1 tokens): a launch runs one entry for all its groups, a group of at
+# most that entry's tokens (a larger one is cut into chunks). The engine's: the int8 digits of up to 4 tokens
+# (W4A16_DIGITS_ROWS, each token's digits and sums exactly the per-pair path's); the bf16 terms' entries of 2,
+# 5, 8 and 16 tokens take groups too (w4a16_group_tokens(T, digits=False); measured against the digits in
+# tests/test_cuda_w4a16_grouped.py)
 W4A16_GROUP_TOKENS = (2, 5, 8, 16)
+W4A16_DIGITS_TOKENS = 4
+W4A16_DIGITS_ROWS = {r: "w4a16_mma_i8_m4" + (f"_r{r}" if r > 1 else "") for r in (1, 2, 4, 8)}
 # The planner's regimes of a w4a16_mma launch (recorded per launch in Ops.ran, named in a run dump's
 # engine_info): w4a16_rows_plan's many-row and single-weight regimes (rows1: 1 row block unsplit at 1-2 tokens;
 # rows: the most row blocks whose one-wave split keeps W4A16_ROWS_MIN_GROUPS; fewest: the family's fewest), the
@@ -69,6 +74,7 @@ SIGNATURES = {
     "stream_read_kernel": "PqP",
     **{name: "PiPP" + "i" * 10 + "PiPPiP" for entries in W4A16_ENTRIES.values() for _, name in entries},
     **{name: "PiPP" + "i" * 10 + "PiPPiP" for family in W4A16_ROWS.values() for name in family.values()},
+    **{name: "PiPP" + "i" * 10 + "PiPPiP" for name in W4A16_DIGITS_ROWS.values()},
     "moe_group_kernel": "P" + "i" * 8 + "P",
     "argmax_kernel": "PiP",
     "decode_advance_kernel": "PP",
@@ -131,9 +137,12 @@ def w4a16_rows_regime(Nb: int, G: int, Z: int, resident: int, sm_count: int, M: 
     return fewest, w4a16_splits(-(-Nb // fewest) * Z, G, resident, sm_count), "fewest"
 
 
-def w4a16_group_tokens(T: int) -> int:
-    """The most tokens per group of the grouped MoE path for a forward of T >= 2 tokens: the bf16-terms entry
-    that holds min(T, 16) (no group exceeds T; a larger one is cut into chunks of 16)."""
+def w4a16_group_tokens(T: int, digits: bool = True) -> int:
+    """The most tokens per group of the grouped MoE path for a forward of T >= 2 tokens: the int8 digits'
+    W4A16_DIGITS_TOKENS, or (digits=False) the bf16-terms entry that holds min(T, 16) (no group exceeds T);
+    a larger group is cut into chunks of that many."""
+    if digits:
+        return W4A16_DIGITS_TOKENS
     return next(m for m in W4A16_GROUP_TOKENS if m >= min(T, W4A16_GROUP_TOKENS[-1]))
 
 
@@ -357,22 +366,25 @@ class Ops:
         return name, next(r for mm, r in W4A16_ROW_BLOCKS.items() if mm >= m)
 
     def w4a16_plan(self, Nb: int, G: int, Z: int, ks: int | None = None, M: int = 1, numerics: str = "fp32",
-                   rows: int | None = None) -> tuple[str, int, int]:
+                   rows: int | None = None, digits: bool = False) -> tuple[str, int, int]:
         """(entry name, blocks along the output, k splits) of one w4a16_mma launch of M <= 64 tokens. Up to 16
         FP32-faithful tokens: the entry and splits by w4a16_rows_plan, or `rows` row blocks per block where
-        given (tests) at their one-wave split; ks, where given, overrides the splits."""
-        return self._w4a16_plan(Nb, G, Z, ks, M, numerics, rows)[:3]
+        given (tests) at their one-wave split; ks, where given, overrides the splits. digits: the int8 digits
+        entries of up to W4A16_DIGITS_TOKENS tokens (the grouped MoE path)."""
+        return self._w4a16_plan(Nb, G, Z, ks, M, numerics, rows, digits)[:3]
 
-    def _w4a16_plan(self, Nb, G, Z, ks, M, numerics, rows) -> tuple[str, int, int, str]:
+    def _w4a16_plan(self, Nb, G, Z, ks, M, numerics, rows, digits=False) -> tuple[str, int, int, str]:
         """w4a16_plan and the regime that chose it (W4A16_REGIMES, or "forced" for rows=)."""
         name, rpb = self.w4a16_kernel(M, numerics)
         regime = "wave" if rows is None else "forced"
         # (the residency of the FP32-faithful entry, a family's first, for both numerics: the bf16 numerics run
         # w4a16_splits on their own row blocks, a different launch)
-        resident = self._w4_resident(self.w4a16_kernel(M)[0])
+        resident = self._w4_resident(W4A16_DIGITS_ROWS[1] if digits else self.w4a16_kernel(M)[0])
         cap = next(m for m, _ in W4A16_ENTRIES["fp32"] if m >= M)
-        if numerics == "fp32" and cap in W4A16_ROWS:
-            family = W4A16_ROWS[cap]
+        _need(not digits or (numerics == "fp32" and M <= W4A16_DIGITS_TOKENS), "w4a16_mma",
+              f"the int8 digits entries take at most {W4A16_DIGITS_TOKENS} FP32-faithful tokens, got {M} {numerics}")
+        if numerics == "fp32" and (digits or cap in W4A16_ROWS):
+            family = W4A16_DIGITS_ROWS if digits else W4A16_ROWS[cap]
             if rows is None:
                 rpb, k, regime = w4a16_rows_regime(Nb, G, Z, resident, self.sm_count, M, tuple(family))
             else:
@@ -420,12 +432,12 @@ class Ops:
         self._reserve("w4a16_mma", partials, tickets, "Ops.w4a16_reserve(*Ops.w4a16_need(...))")
 
     def w4a16_need(self, packed: DevBuf, M: int = 1, Z: int = 1, ks: int | None = None,
-                   numerics: str = "fp32", rows: int | None = None) -> tuple[int, int]:
+                   numerics: str = "fp32", rows: int | None = None, digits: bool = False) -> tuple[int, int]:
         """(partials floats, tickets) one w4a16_mma launch over `packed` needs."""
         _, Nb, G, _ = packed.shape
         need = (0, 0)
         for m in {min(M, 64), M % 64 or 64}:                   # the launches of <= 64 tokens
-            _, gx, k = self.w4a16_plan(Nb, G, Z, ks, m, numerics, rows)
+            _, gx, k = self.w4a16_plan(Nb, G, Z, ks, m, numerics, rows, digits)
             if k > 1:
                 need = (max(need[0], Z * k * m * Nb * 32), max(need[1], Z * gx))
         return need
@@ -433,7 +445,7 @@ class Ops:
     def w4a16_mma(self, x, x_stride: int, packed: DevBuf, N: int, out, out_stride: int, M: int = 1, *,
                   mode: int = 0, numerics: str = "fp32", slot_ids=None, T: int = 1, S: int = 1, k0: int = 0,
                   nk: int = 1, e_base: int = 0, x_by_slot: bool = False, ks: int | None = None,
-                  rows: int | None = None, groups=None, Z: int = 1) -> None:
+                  rows: int | None = None, groups=None, Z: int = 1, digits: bool = False) -> None:
         """The fast W4A16 GEMM (kernels/w4a16_mma.cu) on weights repacked by cuda_engine/w4a16_pack.py.
 
         packed int32 [E, Nb, G, 144]; mode 0: out[t, :N] = W x[t] (N <= 32 Nb); mode 1: the fused SwiGLU
@@ -442,8 +454,9 @@ class Ops:
         the slots k0 .. k0+nk-1 of T tokens (M = 1), expert slot_ids[ts] - e_base; x row t, or ts when
         x_by_slot (the down projection's input is per slot); output row ts. With groups (moe_group's work
         list, Z its capacity): the grouped MoE path of a forward over several tokens, group z of at most M
-        pairs per grid z (M one of W4A16_GROUP_TOKENS), its pairs' x and output rows as on the slot path
-        (kernels/w4a16_mma.cu). numerics: "fp32" (three bf16
+        pairs per grid z, its pairs' x and output rows as on the slot path (kernels/w4a16_mma.cu), on the int8
+        digits entries of M = W4A16_DIGITS_TOKENS (digits=True, the engine's) or the bf16 terms' of M in
+        W4A16_GROUP_TOKENS. numerics: "fp32" (three bf16
         terms, or one token's eight int8 digits: float32-accurate) or "bf16" (one term: activations rounded to
         bf16). rows: the row blocks per block of an FP32-faithful entry of up to 16 tokens (W4A16_ROWS; tests),
         else by shape."""
@@ -458,11 +471,13 @@ class Ops:
               f"x_stride {x_stride} < K = {32 * G} (or odd), or out_stride {out_stride} < N = {N}")
         path = "linear"
         if groups is not None:
-            _need(slot_ids is None and numerics == "fp32" and M in W4A16_GROUP_TOKENS and Z >= 1 and S >= 1
+            ok_m = M == W4A16_DIGITS_TOKENS if digits else M in W4A16_GROUP_TOKENS
+            _need(slot_ids is None and numerics == "fp32" and ok_m and Z >= 1 and S >= 1
                   and groups.dtype == np.int32 and groups.shape[0] >= 1 + 3 * Z, "w4a16_mma",
-                  f"the grouped path takes the FP32-faithful numerics, M in {W4A16_GROUP_TOKENS} tokens per group "
-                  f"(got {M}), no slot_ids, and an int32 work list of at least 1 + 3 Z = {1 + 3 * Z} entries "
-                  f"(got {groups.dtype} {groups.shape})")
+                  f"the grouped path takes the FP32-faithful numerics, M = {W4A16_DIGITS_TOKENS} tokens per group "
+                  f"(digits) or one of {W4A16_GROUP_TOKENS} (bf16 terms) (got {M}, digits={digits}), no slot_ids, "
+                  f"and an int32 work list of at least 1 + 3 Z = {1 + 3 * Z} entries (got {groups.dtype} "
+                  f"{groups.shape})")
             path = "grouped"
         elif slot_ids is not None:
             _need(M == 1 and 0 <= k0 and nk >= 1 and k0 + nk <= S, "w4a16_mma",
@@ -471,10 +486,11 @@ class Ops:
         else:
             Z = 1
             _need(E >= 1 and M >= 1, "w4a16_mma", f"need E >= 1 experts and M >= 1 tokens, got {E}, {M}")
-        self.w4a16_reserve(*self.w4a16_need(packed, M, Z, ks, numerics, rows))
+        _need(groups is not None or not digits, "w4a16_mma", "digits=True is the grouped path's (pass groups)")
+        self.w4a16_reserve(*self.w4a16_need(packed, M, Z, ks, numerics, rows, digits))
         for m0 in range(0, M, 64):
             m = min(64, M - m0)
-            name, gx, k, regime = self._w4a16_plan(Nb, G, Z, ks, m, numerics, rows)
+            name, gx, k, regime = self._w4a16_plan(Nb, G, Z, ks, m, numerics, rows, digits)
             self._launch(name, (gx, k, Z), _ptr(x) + 4 * m0 * x_stride,
                          x_stride, packed.ptr, 0 if slot_ids is None else _ptr(slot_ids), S, k0, nk, e_base,
                          int(x_by_slot), m, N, Nb, G, k, _ptr(out) + 4 * m0 * out_stride, out_stride,

@@ -142,7 +142,7 @@ struct W4Config {
     // the widest token count must still stage one batch of every warp (U WS groups) per segment
     static_assert(I8 ? W4A16_XS_WORDS / GW >= U * WS : ((W4A16_XS_WORDS / MT - 16) / (4 * TW)) >= U * WS,
                   "activation staging too small");
-    static_assert(!I8 || (TCOL && MT == 1), "int8 digits: the 8 digit columns of one token");
+    static_assert(!I8 || TCOL, "int8 digits: the 8 digit columns of a token are one column tile");
 };
 
 template <int MT, int TERMS, bool TCOL, int WS, int U, bool I8>
@@ -174,10 +174,11 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
         orow = ts;
     }
     const int Mz = M;                                           // the launch's tokens per z: the partials' stride
-    // the bf16 terms entries: token tok's x row and output row (zrows[0][tok], zrows[1][tok]); the int8 digits
-    // entry (one token, never grouped) keeps xrow and orow
-    __shared__ int zrows[2][I8 ? 1 : MT];
-    if constexpr (!I8) {
+    // token tok's x row and output row (zrows[0][tok], zrows[1][tok]); the one-token entries (the decode path,
+    // never grouped) keep xrow and orow
+    constexpr bool ONE = MT == 1;
+    __shared__ int zrows[2][MT];
+    if constexpr (!ONE) {
         if (groups != nullptr) {                               // the grouped MoE path: z is a group of pairs
             if (z >= groups[0]) return;                        // past the work list (block-uniform)
             const int* gz = groups + 1 + 3 * z;
@@ -194,8 +195,8 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
         }
         __syncthreads();
     }
-    auto xrow_of = [&](int tok) -> const float* { return x + (size_t)(I8 ? xrow + tok : zrows[0][tok]) * x_stride; };
-    auto orow_of = [&](int tok) -> float* { return out + (size_t)(I8 ? orow + tok : zrows[1][tok]) * out_stride; };
+    auto xrow_of = [&](int tok) -> const float* { return x + (size_t)(ONE ? xrow + tok : zrows[0][tok]) * x_stride; };
+    auto orow_of = [&](int tok) -> float* { return out + (size_t)(ONE ? orow + tok : zrows[1][tok]) * out_stride; };
     // the split's groups (32-bit: the wrapper keeps G <= 65535, so ky G fits)
     const int g0 = (int)((unsigned)(ky * G) / (unsigned)ks), g1 = (int)((unsigned)((ky + 1) * G) / (unsigned)ks);
     const int n = g1 - g0;
@@ -237,8 +238,8 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
     // I8: when the split's digits (GW words a group) and its x (32 words a group) fit xs together, the exponent
     // pass also keeps x in xs, past the digits, and the staging converts it from there: x is read from L2 once,
     // one round trip less per block (then the split is one segment: n <= W4A16_XS_WORDS / (GW + 32) < seg)
-    const bool one_read = I8 && (GW + 32) * n <= W4A16_XS_WORDS;
-    static_assert(!I8 || W4A16_XS_WORDS / (GW + 32) < W4A16_XS_WORDS / GW / (U * WS) * (U * WS),
+    const bool one_read = I8 && MT == 1 && (GW + 32) * n <= W4A16_XS_WORDS;
+    static_assert(!I8 || MT > 1 || W4A16_XS_WORDS / (GW + 32) < W4A16_XS_WORDS / GW / (U * WS) * (U * WS),
                   "one_read must imply a single staging segment (the staging reads xraw from the split's start)");
     float4* xraw = reinterpret_cast<float4*>(xs + GW * n);     // quad u at xraw[u]
     if constexpr (I8) {                                         // each token's largest |x| over the whole split
@@ -318,7 +319,7 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
             if constexpr (I8) {
 #pragma unroll
                 for (int tok = 0; tok < MT; ++tok)
-                    for (int u0 = threadIdx.x; u0 < units; u0 += XR * (int)blockDim.x) {
+                    for (int u0 = threadIdx.x; tok < M && u0 < units; u0 += XR * (int)blockDim.x) {
                         float4 xv[XR];
 #pragma unroll
                         for (int k = 0; k < XR; ++k)
@@ -347,7 +348,7 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
                               dg[4 * h + 2] = __byte_perm(hi01, hi23, 0x5410), dg[4 * h + 3] = __byte_perm(hi01, hi23, 0x7632);
                           }
                           const int i = u >> 3, r = (u >> 2) & 1, cc = u & 3;
-                          const int base = (i * CT * 4 + cc) * COLS;
+                          const int base = ((i * CT + tok) * 4 + cc) * COLS;   // token tok: column tile tok
 #pragma unroll
                           for (int d = 0; d < 8; ++d) xs[2 * (base + d) + r] = dg[d];
                         }
@@ -401,6 +402,7 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
                 const uint2* xf = reinterpret_cast<const uint2*>(xs) + i * (GW / 2);
 #pragma unroll
                 for (int nt = 0; nt < CT; ++nt) {
+                    if (nt >= M) break;                        // tile nt is token nt: none past the z's M
                     const uint2 v = xf[xoff[nt]];
 #pragma unroll
                     for (int mt = 0; mt < 2; ++mt) {
@@ -579,6 +581,14 @@ extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 3)
 w4a16_mma_i8_m1_r4(W4A16_ARGS) { w4a16_mma_body<1, 1, true, 2, 2, true>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 3)
 w4a16_mma_i8_m1_r8(W4A16_ARGS) { w4a16_mma_body<1, 1, true, 1, 2, true>(W4A16_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
+w4a16_mma_i8_m4(W4A16_ARGS) { w4a16_mma_body<4, 1, true, 8, 2, true>(W4A16_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
+w4a16_mma_i8_m4_r2(W4A16_ARGS) { w4a16_mma_body<4, 1, true, 4, 2, true>(W4A16_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
+w4a16_mma_i8_m4_r4(W4A16_ARGS) { w4a16_mma_body<4, 1, true, 2, 2, true>(W4A16_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
+w4a16_mma_i8_m4_r8(W4A16_ARGS) { w4a16_mma_body<4, 1, true, 1, 2, true>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
 w4a16_mma_t3_m2(W4A16_ARGS) { w4a16_mma_body<2, 3, true, 8, 4, false>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
