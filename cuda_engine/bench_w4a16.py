@@ -280,7 +280,8 @@ def moe_grouped(torch, ops, sink, Ts=GROUPED_T, reps: int = 20, progress=print) 
         distinct = int(np.unique(ids[:, :K]).size)
         floor = distinct * per_expert / copy_gbps / 1e3
         r = {"tokens": T, "pairs": T * K, "distinct_experts": distinct, "bytes": distinct * per_expert,
-             "group_tokens": M, "groups_cap": Zs["digits"], "copy_gbps": copy_gbps, "floor_us": floor, "us_layer": t["layer"],
+             "group_tokens": M, "groups_cap": Zs["digits"], "copy_gbps": copy_gbps, "floor_us": floor,
+             "us_layer": t["layer"],
              "layer_vs_floor": t["layer"] / floor, "us_group": t["group"], "us_gate_up": t["gate_up"],
              "us_down": t["down"], "us_pairs": t["pairs"], "pairs_vs_floor": t["pairs"] / floor,
              "us_layer_bf16_terms": t["terms"], "terms_vs_floor": t["terms"] / floor,

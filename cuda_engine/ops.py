@@ -48,7 +48,7 @@ MOE_GROUP_MAX_E = ROUTER_MAX_E + 1  # kernels/moe.cu, moe_group_kernel: the rout
 W4A16_GROUP_TOKENS = (2, 5, 8, 16)
 W4A16_DIGITS_TOKENS = 4
 W4A16_DIGITS_ROWS = {r: "w4a16_mma_i8_m4" + (f"_r{r}" if r > 1 else "") for r in (1, 2, 4, 8)}
-# The planner's regimes of a w4a16_mma launch (recorded per launch in Ops.ran, named in a run dump's
+# The planner's regimes of a w4a16_mma launch (recorded per launch in Ops.w4a16_regimes, named in a run dump's
 # engine_info): w4a16_rows_plan's many-row and single-weight regimes (rows1: 1 row block unsplit at 1-2 tokens;
 # rows: the most row blocks whose one-wave split keeps W4A16_ROWS_MIN_GROUPS; fewest: the family's fewest), the
 # one-wave split of 17-64 tokens and of the bf16 numerics (wave), a row count a test forced (forced); and the
