@@ -80,7 +80,8 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
                        routing="held" if held else "free")
         _say_why_unobserved(judged, getattr(engine, "unobserved", None) or {})
         if first is not None and unlocalised is not None:               # said up front; not tried again
-            first.cause = f"not localised: {unlocalised}"
+            if getattr(engine, "supports_teacher_forcing", False):      # (an engine without it: no cause)
+                first.cause = f"not localised: {unlocalised}"
         elif first is not None and engine is not None and dump is None:
             try:
                 first = localize(engine, f, first, judged, out, overrides, dtype, profile)
