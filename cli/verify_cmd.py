@@ -34,11 +34,15 @@ def _suffixed(path: str | None, bundle: str, many: bool) -> str | None:
 @click.argument("bundles", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("--engine", "engine_name", type=click.Choice(["auto"] + sorted(ENGINES)), default="auto",
               show_default=True, help="Engine under test; auto = cuda when a GPU and pycuda are present, "
-                                      "else reference; torch = a PyTorch DeepseekV3 (docs/conformance.md).")
+                                      "else reference; torch = a PyTorch DeepseekV3 (docs/conformance.md); "
+                                      "python = your own class implementing the Engine protocol, named by "
+                                      "--module (docs/engine-api.md).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]),
               help="--engine torch: compute dtype (default float32).")
 @click.option("--module", "module_path", metavar="PKG.MOD:CLASS",
-              help="--engine torch: your own DeepseekV3 port (HF parameter names) instead of transformers'.")
+              help="--engine torch: your own DeepseekV3 port (a torch.nn.Module with HF parameter names) instead "
+                   "of transformers'; --engine python: your engine class (constructed with no arguments). "
+                   "Imported with the current directory on the path. docs/engine-api.md.")
 @click.option("--w4a16", type=click.Choice(W4A16_MODES),
               help="--engine cuda: INT4 expert kernels: fast (tensor cores, FP32-faithful; the default), plain "
                    "(the packed weights as stored), dense (dequantized at load). docs/cuda-engine.md.")
@@ -110,7 +114,7 @@ def verify_cmd(bundles, engine_name, dtype, module_path, w4a16, profile, dump, r
             try:
                 v = verify(bundle, engine=engine, dump=dump, overrides=overrides, progress=progress,
                            save_dump=_suffixed(save_dump, bundle, len(bundles) > 1), require_coverage=coverage,
-                           profile=profile)
+                           profile=profile, announce=lambda line: console.print(escape(line), soft_wrap=True))
             except ProfileError as e:
                 raise click.UsageError(f"{bundle}: {e}") from None
             except OSError as e:        # only the dump write touches the file system after the checks above

@@ -1,7 +1,7 @@
-"""INT4 W4A16 layout truth: compressed-tensors "pack-quantized", 4 bits, symmetric, per-group scales.
+"""INT4 W4A16 layout (normative text: docs/int4.md): compressed-tensors "pack-quantized", group scales.
 
 Every producer and consumer of INT4 weights in kdtr (quantizer, importer, reference, kernels' tests)
-goes through this file (docs/int4.md describes it). Layout, for a logical weight W [N = out, K = in]:
+goes through this file; docs/int4.md is the normative text it implements. Layout, for a logical weight W [N = out, K = in]:
 
     qw  int32 [N, K/8]   word (n, j) holds columns 8j..8j+7; column 8j+i is nibble i (bits 4i..4i+3),
                          so column 8j is the LEAST significant nibble. nibble u = q + 8 ("uint4b8"),

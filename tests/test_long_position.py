@@ -85,3 +85,32 @@ def test_positions_from_the_cache_length_get_a_named_failure(small_bundle):
     assert v.first_divergence.name == f"p{i}/prefill/L0/q"
     named = next(c for c in bad if c.name == f"p{i}/long_position")
     assert "derives them from its cache length" in named.message
+
+
+def test_the_console_explains_the_divergence_and_shows_the_difference(small_bundle):
+    """The console's first divergence: the first failing row apart from the worst element, golden and
+    actual with the digits that tell them apart and their difference, and the long-position prompt's own
+    explanation printed by default (not only with -v)."""
+    import io
+
+    from rich.console import Console
+
+    from conformance.report.console import distinct_values, print_console
+
+    assert distinct_values(-2.774123, -2.77398) == ("-2.7741", "-2.774")
+    assert distinct_values(1.0, 1.0 + 2**-40) == ("1", "1.000000000001")            # 13 digits tell them apart
+    assert distinct_values(3, 4) == ("3", "4")
+    i = long_prompt_index(small_bundle)
+    v = verify(str(small_bundle), engine=FaultyEngine("rope_f32_angles"))
+    buf = io.StringIO()
+    print_console(v, Console(file=buf, width=1000, color_system=None))
+    lines = buf.getvalue().splitlines()
+    d = v.first_divergence
+    at = lines.index(next(line for line in lines if line.startswith("first divergence:")))
+    assert lines[at] == f"first divergence: p{i}/prefill/L0/q (layer 0, tap q, prefill)"
+    assert lines[at + 1] == f"  first failing row: token position {d.token_position}"
+    g, a = distinct_values(d.golden, d.actual)
+    assert g != a and lines[at + 2] == (f"  worst element {d.worst_index}: golden {g}, actual {a} "
+                                        f"(actual - golden = {d.actual - d.golden:+.3g})")
+    named = next(c for c in v.checks if c.name == f"p{i}/long_position")
+    assert f"  p{i}/long_position: {named.message}" in lines

@@ -243,10 +243,23 @@ def test_it_is_an_engine():
 
 
 def test_bad_modules_are_refused_clearly(small_bundle):
-    with pytest.raises(TorchEngineError, match="RenamedForCausalLM's parameters do not carry the HF names"):
+    """Each in one line; a name mismatch from the bundle's side (its tensors the module lacks first)."""
+    with pytest.raises(TorchEngineError, match=r"RenamedForCausalLM's parameters do not carry the HF names of the "
+                                               r"bundle: the bundle's \d+ tensor\(s\) lm_head.weight, "
+                                               r"model.embed_tokens.weight, model.layers.0.input_layernorm.weight "
+                                               r"and \d+ more have no parameter of that name in the module; the "
+                                               r"module's 1 parameter\(s\) embed.weight are not in the bundle"):
         TorchEngine("float32", module=USER + "RenamedForCausalLM").load(str(small_bundle))
     with pytest.raises(TorchEngineError, match="cannot import 'no_such_pkg'"):
         TorchEngine("float32", module="no_such_pkg:Model").load(str(small_bundle))
+    with pytest.raises(TorchEngineError, match=r"torch_user_models has no 'NoSuchPort' \(its classes: "
+                                               r"BiasFreeRouter, .*PortForCausalLM"):
+        TorchEngine("float32", module=USER + "NoSuchPort")
+    with pytest.raises(TorchEngineError, match="torch_user_models.rotate_interleaved is a function, not a class"):
+        TorchEngine("float32", module=USER + "rotate_interleaved")
+    with pytest.raises(TorchEngineError, match=r"examples.numpy_engine.NumpyEngine is not a torch.nn.Module class "
+                                               r"\(.* runs with --engine python"):
+        TorchEngine("float32", module="examples.numpy_engine:NumpyEngine")
     with pytest.raises(TorchEngineError, match="the torch engine runs float32 or bfloat16"):
         TorchEngine("float16")
 
@@ -257,3 +270,33 @@ def test_cli_engine_torch(small_bundle):
     assert "tolerance profile: bf16" in r.output and "routing: held to the golden expert sets" in r.output
     r = CliRunner().invoke(main, ["verify", str(small_bundle), "--engine", "reference", "--dtype", "bfloat16"])
     assert r.exit_code == 2 and "--dtype and --module apply to --engine torch" in r.output
+
+
+def test_an_interleaved_rope_port_is_judged_in_the_layout_it_declares(small_bundle):
+    """Correct math in the checkpoint's interleaved RoPE layout: declared, it passes as the faithful port
+    does (all but the float32-angle long-position prompt); undeclared, it is judged in transformers'
+    layout and fails at layer 0's q, localised as local."""
+    v = verify(small_bundle, engine=TorchEngine("float32", module=USER + "InterleavedPortForCausalLM"))
+    only_the_long_position_prompt_fails(v)
+    assert not [c for c in v.checks if c.status == "skip"]
+    e = TorchEngine("float32", module=USER + "UndeclaredInterleavedPortForCausalLM")
+    assert "the class declares no kdtr_rope_layout" in e.describe()
+    d = verify(small_bundle, engine=e).first_divergence
+    assert (d.name, d.cause) == ("p0/prefill/L0/q", "local"), d
+
+
+def test_a_tuple_output_is_one_line(small_bundle):
+    v = verify(small_bundle, engine=TorchEngine("float32", module=USER + "TupleOutputForCausalLM"))
+    err = next(c for c in v.checks if c.name == "engine/run")
+    assert v.exit_code == ExitCode.ENGINE_ERROR
+    assert err.message == ("TorchEngineError: TupleOutputForCausalLM.forward returned a tuple, not an output object "
+                           "with .logits [1, T, V] (return transformers' CausalLMOutputWithPast, or any object with a "
+                           "`logits` attribute; docs/engine-api.md)")
+
+
+def test_a_port_without_rotary_emb_hears_up_front_that_localisation_will_not_work(small_bundle):
+    said = []
+    v = verify(small_bundle, engine=TorchEngine("float32", module=USER + "NoRotaryForCausalLM"), announce=said.append)
+    assert len(said) == 1 and "has no model.rotary_emb: run_layer builds a layer's position embeddings" in said[0]
+    only_the_long_position_prompt_fails(v)                              # it runs; only localisation is lost
+    assert v.first_divergence.cause == f"not localised: {said[0]}"

@@ -8,6 +8,12 @@ routing must not hide. `KRopeBugForCausalLM` rotates k's RoPE dims in
 (i, i + R/2) pairs, as if they were already de-interleaved, while q keeps the checkpoint's interleaved
 pairs (2i, 2i + 1): a port that fixed the layout on one side only. Everything before the rotated key
 (attn_in, q, kv_latent) is right, so the first divergence must be layer 0's `k_pe`.
+
+`InterleavedPortForCausalLM` is correct but keeps the checkpoint's interleaved RoPE pairs (2i, 2i + 1)
+instead of transformers' de-interleaved layout, and declares so (`kdtr_rope_layout`); its undeclared twin
+is judged in transformers' layout. `TupleOutputForCausalLM` returns a tuple instead of an output object;
+`NoRotaryForCausalLM` has no `model.rotary_emb` (its attention makes its own tables), so it runs, but
+run_layer cannot.
 """
 import torch
 from transformers import DeepseekV3ForCausalLM
@@ -18,10 +24,19 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (DeepseekV3Atte
                                                                   eager_attention_forward)
 
 
+def rotate_interleaved(x, cos, sin):
+    """Rotate the checkpoint's pairs (2i, 2i + 1) of x [B, h, T, R] in place; transformers' cos/sin
+    [B, T, R] hold each pair's angle twice (cat(freqs, freqs)), so their first half is per pair."""
+    c, s = cos[..., : x.shape[-1] // 2].unsqueeze(1), sin[..., : x.shape[-1] // 2].unsqueeze(1)
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    return torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1).flatten(-2)
+
+
 class PortAttention(DeepseekV3Attention):
     """transformers' MLA forward, as a user would port it; the class flags plant the bugs."""
     k_rope_bug = False          # rotate k's rope dims in (i, i + R/2) pairs (q stays interleaved)
     own_attention = False       # call eager attention directly, not through transformers' interface
+    interleaved = False         # keep the checkpoint's RoPE layout (pairs 2i, 2i + 1): correct too
 
     def forward(self, hidden_states, position_embeddings, attention_mask, cache=None, **kwargs):
         B, T = hidden_states.shape[:-1]
@@ -33,7 +48,9 @@ class PortAttention(DeepseekV3Attention):
         kv_nope = self.kv_a_layernorm(kv_nope).view(B, 1, T, self.kv_lora_rank)
         k_rot = k_rot.view(B, 1, T, self.qk_rope_head_dim)
         cos, sin = position_embeddings
-        if self.k_rope_bug:
+        if self.interleaved:
+            q_rot, k_rot = rotate_interleaved(q_rot, cos, sin), rotate_interleaved(k_rot, cos, sin)
+        elif self.k_rope_bug:
             q_rot, _ = apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)  # right on q
             _, k_rot = apply_rotary_pos_emb(q_rot, k_rot, cos, sin)             # THE BUG: rotate-half on k
         else:
@@ -110,3 +127,33 @@ class RenamedForCausalLM(torch.nn.Module):
     def __init__(self, config):
         super().__init__()
         self.embed = torch.nn.Embedding(config.vocab_size, config.hidden_size)
+
+
+class InterleavedPortForCausalLM(PortForCausalLM):
+    kdtr_rope_layout = "interleaved"
+    attention = type("InterleavedAttention", (PortAttention,), {"interleaved": True})
+
+
+class UndeclaredInterleavedPortForCausalLM(PortForCausalLM):
+    attention = InterleavedPortForCausalLM.attention
+
+
+class TupleOutputForCausalLM(PortForCausalLM):
+    def forward(self, *args, **kwargs):
+        return super().forward(*args, **kwargs).to_tuple()
+
+
+class NoRotaryForCausalLM(PortForCausalLM):
+    """Correct, but its rotary embedding is its attention's own: model.rotary_emb does not exist."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.model.own_rotary = self.model.rotary_emb
+        del self.model.rotary_emb
+
+    def forward(self, input_ids, position_ids, **kwargs):
+        self.model.rotary_emb = self.model.own_rotary                   # for this forward only
+        try:
+            return super().forward(input_ids=input_ids, position_ids=position_ids, **kwargs)
+        finally:
+            del self.model.rotary_emb

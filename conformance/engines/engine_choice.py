@@ -4,8 +4,9 @@ from __future__ import annotations
 import importlib.util
 
 from conformance.engines.reference_engine import ReferenceEngine
+from conformance.engines.user_module import NotAnEngineError, UserModuleError, python_engine
 
-ENGINES = ("cuda", "reference", "torch")
+ENGINES = ("cuda", "python", "reference", "torch")
 
 
 class EngineUnavailable(RuntimeError):
@@ -41,22 +42,46 @@ def _torch_engine(dtype: str | None, module: str | None):
     if missing:
         raise EngineUnavailable(f"--engine torch needs {' and '.join(missing)}: pip install -e '.[torch]' "
                                 f"(install the CPU wheel first: pip install torch==2.13.0)")
-    from conformance.engines.torch_engine import TorchEngine
+    from conformance.engines.torch_engine import TorchEngine, TorchEngineError
 
-    e = TorchEngine(dtype or "float32", module)
+    try:
+        e = TorchEngine(dtype or "float32", module)
+    except TorchEngineError as err:                                      # a --module that is not a port
+        raise EngineOptionError(str(err)) from None
     return e, f"requested; {e.describe()}"
+
+
+def _python_engine(module: str | None):
+    """A user's class implementing the Engine protocol itself (docs/engine-api.md)."""
+    if not module:
+        raise EngineOptionError("--engine python runs your own engine class: name it with --module "
+                                "PKG.MOD:CLASS (e.g. --module examples.numpy_engine:NumpyEngine)")
+    try:
+        return python_engine(module)
+    except NotAnEngineError as e:
+        raise EngineUnavailable(str(e)) from None
+    except UserModuleError as e:
+        raise EngineOptionError(str(e)) from None
 
 
 def pick_engine(name: str, dtype: str | None = None, module: str | None = None, w4a16: str | None = None):
     """(engine instance, why it was chosen). `auto`: cuda when it can run, else reference. `dtype` and
-    `module` configure the torch engine (its compute dtype, a user module's import path); `w4a16` the CUDA
-    engine's INT4 kernels (fast, plain, dense)."""
-    if (dtype or module) and name != "torch":
-        raise EngineOptionError(f"--dtype and --module apply to --engine torch only, not to --engine {name}")
+    `module` configure the torch engine (its compute dtype, a user module's import path); `module` names
+    the class of --engine python (its dtype is its own); `w4a16` the CUDA engine's INT4 kernels (fast,
+    plain, dense)."""
+    if name == "python":
+        if dtype:
+            raise EngineOptionError("--dtype applies to --engine torch; an --engine python class declares its "
+                                    "own compute dtype (its `dtype` attribute)")
+    elif (dtype or module) and name != "torch":
+        raise EngineOptionError(f"--dtype and --module apply to --engine torch (--module also to --engine "
+                                f"python), not to --engine {name}")
     if w4a16 and name not in ("cuda", "auto"):
         raise EngineOptionError(f"--w4a16 applies to --engine cuda (or auto) only, not to --engine {name}")
     if name == "torch":
         return _torch_engine(dtype, module)
+    if name == "python":
+        return _python_engine(module)
     if name == "reference":
         return ReferenceEngine(), "requested; the refmodel in float32"
     if name == "cuda":

@@ -1,4 +1,4 @@
-"""The protocol an engine under test implements. The conformance runner drives it; nothing here runs.
+"""The protocol an engine under test implements (in prose: docs/engine-api.md); the runner drives it.
 
 Taps are returned as a dict keyed by the names of docs/architecture.md, per call:
 "L{l}/{tap}" for every layer l and tap (attn_in, q, kv_latent, k_pe, attn_out, resid_attn, mlp_in,

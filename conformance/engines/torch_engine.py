@@ -6,11 +6,8 @@ HF names (INT4 experts dequantized by `kdtr_format.int4`, the layout truth), in 
 router gate and its bias stay float32, as transformers' `from_pretrained` keeps them), on the GPU when
 torch sees one, else the CPU.
 
-A user module must look like transformers' DeepseekV3ForCausalLM: a class built from a `DeepseekV3Config`
-(`cls._from_config(config)` for a transformers `PreTrainedModel`, else `cls(config)`), submodules under the
-HF names (`model.layers.{l}.self_attn.q_b_proj`, ...), experts fused (`mlp.experts.gate_up_proj`) or one
-module per expert (`mlp.experts.{e}.gate_proj`), and `forward(input_ids, position_ids, attention_mask,
-cache, use_cache)` taking a 4D additive mask and a transformers `DynamicCache`, returning `.logits`.
+A user module must look like transformers' DeepseekV3ForCausalLM: the contract is docs/engine-api.md §5
+(building it and loading its weights: conformance/engines/torch_port.py).
 
 Taps come from forward hooks, under the names of docs/architecture.md:
 
@@ -24,7 +21,8 @@ Taps come from forward hooks, under the names of docs/architecture.md:
 
 transformers keeps the rotated RoPE dims de-interleaved ([evens ; odds], y = x[P]); the taps convert back to
 the checkpoint's interleaved layout (x = y[argsort(P)]), and `run_layer` converts golden cache rows the
-other way (docs/run-dump.md, "Layouts to match"). A tap the module does not expose is not reported and its
+other way (docs/run-dump.md, "Layouts to match"). A port that keeps the interleaved layout declares
+`kdtr_rope_layout = "interleaved"` and P is the identity. A tap the module does not expose is not reported and its
 reason is kept in `unobserved`, which the runner shows on the skipped check.
 
 Legend: T tokens of a forward, S cache rows, D hidden, H heads, A = N + R query dims, N nope dims,
@@ -32,135 +30,24 @@ C kv_lora_rank, R qk_rope_head_dim, V vocab.
 """
 from __future__ import annotations
 
-import importlib
 import os
 
 import numpy as np
 import torch
-from transformers import AttentionInterface, DeepseekV3Config, DeepseekV3ForCausalLM, DynamicCache, PreTrainedModel
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import eager_attention_forward
+from transformers import DynamicCache
 
-from conformance.precision import FP32_KEEP
 from conformance.engines.reference_engine import bundle_weights
+from conformance.engines.torch_port import DTYPES, TorchEngineError, build_model, port_class, rope_layout
 from kdtr_format import open_kdtr
 from refmodel.config import ModelConfig
 from refmodel.model import causal_mask, tap_names
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-ATTENTION = "kdtr_tapped_eager"     # transformers' eager attention, plus a look at the rotated query
 
-
-class TorchEngineError(ValueError):
-    """The module or the weights cannot be used as a torch engine (the message names the fix)."""
-
-
-def _tapped_eager(module, query, key, value, attention_mask, **kwargs):
-    """Eager attention that first hands the query [1, H, T, A] (RoPE applied) to the engine's recorder."""
-    record = getattr(module, "_kdtr_record_q", None)
-    if record is not None:
-        record(query)
-    return eager_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-
-AttentionInterface.register(ATTENTION, _tapped_eager)
-
-
-# ---------------------------------------------------------------- building the model
-
-def hf_config(cfg: ModelConfig) -> DeepseekV3Config:
-    """Our ModelConfig as transformers' DeepseekV3Config. Traps: n_group/topk_group always set;
-    max_position_embeddings = factor x original (some revisions recompute the factor from it); mscale and
-    mscale_all_dim passed through; rope_interleave left at its default (True: the checkpoint layout)."""
-    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    max_pos = cfg.max_position_embeddings
-    if cfg.rope_scaling is not None:
-        rope = {k: v for k, v in cfg.rope_scaling.items() if k != "type"}
-        rope.update(rope_type="yarn", rope_theta=cfg.rope_theta)
-        max_pos = int(round(rope["factor"] * rope["original_max_position_embeddings"]))
-    return DeepseekV3Config(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        moe_intermediate_size=cfg.moe_intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
-        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_attention_heads,
-        n_shared_experts=cfg.n_shared_experts, n_routed_experts=cfg.n_routed_experts,
-        routed_scaling_factor=cfg.routed_scaling_factor, kv_lora_rank=cfg.kv_lora_rank,
-        q_lora_rank=cfg.q_lora_rank, qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
-        qk_nope_head_dim=cfg.qk_nope_head_dim, n_group=cfg.n_group, topk_group=cfg.topk_group,
-        num_experts_per_tok=cfg.num_experts_per_tok, first_k_dense_replace=cfg.first_k_dense_replace,
-        norm_topk_prob=cfg.norm_topk_prob, max_position_embeddings=max_pos, rms_norm_eps=cfg.rms_norm_eps,
-        rope_parameters=rope, tie_word_embeddings=cfg.tie_word_embeddings, num_mtp_layers=0,
-    )
-
-
-def hf_state(cfg: ModelConfig, W: dict[str, np.ndarray], fused_experts: bool) -> dict[str, torch.Tensor]:
-    """Our weights (HF names, one tensor per expert) as a state dict; `fused_experts`: transformers v5's
-    `mlp.experts.gate_up_proj` [E, 2I, D] and `mlp.experts.down_proj` [E, D, I] instead."""
-    state = {n: torch.from_numpy(np.ascontiguousarray(a)) for n, a in W.items()
-             if not (fused_experts and ".mlp.experts." in n)}
-    if fused_experts:
-        for l in range(cfg.first_k_dense_replace, cfg.num_hidden_layers):
-            p, E = f"model.layers.{l}.mlp.experts.", range(cfg.n_routed_experts)
-            gate_up = [np.concatenate([W[p + f"{e}.gate_proj.weight"], W[p + f"{e}.up_proj.weight"]]) for e in E]
-            state[p + "gate_up_proj"] = torch.from_numpy(np.stack(gate_up))                      # [E, 2I, D]
-            state[p + "down_proj"] = torch.from_numpy(np.stack([W[p + f"{e}.down_proj.weight"] for e in E]))
-    return state
-
-
-def load_module_class(path: str) -> type:
-    """`pkg.mod:Class` (or `pkg.mod.Class`) -> the class, with a clear error for each way it can fail."""
-    mod_name, sep, attr = path.partition(":") if ":" in path else path.rpartition(".")
-    if not mod_name or not attr:
-        raise TorchEngineError(f"--module {path!r}: give an import path like 'mypkg.model:MyDeepseekV3'")
-    try:
-        mod = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise TorchEngineError(f"--module {path!r}: cannot import {mod_name!r} ({e}); is it on PYTHONPATH?") from None
-    cls = getattr(mod, attr, None)
-    if not isinstance(cls, type) or not issubclass(cls, torch.nn.Module):
-        raise TorchEngineError(f"--module {path!r}: {mod_name}.{attr} is not a torch.nn.Module class")
-    return cls
-
-
-def load_weights(model: torch.nn.Module, cfg: ModelConfig, W: dict) -> None:
-    """Copy W into the model's own tensors (each in the dtype it has), after checking every name and shape:
-    `load_state_dict` would silently skip per-expert names on a fused-experts model."""
-    own = model.state_dict()
-    state = hf_state(cfg, W, fused_experts=any(n.endswith("mlp.experts.gate_up_proj") for n in own))
-    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
-    if missing or unexpected:
-        raise TorchEngineError(f"{type(model).__name__}'s parameters do not carry the HF names of the bundle: "
-                               f"missing {missing[:4]}, unexpected {unexpected[:4]} (a torch engine module "
-                               f"names its parameters as transformers' DeepseekV3ForCausalLM)")
-    with torch.no_grad():
-        for name, t in state.items():
-            if tuple(own[name].shape) != tuple(t.shape):
-                raise TorchEngineError(f"{name}: the module has shape {tuple(own[name].shape)}, the bundle "
-                                       f"{tuple(t.shape)}")
-            own[name].copy_(t.to(own[name].dtype))
-
-
-def build_model(cfg: ModelConfig, W: dict, module: str | None = None, dtype: str = "float32",
-                device: str = "cpu") -> torch.nn.Module:
-    """An eval-mode model holding exactly W: weights in `dtype`, router gate and bias in float32."""
-    config = hf_config(cfg)
-    cls = DeepseekV3ForCausalLM if module is None else load_module_class(module)
-    if issubclass(cls, PreTrainedModel):
-        model = cls._from_config(config, attn_implementation=ATTENTION, experts_implementation="eager")
-    else:
-        config._attn_implementation = ATTENTION
-        model = cls(config)
-    load_weights(model, cfg, W)
-    with torch.no_grad():
-        for name, p in model.named_parameters():                        # weights to dtype; buffers (the
-            if not name.endswith(FP32_KEEP):                             # RoPE inv_freq, the router bias)
-                p.data = p.data.to(DTYPES[dtype])                        # stay float32 as in from_pretrained
-    return model.to(device).eval()
-
-
-# ---------------------------------------------------------------- the engine
-
-def _rope_inverse(R: int) -> np.ndarray:
-    """Index that takes transformers' de-interleaved RoPE dims y = x[P] back to x (P = evens, then odds)."""
-    return np.argsort(np.concatenate([np.arange(0, R, 2), np.arange(1, R, 2)]))
+def _rope_order(R: int, layout: str) -> tuple[np.ndarray, np.ndarray]:
+    """(P, P^-1) for a port's RoPE layout: its rotated dims are y = x[P] of the checkpoint's interleaved x.
+    transformers de-interleaves (P = evens, then odds); an interleaved port keeps x (P = identity)."""
+    P = np.concatenate([np.arange(0, R, 2), np.arange(1, R, 2)]) if layout == "deinterleaved" else np.arange(R)
+    return P, np.argsort(P)
 
 
 class TorchEngine:
@@ -172,6 +59,7 @@ class TorchEngine:
         if dtype not in DTYPES:
             raise TorchEngineError(f"--dtype {dtype!r}: the torch engine runs float32 or bfloat16")
         self.dtype, self.module = dtype, module
+        self.rope_layout, self.rope_declared = rope_layout(port_class(module))   # a bad --module fails here
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.unobserved: dict[str, str] = {}                             # tap -> why it is not reported
         self.cfg: ModelConfig | None = None
@@ -181,7 +69,9 @@ class TorchEngine:
         self.held_rows = 0                                               # rows that ran held, not own, experts
 
     def describe(self) -> str:
-        return f"{self.module or 'transformers DeepseekV3ForCausalLM'}, {self.dtype}, {self.device}"
+        rope = (f"RoPE {self.rope_layout}" if self.rope_declared or self.module is None else
+                "RoPE deinterleaved (transformers'; the class declares no kdtr_rope_layout)")
+        return f"{self.module or 'transformers DeepseekV3ForCausalLM'}, {self.dtype}, {self.device}, {rope}"
 
     def load(self, bundle) -> None:
         if isinstance(bundle, (str, os.PathLike)):
@@ -191,7 +81,7 @@ class TorchEngine:
             self.cfg, W = bundle_weights(bundle)
         self.model = build_model(self.cfg, W, self.module, self.dtype, self.device)
         self.held_rows = 0
-        self._inv = _rope_inverse(self.cfg.qk_rope_head_dim)
+        self._P, self._inv = _rope_order(self.cfg.qk_rope_head_dim, self.rope_layout)
         self._hook()
         self.reset()
 
@@ -325,6 +215,10 @@ class TorchEngine:
             self._held = {}                                              # held for one call only
         self._cache_taps(self.cache, range(self.cfg.num_hidden_layers), T)
         taps = self._ordered(range(self.cfg.num_hidden_layers), final=True)
+        if not isinstance(getattr(out, "logits", None), torch.Tensor):
+            raise TorchEngineError(f"{type(self.model).__name__}.forward returned a {type(out).__name__}, not an output "
+                                   f"object with .logits [1, T, V] (return transformers' CausalLMOutputWithPast, "
+                                   f"or any object with a `logits` attribute; docs/engine-api.md)")
         logits = self._np(out.logits[0])                                 # [T, V]
         taps["logits"] = logits
         return logits, taps
@@ -355,17 +249,25 @@ class TorchEngine:
         h = torch.as_tensor(np.array(inputs["hidden"]), dtype=dt, device=dev)[None]            # [1, T, D]
         pos = torch.as_tensor(np.asarray(inputs["positions"], np.int64), device=dev)[None]     # [1, T]
         c_kv, k_pe = np.array(inputs["c_kv"]), np.array(inputs["k_pe"])                         # [S, C], [S, R]
-        R = self.cfg.qk_rope_head_dim
-        P = np.concatenate([np.arange(0, R, 2), np.arange(1, R, 2)])
         cache = DynamicCache(config=self.model.config)
         if len(c_kv):
             cache.update(torch.as_tensor(c_kv, dtype=dt, device=dev)[None, None],
-                         torch.as_tensor(k_pe[:, P], dtype=dt, device=dev)[None, None], layer)  # de-interleaved
+                         torch.as_tensor(k_pe[:, self._P], dtype=dt, device=dev)[None, None], layer)  # port layout
         T, S = h.shape[1], len(c_kv)
         self._taps = {}
+        inner = getattr(self.model, "model", None)
+        if not callable(getattr(inner, "rotary_emb", None)):
+            raise TorchEngineError(f"{type(self.model).__name__} has no model.rotary_emb: run_layer builds a layer's "
+                                   f"position embeddings with it (rotary_emb(hidden, position_ids) -> (cos, sin), "
+                                   f"as transformers' DeepseekV3RotaryEmbedding; docs/engine-api.md)")
         with torch.no_grad():
-            pe = self.model.model.rotary_emb(h, pos)
-            self.model.model.layers[layer](h, attention_mask=self._mask(causal_mask(T, S)), position_ids=pos,
-                                           cache=cache, use_cache=True, position_embeddings=pe)
+            pe = inner.rotary_emb(h, pos)
+            try:
+                inner.layers[layer](h, attention_mask=self._mask(causal_mask(T, S)), position_ids=pos,
+                                    cache=cache, use_cache=True, position_embeddings=pe)
+            except TypeError as e:
+                raise TorchEngineError(f"model.layers[{layer}] does not take transformers' decoder-layer call "
+                                       f"layer(hidden, attention_mask=, position_ids=, cache=, use_cache=, "
+                                       f"position_embeddings=) ({e}; docs/engine-api.md)") from None
         self._cache_taps(cache, [layer], T)
         return self._ordered([layer], final=False)

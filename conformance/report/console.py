@@ -91,16 +91,38 @@ def _divergence(v: Verdict, say) -> None:
     d = v.first_divergence
     if d is None:
         return
-    where = (f"layer {d.layer}, tap {d.tap}, {d.phase}" + (f" step {d.step}" if d.step is not None else "")
-             + (f", token position {d.token_position}" if d.token_position is not None else ""))
+    where = ", ".join(x for x in (None if d.layer is None else f"layer {d.layer}", f"tap {d.tap}", d.phase) if x)
     say(f"first divergence: {d.name} ({where})", "bold red")
-    say(f"  worst element {d.worst_index}: golden {fmt_value(d.golden)}, actual {fmt_value(d.actual)}")
+    first = [f"decode step {d.step}" if d.step is not None and d.step >= 0 else
+             "the prefill's last row" if d.step == -1 else None,
+             f"token position {d.token_position}" if d.token_position is not None else None]
+    if any(first):
+        say(f"  first failing row: {', '.join(x for x in first if x)}")
+    golden, actual = distinct_values(d.golden, d.actual)
+    diff = (f" (actual - golden = {d.actual - d.golden:+.3g})"
+            if isinstance(d.golden, (int, float)) and isinstance(d.actual, (int, float)) else "")
+    say(f"  worst element {d.worst_index}: golden {golden}, actual {actual}{diff}")
+    prompt = d.name.split("/")[0]
+    for c in v.checks:                      # the prompt's own named checks explain what its failure means
+        if c.status == "fail" and c.message and c.name.count("/") == 1 and c.name.startswith(prompt + "/"):
+            say(f"  {c.name}: {c.message}")
     if d.local_error is not None or d.inherited_error is not None:
         say(f"  on golden inputs: {metric_summary(d.local_error)}; in the run: {metric_summary(d.inherited_error)}")
     if d.cause:
         say(f"  cause: {d.cause}", "bold")
     for k, val in (d.evidence or {}).items():
         say(f"  {k}: {val}")
+
+
+def distinct_values(golden, actual) -> tuple[str, str]:
+    """The two values with as many significant digits (4 to 17) as it takes to tell them apart."""
+    if not (isinstance(golden, float) and isinstance(actual, float)):
+        return fmt_value(golden), fmt_value(actual)
+    for digits in range(4, 18):
+        g, a = f"{golden:.{digits}g}", f"{actual:.{digits}g}"
+        if g != a:
+            break
+    return g, a
 
 
 def _grid(v: Verdict, say) -> None:

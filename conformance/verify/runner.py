@@ -17,6 +17,7 @@ from conformance.verify.collect import can_hold_routing, collect
 from conformance.verify.judge import coverage_check, judge
 from conformance.verify.localize import localize
 from conformance.verify.outputs import InvalidOutputs
+from conformance.verify.preflight import preflight_localisation
 from conformance.precision import PROFILE_OF_DTYPE, holds_routing, profile_taps
 from conformance.engines.protocol import check_engine
 from conformance.records import check_schema, dump_routing, prompts_of, read_dump, write_dump
@@ -25,12 +26,15 @@ from kdtr_format import KdtrError, open_kdtr
 
 
 def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), progress=None,
-           save_dump: str | None = None, require_coverage: float | None = None, profile: str | None = None):
+           save_dump: str | None = None, require_coverage: float | None = None, profile: str | None = None,
+           announce=None):
     """Judge `engine` (live) or `dump` (a run dump) against `bundle`; returns a report.Verdict.
     `require_coverage` (0..1): add a coverage check that fails (exit 7) when a group of checks ran
     less than that fraction of the checks the bundle defines (conformance/report/coverage.py).
     `profile`: the precision profile to judge with (fp32 or bf16, conformance/precision.py); None = the
-    one of the engine's (or the dump's) dtype. Raises ProfileError when the bundle lacks it."""
+    one of the engine's (or the dump's) dtype. Raises ProfileError when the bundle lacks it.
+    `announce(line)`: told before the run, in one line, when localisation will not work and why
+    (conformance/verify/preflight.py)."""
     t0 = time.perf_counter()
     name = "dump" if dump else str(getattr(engine, "name", "engine"))
     try:
@@ -49,11 +53,12 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
         if engine is not None and dump is None:                          # a missing profile: say so before
             profile = profile or PROFILE_OF_DTYPE.get(engine.dtype, "fp32")   # the run, not after it
             profile_taps(f.metadata, profile)
-        dtype, hold = "float32", bool(dump is None and holds_routing(f.metadata, profile or ""))
+        dtype, hold, unlocalised = "float32", bool(dump is None and holds_routing(f.metadata, profile or "")), None
         held = hold and can_hold_routing(engine)                        # what collect will do
         try:
-            out, dtype = _outputs(f, engine, dump, progress, hold,
-                                  profile_taps(f.metadata, profile) if hold and dump is None else None)
+            out, dtype, unlocalised = _outputs(f, engine, dump, progress, hold,
+                                               profile_taps(f.metadata, profile) if hold and dump is None else None,
+                                               announce)
         except KdtrError as e:
             checks.append(CheckResult("dump/integrity", "error", "integrity", message=f"{dump}: {e}"))
             return make_verdict(name, bundle, checks)
@@ -74,7 +79,10 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
             write_dump(out, save_dump, name, dtype, f.metadata.get("provenance", {}).get("command", ""), own,
                        routing="held" if held else "free")
         _say_why_unobserved(judged, getattr(engine, "unobserved", None) or {})
-        if first is not None and engine is not None and dump is None:
+        if first is not None and unlocalised is not None:               # said up front; not tried again
+            if getattr(engine, "supports_teacher_forcing", False):      # (an engine without it: no cause)
+                first.cause = f"not localised: {unlocalised}"
+        elif first is not None and engine is not None and dump is None:
             try:
                 first = localize(engine, f, first, judged, out, overrides, dtype, profile)
             except Exception as e:  # noqa: BLE001 - localisation is best effort; the verdict stands
@@ -83,6 +91,7 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
             judged.append(coverage_check(judged, require_coverage))
         info = {"dtype": dtype, "profile": profile,
                 "routing": _routing_info(engine, dump, profile, held, holds_routing(f.metadata, profile)),
+                "localisation": None if dump else (unlocalised or "ready: run_layer answered on golden inputs"),
                 "engine_seconds": round(t1 - t0, 3),
                 "judge_seconds": round(time.perf_counter() - t1, 3), "prompts": len(prompts_of(f)),
                 "bundle_figures": f.metadata.get("figures", {})}
@@ -118,8 +127,13 @@ def _routing_info(engine, dump, profile: str, held: bool, derived_held: bool) ->
             ("" if rows is None else f"; {rows} row(s) ran the golden experts instead of the engine's own choice"))
 
 
-def _outputs(f, engine, dump, progress, hold: bool = False, man: dict | None = None) -> tuple[dict, str]:
+def _outputs(f, engine, dump, progress, hold: bool = False, man: dict | None = None,
+             announce=None) -> tuple[dict, str, str | None]:
+    """(outputs, dtype, why localisation will not work or None)."""
     if dump is not None:
-        return read_dump(dump)
+        return *read_dump(dump), None
     engine.load(f)
-    return collect(engine, f, progress, hold, man), engine.dtype
+    unlocalised = preflight_localisation(engine, f)
+    if unlocalised is not None and announce is not None:
+        announce(unlocalised)
+    return collect(engine, f, progress, hold, man), engine.dtype, unlocalised
