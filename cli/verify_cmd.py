@@ -15,7 +15,7 @@ from conformance.report.console import print_console
 from conformance.precision import PROFILES, ProfileError
 from conformance.report.verdict import PRECEDENCE, write_html, write_json, write_junit
 from conformance.verify.runner import verify
-from conformance.tolerance import load_rules_file
+from conformance.rules_file import load_rules_file
 from cuda_engine.engine import W4A16_MODES
 from kdtr_format.errors import NotARegularFileError
 from kdtr_format.paths import check_regular

@@ -335,9 +335,8 @@ def test_every_verified_node_is_an_ar_replay_of_its_path(engine_cls, bundle):
     prefix + root + its ancestor path (the bundle's derived ar/logits tolerance, the one kdtr verify judges
     path logits with), and vs the engine's own causal forward over the same tokens (same tolerance). The
     float64 prefix (committed rows + root) is computed once per round and each node's path continues it."""
-    from conformance.verify.judge import manifest_rule
     from conformance.engines.reference_engine import bundle_weights
-    from conformance.tolerance import check_tap, resolve_rule
+    from conformance.tolerance import check_tap, manifest_rule, resolve_rule
     from cuda_engine.ddtree import ddtree_run
     from refmodel.model import KVCache, forward
 
