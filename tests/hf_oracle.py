@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from transformers import DeepseekV3ForCausalLM
 
-from conformance.engines.torch_engine import hf_config, load_weights
+from conformance.engines.torch_model import hf_config, load_weights
 from refmodel.config import ModelConfig
 
 
