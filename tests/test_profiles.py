@@ -3,8 +3,8 @@ bf16 profile derived from it with the fp32 rule's multiplier and a floor in bflo
 import numpy as np
 import pytest
 
-from conformance.gen.gen import run_reference
 from conformance.gen.bf16_profile import BF16_EPS, Bf16Array, Fp32Array, bf16_weights, round_bf16
+from conformance.gen.gen import run_reference
 from conformance.precision import ProfileError, profile_taps
 from kdtr_format import open_kdtr
 from refmodel.config import PRESETS

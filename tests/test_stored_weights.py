@@ -5,10 +5,10 @@ the whole model in float64."""
 import numpy as np
 import pytest
 
+from conformance.engines.reference_engine import ReferenceEngine, bundle_weights
+from conformance.gen.bf16_profile import bf16_weights
 from conformance.gen.bundle_model import GenSettings, _f32, apply_quant, as_stored, model_from_preset
 from conformance.gen.goldens import run_reference
-from conformance.gen.bf16_profile import bf16_weights
-from conformance.engines.reference_engine import ReferenceEngine, bundle_weights
 from kdtr_format import open_kdtr
 from refmodel.config import PRESETS, ModelConfig
 from refmodel.ddtree import ddtree_generate

@@ -19,9 +19,9 @@ import pytest
 from click.testing import CliRunner
 
 from cli.main import main
+from conformance.engines.torch_engine import TorchEngine, TorchEngineError
 from conformance.exit_codes import ExitCode
 from conformance.verify.runner import verify
-from conformance.engines.torch_engine import TorchEngine, TorchEngineError
 from kdtr_format import open_kdtr
 
 BUNDLES = ["bundles/model_tiny.kdtr", "bundles/model_int4_tiny.kdtr"]

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from conformance.records import position_offset, prompts_of
 from conformance.engines.reference_engine import bundle_drafter, bundle_weights
+from conformance.records import position_offset, prompts_of
 from conformance.tolerance import DerivedTolerance, derive_tolerance
 from refmodel.ddtree import build_ddtree
 from refmodel.drafter import DrafterCache, drafter_forward, target_features
