@@ -97,14 +97,16 @@ def test_the_engines_records_are_the_reference_engines():
     import cuda_engine.ddtree
     from conformance import records
     from conformance.engines import reference_engine
-    from conformance.engines.reference_engine import bundle_drafter, bundle_weights
+    from refmodel.drafter import read_drafter
+    from refmodel.stored import read_model
     from refmodel import ddtree
 
     assert cuda_engine.ddtree.live_records is ddtree.live_records, "the CUDA engine builds its own records"
     assert records.live_records is ddtree.live_records and reference_engine.live_records is ddtree.live_records
     with open_kdtr(TINY) as f:
-        cfg, W = bundle_weights(f)
-        dcfg, DW, settings = bundle_drafter(f)
+        cfg, W = read_model(f)
+        dcfg, DW = read_drafter(f)
+        settings = f.metadata["ddtree"]
         prompt = np.asarray(f["golden/p0/prompt_ids"])
     g = ddtree.ddtree_generate(cfg, W, dcfg, DW, prompt, 12, budget=settings["budget"])
     rec, R = cuda_engine.ddtree.live_records(g.tokens, g.rounds, g.counters.target_forwards), g.rounds
@@ -123,12 +125,13 @@ def test_the_engines_records_are_the_reference_engines():
 
 
 def test_read_drafter_is_the_bundles_drafter_exactly():
-    from conformance.engines.reference_engine import bundle_drafter
+    from refmodel.drafter import read_drafter
     from cuda_engine.drafter import read_drafter
 
     dcfg, DW, settings = read_drafter(TINY)
     with open_kdtr(TINY) as f:
-        rcfg, RW, rsettings = bundle_drafter(f)
+        rcfg, RW = read_drafter(f)
+        rsettings = f.metadata["ddtree"]
     assert dcfg == rcfg and settings == rsettings and DW.keys() == RW.keys()
     for k in DW:
         assert DW[k].dtype == np.float32 and np.array_equal(DW[k].astype(np.float64), RW[k]), k
@@ -168,12 +171,14 @@ def tiny_run(engine_cls):
 
 def _reference_drafts(prompt, pos0, n, dtype):
     """{start: drafter logits [L, V]} of refmodel's DDTree loop in `dtype` on the tiny bundle."""
-    from conformance.engines.reference_engine import bundle_drafter, bundle_weights
+    from refmodel.drafter import read_drafter
+    from refmodel.stored import read_model
     from refmodel.ddtree import draft_logits, prefill, verify_round
 
     with open_kdtr(TINY) as f:
-        cfg, W = bundle_weights(f)
-        dcfg, DW, settings = bundle_drafter(f)
+        cfg, W = read_model(f)
+        dcfg, DW = read_drafter(f)
+        settings = f.metadata["ddtree"]
     W = {k: v.astype(dtype) for k, v in W.items()}
     DW = {k: v.astype(dtype) for k, v in DW.items()}
     dec, drafts = prefill(cfg, W, np.asarray(prompt, np.int64), dcfg, pos0), {}
@@ -335,13 +340,13 @@ def test_every_verified_node_is_an_ar_replay_of_its_path(engine_cls, bundle):
     prefix + root + its ancestor path (the bundle's derived ar/logits tolerance, the one kdtr verify judges
     path logits with), and vs the engine's own causal forward over the same tokens (same tolerance). The
     float64 prefix (committed rows + root) is computed once per round and each node's path continues it."""
-    from conformance.engines.reference_engine import bundle_weights
+    from refmodel.stored import read_model
     from conformance.tolerance import check_tap, manifest_rule, resolve_rule
     from cuda_engine.ddtree import ddtree_run
     from refmodel.model import KVCache, forward
 
     with open_kdtr(bundle) as f:
-        cfg, W = bundle_weights(f)
+        cfg, W = read_model(f)
         rule = resolve_rule("ar/logits", manifest_rule(f.metadata["tolerances"]["taps"]["ar/logits"]), [])
         prompt, pos0 = _prompts(f)[0]
     e = engine_cls()

@@ -40,11 +40,11 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from conformance.engines.reference_engine import bundle_weights
 from conformance.engines.torch_model import DTYPES, TorchEngineError, build_model
 from kdtr_format import open_kdtr
 from refmodel.config import ModelConfig
 from refmodel.model import causal_mask, tap_names
+from refmodel.stored import read_model
 
 def _rope_inverse(R: int) -> np.ndarray:
     """Index that takes transformers' de-interleaved RoPE dims y = x[P] back to x (P = evens, then odds)."""
@@ -74,9 +74,9 @@ class TorchEngine:
     def load(self, bundle) -> None:
         if isinstance(bundle, (str, os.PathLike)):
             with open_kdtr(bundle) as f:
-                self.cfg, W = bundle_weights(f)
+                self.cfg, W = read_model(f)
         else:
-            self.cfg, W = bundle_weights(bundle)
+            self.cfg, W = read_model(bundle)
         self.model = build_model(self.cfg, W, self.module, self.dtype, self.device)
         self.held_rows = 0
         self._inv = _rope_inverse(self.cfg.qk_rope_head_dim)
