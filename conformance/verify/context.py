@@ -37,9 +37,10 @@ class Run:
     def of(cls, f, profile: str = "fp32", overrides=(), dtype: str = "float32") -> Run:
         """Resolve everything once; ProfileError when the bundle lacks `profile`."""
         meta = f.metadata
+        man, held = profile_taps(meta, profile), holds_routing(meta, profile)
         cfg = ModelConfig.from_dict(meta["model_config"])
-        return cls(f, cfg, profile, profile_taps(meta, profile), tuple(numeric_keys(cfg, set(meta["taps"]["ar"]))),
-                   tuple(overrides), dtype, holds_routing(meta, profile))
+        keys = tuple(numeric_keys(cfg, set(meta["taps"]["ar"])))
+        return cls(f, cfg, profile, man, keys, tuple(overrides), dtype, held)
 
     def tolerance(self, name: str, key: str) -> TapTolerance:
         """Check `name`'s tolerance: manifest entry `key` of the profile, then the overrides."""
