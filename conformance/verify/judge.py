@@ -31,7 +31,7 @@ def judge(run: Run, out: dict) -> tuple[list[CheckResult], Divergence | None]:
     in execution order (earliest prompt, then prefill, then the earliest decode step).
     Raises InvalidOutputs (every problem, each naming its record) when `out` breaks docs/run-dump.md:
     every check below may then rely on the required records (conformance/verify/outputs.py, REQUIRED)."""
-    problems = validate_outputs(run.f, out, run.dtype)
+    problems = validate_outputs(run.f, out, run.dtype, run.cfg)
     if problems:
         raise InvalidOutputs(problems)
     out = widened(out, run.dtype)
