@@ -63,7 +63,7 @@ def test_w4a16_wrapper_tables_match_the_kernel_entries():
     import re
 
     from cuda_engine.build import KERNEL_DIR
-    from cuda_engine.ops import W4A16_ENTRIES, W4A16_ROW_BLOCKS, W4A16_ROWS
+    from cuda_engine.w4a16_plan import W4A16_ENTRIES, W4A16_ROW_BLOCKS, W4A16_ROWS
 
     text = (KERNEL_DIR / "w4a16_mma.cu").read_text()
     entry = (r"(w4a16_mma_(i8|t\d)_m(\d+)(?:_r(\d+))?)\(W4A16_ARGS\) \{ w4a16_mma_body<(\d+), (\d), (?:true|false), "
@@ -90,7 +90,7 @@ def test_w4a16_splits_follow_the_measured_costs():
     entry fits 3 blocks per SM) takes 4 splits (the fastest measured); the MoE path's gate+up (1152 blocks) and
     down (2016 blocks) stay unsplit; 64 tokens (8 blocks, 1 per SM) fill the wave with 16 splits and 16 tokens
     (32 blocks, 2 per SM) with 8; never more splits than groups or W4A16_MAX_SPLITS."""
-    from cuda_engine.ops import W4A16_MAX_SPLITS, w4a16_splits
+    from cuda_engine.w4a16_plan import W4A16_MAX_SPLITS, w4a16_splits
 
     assert w4a16_splits(64, 224, 396, 132) == 4
     assert w4a16_splits(1152, 224, 396, 132) == 1
@@ -111,7 +111,7 @@ def test_w4a16_rows_plan_picks_the_measured_configurations():
     shapes (engine bundles) fall back to the family's fewest row blocks at the one-wave split. 2..16 tokens
     (the bf16 terms, at most 4 row blocks): the same on the single K2.6 weights, except that from 3 tokens
     2048 -> 7168 shares its staging over 4 row blocks too (measured at 4, 8, 16)."""
-    from cuda_engine.ops import W4A16_MAX_SPLITS, W4A16_ROWS, w4a16_rows_plan, w4a16_splits
+    from cuda_engine.w4a16_plan import W4A16_MAX_SPLITS, W4A16_ROWS, w4a16_rows_plan, w4a16_splits
 
     plan = lambda Nb, G, Z, M=1, resident=396: w4a16_rows_plan(Nb, G, Z, resident, 132, M,  # noqa: E731
                                                                 tuple(W4A16_ROWS[next(m for m in W4A16_ROWS if m >= M)]))

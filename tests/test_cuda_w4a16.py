@@ -208,7 +208,7 @@ def test_int8_entries_every_row_count(ops, rows):
     picks by shape): each, on rows that end mid-block, split and unsplit; x staged from L2 in two segments
     (224 groups unsplit) and from the copy the exponent pass keeps in shared memory (7 groups); the fused
     gate+up; the MoE slot path (both launches, per-slot down input)."""
-    from cuda_engine.ops import W4A16_ROWS
+    from cuda_engine.w4a16_plan import W4A16_ROWS
     from cuda_engine.w4a16_pack import pack_experts, pack_experts_gate_up, pack_gate_up, pack_linear
 
     assert ops.w4a16_plan(7, 7, 1, None, 1, "fp32", rows)[0] == W4A16_ROWS[1][rows]    # rows= picks the entry
@@ -258,7 +258,7 @@ def test_bf16_terms_entries_every_row_count(ops, M, rows):
     and a padded token count of its family (2; 4, 5; 8; 12, 16): rows that end mid-block, split and unsplit;
     224 groups unsplit (x staged in segments of whole batches: 32-44 groups at 5 tokens, 12-14 at 16); the
     fused gate+up."""
-    from cuda_engine.ops import W4A16_ROWS
+    from cuda_engine.w4a16_plan import W4A16_ROWS
     from cuda_engine.w4a16_pack import pack_gate_up, pack_linear
 
     family = W4A16_ROWS[next(m for m in W4A16_ROWS if m >= M)]
