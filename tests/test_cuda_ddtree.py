@@ -37,7 +37,7 @@ def _random_tree(seed: int, L: int = 15, V: int = 400, budget: int = 32):
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_packed_verify_inputs_are_compile_tree(seed):
-    from cuda_engine.ddtree import pack_tree_inputs
+    from cuda_engine.ddtree_io import pack_tree_inputs
 
     tree = _random_tree(seed)
     ids, positions, _ = compile_tree(tree, 7, 11, 1000)
@@ -59,7 +59,7 @@ def test_tree_rows_is_what_build_ddtree_makes():
 
 
 def test_unpack_tree_reads_the_device_layout():
-    from cuda_engine.ddtree import unpack_tree
+    from cuda_engine.ddtree_io import unpack_tree
 
     tree = _random_tree(4)
     T = tree.size
@@ -72,7 +72,7 @@ def test_unpack_tree_reads_the_device_layout():
 
 
 def test_unpack_tree_refuses_a_tree_of_another_size():
-    from cuda_engine.ddtree import unpack_tree
+    from cuda_engine.ddtree_io import unpack_tree
     from cuda_engine.device import CudaEngineError
 
     with pytest.raises(CudaEngineError, match="made 3 nodes where the verify was sized for 32"):
@@ -125,12 +125,12 @@ def test_the_engines_records_are_the_reference_engines():
 
 
 def test_read_drafter_is_the_bundles_drafter_exactly():
-    from refmodel.drafter import read_drafter
     from cuda_engine.drafter import read_drafter
+    from refmodel import drafter as refmodel_drafter
 
     dcfg, DW, settings = read_drafter(TINY)
     with open_kdtr(TINY) as f:
-        rcfg, RW = read_drafter(f)
+        rcfg, RW = refmodel_drafter.read_drafter(f)
         rsettings = f.metadata["ddtree"]
     assert dcfg == rcfg and settings == rsettings and DW.keys() == RW.keys()
     for k in DW:
@@ -207,7 +207,7 @@ def test_drafter_logits_match_refmodel(tiny_run):
 
 @pytest.mark.cuda
 def test_device_tree_mask_is_compile_trees(engine_cls):
-    from cuda_engine.ddtree import pack_tree_inputs
+    from cuda_engine.ddtree_io import pack_tree_inputs
     from cuda_engine.device import DevBuf
     from cuda_engine.drafter import tree_mask
 
@@ -226,7 +226,8 @@ def test_device_tree_mask_is_compile_trees(engine_cls):
 
 def _device_build(e, x, budget, start=5, pos0=100, root=3, given=None):
     """Run the device builder on logits x [L, V] (or, with given=(top_id, lp), the heap alone on them)."""
-    from cuda_engine.ddtree import tree_rows, unpack_tree
+    from cuda_engine.ddtree import tree_rows
+    from cuda_engine.ddtree_io import unpack_tree
     from cuda_engine.device import DevBuf
     from cuda_engine.drafter import build_tree
 
