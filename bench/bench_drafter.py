@@ -27,8 +27,8 @@ import torch
 
 from conformance.gen.bundle_model import _bf16_round
 from conformance.gen.goldens import random_prompt
-from refmodel.config import PRESETS
 from refmodel import ddtree
+from refmodel.config import PRESETS
 from refmodel.ddtree import ddtree_generate
 from refmodel.distill import DistillSettings, _train, make_corpus
 from refmodel.drafter import DrafterConfig, drafter_preset

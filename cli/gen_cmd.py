@@ -16,6 +16,7 @@ from rich.text import Text
 
 from cli.outputs import check_output, fail_write
 from conformance.exit_codes import ExitCode
+from conformance.gen.bundle_model import LONG_POSITION_OFFSET
 from conformance.gen.gen import GenError, GenSettings, apply_quant, generate_bundle, model_from_checkpoint, \
     model_from_kdtr, model_from_preset
 from kdtr_format import KdtrError

@@ -1,19 +1,12 @@
 """`kdtr` entry point. Each command lives in its own module under cli/ and is registered below;
 commands parse arguments, call one typed library function and print."""
-from importlib.metadata import PackageNotFoundError, version
-
 import click
 
-
-def _version() -> str:
-    try:
-        return version("kdtr")
-    except PackageNotFoundError:  # running from a source tree that was never installed
-        return "0+unknown"
+from conformance.version import kdtr_version
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(_version(), "--version", prog_name="kdtr")
+@click.version_option(kdtr_version(), "--version", prog_name="kdtr")
 def main() -> None:
     """kdtr: golden-bundle conformance for Kimi K2.6-class inference engines.
 

@@ -11,11 +11,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from cli.outputs import check_output, fail_write
 from conformance.engines.engine_choice import ENGINES, EngineOptionError, EngineUnavailable, pick_engine
 from conformance.exit_codes import ExitCode
-from conformance.report.console import print_console
 from conformance.precision import PROFILES, ProfileError
-from conformance.report.verdict import PRECEDENCE, write_html, write_json, write_junit
+from conformance.report.console import print_console
+from conformance.report.html_report import write_html
+from conformance.report.junit import write_junit
+from conformance.report.verdict import PRECEDENCE, write_json
+from conformance.rules_file import load_rules_file
 from conformance.verify.runner import verify
-from conformance.tolerance import load_rules_file
 from cuda_engine.engine import W4A16_MODES
 from kdtr_format.errors import NotARegularFileError
 from kdtr_format.paths import check_regular

@@ -103,7 +103,7 @@ def read_dump(path: str) -> tuple[dict, str]:
 def bundle_as_outputs(d) -> dict:
     """A bundle's goldens under run-dump names (to judge a regenerated bundle against a committed one).
     Its float64 tree forwards equal its AR forwards (to ~1e-10, tests/test_ddtree_verify.py), so the
-    committed path rows are its AR logits rows 1.. (see `_path_logits_check` in conformance/verify/judge.py)."""
+    committed path rows are its AR logits rows 1.. (see `path_logits_check` in conformance/verify/judge_ddtree.py)."""
     out = {n[len("golden/"):]: np.array(d.get(n)) for n in d.names if n.startswith("golden/")}
     for i in prompts_of(d):
         p = f"p{i}/"

@@ -9,23 +9,19 @@ A `Rule` is an elementwise bound plus optional aggregate gates, all of which mus
 Bundle tolerances are derived, not guessed (`DerivedTolerance`, `derive_tolerance`): the generator
 measures per tap the error of the float32 reference against the float64 truth (the same-precision
 baseline) and an fp32 engine passes if it is within a multiple of that plus a floor of a few float32
-ULPs. A rules file (TOML or JSON, glob over tap names -> rule, first match wins) overrides the bundle
-for engines of other precisions. Full definitions and the reasons for the defaults: docs/conformance.md.
+ULPs. A rules file (conformance/rules_file.py) overrides the bundle for engines of other precisions.
+A tap's tolerance is assembled here, once (`tap_tolerance`): the manifest entry of the chosen profile,
+then the first matching override. Full definitions and the reasons for the defaults: docs/conformance.md.
 """
 from __future__ import annotations
 
-import fnmatch
-import json
 import math
-import tomllib
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
 from conformance.metrics import tensor_metrics
 from kdtr_format.bf16 import bf16_to_float32
-from kdtr_format.paths import open_regular
 
 MODES = ("elementwise", "aggregate", "exact")
 FP32_EPS = 2.0**-23                     # float32 machine epsilon: one ULP at 1.0
@@ -110,100 +106,41 @@ def derive_tolerance(baseline_max_abs: float, baseline_nmse: float, multiplier: 
 
 
 # ---------------------------------------------------------------------------------------------
-# Rules file: ordered glob -> rule, first match wins
+# A tap's tolerance: its manifest entry, then the rules file
 # ---------------------------------------------------------------------------------------------
 
-_EXPLICIT = {"atol", "rtol", "max_ulp", "nmse", "mode"}
-_DERIVED = {"multiplier", "abs_floor", "nmse_floor"}
+def manifest_rule(entry: dict | None) -> DerivedTolerance | Rule:
+    """A tap's manifest entry as a tolerance: derived from its baseline, or exact (an integer tap, or
+    one the manifest does not list)."""
+    if entry and "baseline_max_abs" in entry:
+        return DerivedTolerance.from_dict(entry)
+    return Rule(mode="exact", source="manifest (exact tap)")
+
+
+def entry_atol(entry: dict | None) -> float:
+    """The derived atol of a manifest entry (0 for an exact or absent one): the reach of a profile's
+    noise that gen's decisive check and the judge's near-ties both measure margins against."""
+    d = manifest_rule(entry)
+    return d.rule().atol if isinstance(d, DerivedTolerance) else 0.0
 
 
 @dataclass(frozen=True)
-class RuleOverride:
-    """One rules-file entry. `fields` holds explicit Rule fields; `derive` holds multiplier /
-    abs_floor / nmse_floor that re-derive atol and nmse from the tap's manifest baseline."""
-    pattern: str
-    fields: dict = field(default_factory=dict)
-    derive: dict = field(default_factory=dict)
-    why: str = ""
-    where: str = ""                      # "FILE: rule N", for messages and Rule.source
-
-    def matches(self, name: str) -> bool:
-        return fnmatch.fnmatchcase(name, self.pattern)
+class TapTolerance:
+    """The rule a tap is judged by, and the derived tolerance it came from (None for an exact tap or an
+    explicit override): the latter lets a failure report the multiplier that would have passed."""
+    rule: Rule
+    derived: DerivedTolerance | None
 
 
-_NUMBER_KEYS = ("atol", "rtol", "nmse", "multiplier", "abs_floor", "nmse_floor")
-MAX_RULES_BYTES = 1 << 20               # a rules file is a few lines; more is a wrong path
+def tap_tolerance(name: str, entry: dict | None, overrides=()) -> TapTolerance:
+    """Check `name`'s tolerance from its manifest `entry` (the chosen profile's) and the rules-file
+    `overrides` (first match wins)."""
+    manifest = manifest_rule(entry)
+    return TapTolerance(resolve_rule(name, manifest, overrides),
+                        manifest if isinstance(manifest, DerivedTolerance) else None)
 
 
-def _check_value(at: str, key: str, v) -> None:
-    """The type of one rules-file value, named in the message (values were JSON/TOML: anything)."""
-    if key in ("match", "why", "mode"):
-        ok, want = isinstance(v, str), "a string"
-    elif key == "max_ulp":
-        ok, want = type(v) is int and v >= 0, "an integer >= 0"
-    else:
-        ok = (type(v) is int and 0 <= v < 2**63) or (type(v) is float and v >= 0)   # NaN >= 0 is False
-        want = "a number >= 0"
-    if not ok:
-        shown = repr(v) if len(repr(v)) <= 60 else repr(v)[:60] + "..."
-        raise ValueError(f"{at}: {key!r} must be {want}, got {shown}")
-
-
-def parse_rules(doc, where: str = "rules") -> list[RuleOverride]:
-    """A parsed rules document {"rule": [{"match": GLOB, ...}, ...]} -> overrides in file order.
-    Every key and value is type-checked, so a bad file is a ValueError naming the key, never an
-    AttributeError or TypeError from deep inside."""
-    if not isinstance(doc, dict):
-        raise ValueError(f"{where}: the top level must be a table/object with the key 'rule', got a "
-                         f"JSON {type(doc).__name__}")
-    entries = doc.get("rule")
-    if not isinstance(entries, list) or set(doc) - {"rule"}:
-        raise ValueError(f"{where}: expected a list under the single key 'rule', got keys {sorted(doc)}")
-    out = []
-    for i, e in enumerate(entries, 1):
-        at = f"{where}: rule {i}"
-        if not isinstance(e, dict) or not isinstance(e.get("match"), str):
-            raise ValueError(f"{at}: each rule needs a 'match' glob string")
-        where_i, at = at, f"{at} ({e['match']!r})"
-        unknown = set(e) - _EXPLICIT - _DERIVED - {"match", "why"}
-        if unknown:
-            raise ValueError(f"{at}: unknown keys {sorted(map(str, unknown))}; allowed: "
-                             f"{sorted(_EXPLICIT | _DERIVED | {'match', 'why'})}")
-        for key, v in e.items():
-            _check_value(at, key, v)
-        if "atol" in e and set(e) & _DERIVED:
-            raise ValueError(f"{at}: give 'atol' or derive it ('multiplier', 'abs_floor', 'nmse_floor'), "
-                             f"not both")
-        fields = {k: e[k] for k in _EXPLICIT if k in e}
-        Rule(**fields)                   # validate now, with the rule's position in the message
-        out.append(RuleOverride(e["match"], fields, {k: float(e[k]) for k in _DERIVED if k in e},
-                                e.get("why", ""), where_i))
-    return out
-
-
-def load_rules_file(path: str | Path) -> list[RuleOverride]:
-    """Read a .toml (tomllib) or .json rules file; see docs/conformance.md for the format. Any problem
-    (not a regular file, too large, not TOML/JSON, nested too deep, wrong keys or types) is an
-    OSError or ValueError whose message names the file and the key."""
-    path = Path(path)
-    if path.suffix not in (".toml", ".json"):
-        raise ValueError(f"rules file must end in .toml or .json, got {path.name!r}")
-    with open_regular(path, "rules file") as f:   # a FIFO would block forever
-        raw = f.read(MAX_RULES_BYTES + 1)
-    if len(raw) > MAX_RULES_BYTES:
-        raise ValueError(f"{path.name}: over {MAX_RULES_BYTES} bytes; a rules file is a short list of rules")
-    try:
-        text = raw.decode("utf-8")
-        doc = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-    except RecursionError:
-        raise ValueError(f"{path.name}: nests too deep to be a rules file") from None
-    except (ValueError, tomllib.TOMLDecodeError) as e:   # not UTF-8, not TOML, not JSON
-        raise ValueError(f"{path.name}: not valid {path.suffix[1:].upper()} ({e})") from None
-    return parse_rules(doc, where=path.name)
-
-
-def resolve_rule(name: str, manifest: DerivedTolerance | Rule | None,
-                 overrides: list[RuleOverride] = ()) -> Rule:
+def resolve_rule(name: str, manifest: DerivedTolerance | Rule | None, overrides=()) -> Rule:
     """The rule for tap `name`: the first override whose glob matches, else the manifest's.
     An override replaces the manifest rule (unset fields take Rule defaults); a derived override
     re-derives atol/nmse from this tap's baseline with its own multiplier or floors."""

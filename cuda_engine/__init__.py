@@ -1,1 +1,2 @@
-"""PyCUDA engine with hand-written kernels for sm_120 / sm_90 (not written yet)."""
+"""The CUDA engine: hand-written kernels for sm_90 / sm_120 behind the conformance protocol, driven through
+PyCUDA (docs/cuda-engine.md). Imported only where a GPU run is asked for: CPU code never imports pycuda."""

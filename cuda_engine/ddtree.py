@@ -30,6 +30,7 @@ import time
 
 import numpy as np
 
+from cuda_engine.ddtree_io import RoundCopy, pack_tree_inputs, unpack_tree
 from cuda_engine.device import CudaEngineError, DevBuf, driver
 from cuda_engine.drafter import (HEAP_SMEM_MAX, CudaDrafter, build_tree, heap_smem_bytes, prepare_kernels, read_drafter,
                                  tree_mask)
@@ -74,8 +75,8 @@ class DDTreeState:
         if self.drafter is not None:
             self.top_id = DevBuf((L, self.K), np.int32)
             self.lp = DevBuf((L, self.K), np.float32)
-        # what a round sends back, in one copy: rec = n, ids, parents, depths, ranks, verify argmax, accepted
-        # path [T each], n_acc, bonus (int32; REC_* below), then the verify logits [T, V] (float32)
+        # what a round sends back, in one copy (RoundCopy below): rec = n, ids, parents, depths, ranks, verify
+        # argmax, accepted path [T each], n_acc, bonus (int32), then the verify logits [T, V] (float32)
         n_rec = 3 + 6 * self.T
         self.io = DevBuf((n_rec + self.T * V,), np.int32)
         self.rec = DevBuf((n_rec,), np.int32, self.io.ptr, self.io)
@@ -172,31 +173,13 @@ def reserve_w4a16_rows(e, T: int) -> None:
         e._reserve_w4a16(T)
 
 
-def pack_tree_inputs(tree: Tree, root: int, start: int, pos0: int) -> np.ndarray:
-    """The verify's inputs as one int32 block [4 + 3T]: the target's meta (cached rows = start), ids
-    [root, tokens], positions pos0 + start + [0, depths] (refmodel.ddtree.compile_tree's), parents [T]."""
-    T = tree.size
-    ti = np.zeros(4 + 3 * T, np.int32)
-    ti[0] = start
-    ti[4] = root
-    ti[5:4 + T] = tree.tokens
-    ti[4 + T:4 + 2 * T] = pos0 + start + np.concatenate([[0], tree.depths])
-    ti[4 + 2 * T:] = tree.parents
-    return ti
-
-
-def unpack_tree(rec: np.ndarray, T: int) -> tuple[Tree, np.ndarray]:
-    """(the device builder's tree, the verify argmax [T]) from the rec block [1 + 5T] (kernels/drafter.cu).
-    The tree carries no visibility matrix (the device builds the mask from the parents) and no scores."""
-    n = int(rec[0])
-    if n != T - 1:
-        raise CudaEngineError(f"device tree builder made {n} nodes where the verify was sized for {T - 1}")
-    sec = [rec[1 + k * T:1 + (k + 1) * T].astype(np.int64) for k in range(5)]
-    ids, parents, depths, ranks, post = sec
-    child_maps = [{} for _ in range(T)]
-    for k in range(1, T):
-        child_maps[int(parents[k])][int(ids[k])] = k
-    return Tree(ids[1:], depths[1:], parents, child_maps, None, ranks[1:], np.zeros(0)), post
+def _record(out: list, rounds: list, start: int, tree: Tree, post, acc: list, bonus: int, T: int, logits) -> None:
+    """Commit a walked round: the accepted tokens and the bonus into the stream `out` from `start` on, and its
+    Round (refmodel.ddtree) for the run-dump records."""
+    ids = np.concatenate([[out[start]], tree.tokens]).astype(np.int64)
+    out[start + 1:] = [int(x) for x in ids[acc[1:]]] + [bonus]
+    rounds.append(Round(start, tree.tokens, tree.parents, tree.depths, tree.ranks, post, acc, bonus, T,
+                        len(acc) - 1, logits[acc]))
 
 
 def _pipelined(e, st: DDTreeState, out: list, P: int, pos0: int, n_tokens: int, stats: dict, rounds: list) -> None:
@@ -215,24 +198,20 @@ def _pipelined(e, st: DDTreeState, out: list, P: int, pos0: int, n_tokens: int, 
     dr.advance(P)
     stats["drafter_forwards"] += 1
     while True:
-        io = st.io.get()                                                 # round r is done; r + 1's inputs
-        n_acc, bonus = int(io[1 + 6 * T]), int(io[2 + 6 * T])            # are on the device already
-        more = start + n_acc + 1 - P < n_tokens
+        got = RoundCopy(st.io.get(), T, V)                               # round r is done; r + 1's inputs
+        bonus = got.bonus                                                # are on the device already
+        more = start + got.n_acc + 1 - P < n_tokens
         if more:
             st.launch("round")
             stats["drafter_forwards"] += 1
-        tree, post = unpack_tree(io[:1 + 5 * T], T)
-        if int(io[1]) != out[start]:
-            raise CudaEngineError(f"device tree builder: root {int(io[1])} is not the bonus {out[start]}")
+        tree, post = unpack_tree(got.tree_rec, T)
+        if got.root != out[start]:
+            raise CudaEngineError(f"device tree builder: root {got.root} is not the bonus {out[start]}")
         acc, host_bonus = walk(tree.child_maps, post)
-        if acc != [int(a) for a in io[1 + 5 * T:1 + 5 * T + n_acc]] or host_bonus != bonus:
-            raise CudaEngineError(f"round {len(rounds)}: the device walk accepted {io[1 + 5 * T:1 + 5 * T + n_acc]} "
+        if acc != [int(a) for a in got.accepted] or host_bonus != bonus:
+            raise CudaEngineError(f"round {len(rounds)}: the device walk accepted {got.accepted} "
                                   f"-> {bonus}, the host walk {acc} -> {host_bonus}")
-        logits = io[3 + 6 * T:].view(np.float32).reshape(T, V)
-        ids = np.concatenate([[out[start]], tree.tokens]).astype(np.int64)
-        out[start + 1:] = [int(x) for x in ids[acc[1:]]] + [bonus]
-        rounds.append(Round(start, tree.tokens, tree.parents, tree.depths, tree.ranks, post, acc, bonus, T,
-                            len(acc) - 1, logits[acc]))
+        _record(out, rounds, start, tree, post, acc, bonus, T, got.logits)
         stats["host_syncs"] += 1
         stats["target_forwards"] += 1
         stats["rounds"] += 1
@@ -243,20 +222,12 @@ def _pipelined(e, st: DDTreeState, out: list, P: int, pos0: int, n_tokens: int, 
         start += len(acc)
 
 
-def ddtree_run(engine, prompt_ids, pos0: int, n_tokens: int, timing: bool = False, keep_logits: bool = False,
-               builder: str | None = None):
-    """The engine's own DDTree loop from an empty cache. Returns (records of docs/run-dump.md §2, stats):
-    stats holds rounds, target/drafter forwards, host syncs, and with timing=True seconds per phase;
-    keep_logits=True also keeps, per round (stats["verify"]), its start, tree, drafter logits [L, V], full verify
-    logits [T, V] and the stream after it. builder: "device" (default; KDTR_DDTREE_BUILDER) builds the tree
-    on the GPU inside the round's graph, "host" copies the drafter logits back and runs refmodel's
-    build_ddtree."""
-    e = engine
-    st = e._ddtree_state()
+def _checked_builder(e, st: DDTreeState, prompt: np.ndarray, pos0: int, n_tokens: int, builder: str | None) -> str:
+    """The tree builder this run uses, after refusing a bad prompt, pos0 or builder name: "device" falls back
+    to "host" where the budget x depth is past the heap kernel's shared memory."""
     builder = builder or os.environ.get("KDTR_DDTREE_BUILDER", "device")
     if builder not in BUILDERS:
         raise CudaEngineError(f"tree builder {builder!r}: choose one of {', '.join(BUILDERS)} (KDTR_DDTREE_BUILDER)")
-    prompt = np.asarray(prompt_ids, np.int64).reshape(-1)
     P, c = len(prompt), e.cfg
     if P < 1:
         raise ValueError("ddtree_generate: the prompt must hold at least one token")
@@ -264,17 +235,53 @@ def ddtree_run(engine, prompt_ids, pos0: int, n_tokens: int, timing: bool = Fals
         raise ValueError(f"ddtree_generate: prompt ids must be in [0, {c.vocab_size}), got {prompt.min()}..{prompt.max()}")
     if pos0 < 0 or pos0 + P + n_tokens + st.T >= 2 ** 31:
         raise ValueError(f"ddtree_generate: pos0 {pos0} + prompt and tokens must stay in [0, 2^31)")
-    dr, T, V = st.drafter, st.T, c.vocab_size
-    if builder == "device" and dr is not None and not st.device_builder:
+    if builder == "device" and st.drafter is not None and not st.device_builder:
         builder = "host"                     # a budget x depth past the heap kernel's shared memory
-    on_device = dr is not None and builder == "device"
-    rows_cap = P + n_tokens + T + 1
+    return builder
+
+
+def _prepare(e, st: DDTreeState, P: int, n_tokens: int) -> None:
+    """Empty caches sized for the run: the target's for the prompt, the stream and one verify, the fast
+    W4A16 kernel's workspace for a verify, the drafter's cache."""
+    rows_cap = P + n_tokens + st.T + 1
     e.reset()
-    e._ensure(max(P, T), rows_cap)
-    reserve_w4a16_rows(e, T)
-    if dr is not None:
-        dr.reset()
-        dr._ensure_cache(rows_cap)
+    e._ensure(max(P, st.T), rows_cap)
+    reserve_w4a16_rows(e, st.T)
+    if st.drafter is not None:
+        st.drafter.reset()
+        st.drafter._ensure_cache(rows_cap)
+
+
+def _prefill(e, prompt: np.ndarray, pos0: int) -> list:
+    """The prompt's causal forward (no taps copied back); the stream so far: the prompt and its argmax."""
+    P = len(prompt)
+    e._set_inputs(prompt, pos0 + np.arange(P), 0, None)
+    e._launch_forward(P, masked=False, argmax_out=e.buf["argmax"])
+    e.length = P
+    return [int(x) for x in prompt] + [int(e.buf["argmax"].get((P,))[-1])]
+
+
+def ddtree_run(engine, prompt_ids, pos0: int, n_tokens: int, timing: bool = False, keep_logits: bool = False,
+               builder: str | None = None):
+    """The engine's own DDTree loop from an empty cache. Returns (records of docs/run-dump.md §2, stats):
+    stats holds rounds, target/drafter forwards, host syncs, and with timing=True seconds per phase;
+    keep_logits=True also keeps, per round (stats["verify"]), its start, tree, drafter logits [L, V], full verify
+    logits [T, V] and the stream after it. builder: "device" (default; KDTR_DDTREE_BUILDER) builds the tree
+    on the GPU inside the round's graph, "host" copies the drafter logits back and runs refmodel's
+    build_ddtree.
+
+    Steps: check the inputs and pick the builder, prepare the caches, prefill; then the pipelined rounds where
+    they apply (device builder, graphs, no timing or kept logits: `_pipelined`), else round by round: the
+    drafter's context (and last round's compaction), the draft and the tree (device builder, host builder,
+    or the root alone at budget 0), the verify, its one copy back (RoundCopy), the walk and the commit
+    (`_record`); finally the last compaction, so the cache is left committed."""
+    e = engine
+    st = e._ddtree_state()
+    prompt = np.asarray(prompt_ids, np.int64).reshape(-1)
+    builder = _checked_builder(e, st, prompt, pos0, n_tokens, builder)
+    P, dr, T, V = len(prompt), st.drafter, st.T, e.cfg.vocab_size
+    on_device = dr is not None and builder == "device"
+    _prepare(e, st, P, n_tokens)
     stats = {"rounds": 0, "target_forwards": 1, "drafter_forwards": 0, "host_syncs": 0, "builder": builder,
              "seconds": dict.fromkeys(PHASES + ("prefill", "host_other"), 0.0), "verify": []}
     clock = time.perf_counter
@@ -289,27 +296,26 @@ def ddtree_run(engine, prompt_ids, pos0: int, n_tokens: int, timing: bool = Fals
         return t0
 
     t = clock()
-    e._set_inputs(prompt, pos0 + np.arange(P), 0, None)                # prefill: causal, no taps copied back
-    e._launch_forward(P, masked=False, argmax_out=e.buf["argmax"])
-    e.length = P
-    out = [int(x) for x in prompt] + [int(e.buf["argmax"].get((P,))[-1])]
+    out = _prefill(e, prompt, pos0)
     stats["host_syncs"] += 1
     t = mark("prefill", t)
     ctx_rows, start, rounds, pending = np.arange(P), P, [], None        # pending: (start, accepted) to compact
     if on_device and not timing and not keep_logits and e.use_graph and n_tokens > len(out) - P:
         _pipelined(e, st, out, P, pos0, n_tokens, stats, rounds)
     while len(out) - P < n_tokens:
+        # -- the drafter's context: this round's rows, last round's compaction (keep = the same rows)
         q = None
-        if dr is not None:                                               # this round's context, last round's
-            keep_start = None if pending is None else pending[0]        # compaction (keep = the same rows)
+        if dr is not None:
+            keep_start = None if pending is None else pending[0]
             dev_rows = dr.set_round(ctx_rows, out[start], pos0, keep_start)
             if pending is not None:
                 e.length = pending[0] + len(pending[1])
                 pending = None
             C = len(ctx_rows)
             stats["drafter_forwards"] += 1
+        # -- the draft and the tree: one graph (compact + draft + build + verify), or step by step
         if on_device and not timing and dev_rows is dr.round_rows:
-            st.launch("round")                                           # compact + draft + build + verify
+            st.launch("round")
             dr.advance(C)
         elif dr is not None:
             if keep_start is not None:
@@ -334,32 +340,30 @@ def ddtree_run(engine, prompt_ids, pos0: int, n_tokens: int, timing: bool = Fals
                 e.compact(*pending)
                 pending = None
             tree = _root_only()
+        # -- the verify of a host-built tree
         if not on_device:
             if tree.size != T:
                 raise CudaEngineError(f"host tree builder made {tree.size} rows where the verify was sized for {T}")
             st.tree_in.set(pack_tree_inputs(tree, out[start], start, pos0))
             st.launch("verify_host")
-        io = st.io.get()                                                 # the sync of the round
-        rec, logits = io[:1 + 5 * T], io[3 + 6 * T:].view(np.float32).reshape(T, V)
+        # -- the round's one copy back (its sync), the walk, the commit
+        got = RoundCopy(st.io.get(), T, V)
         stats["host_syncs"] += 1
         stats["target_forwards"] += 1
         t = mark("verify", t)
         if on_device:
-            tree, post = unpack_tree(rec, T)
-            if int(tree.parents[0]) != -1 or int(rec[1]) != out[start]:
-                raise CudaEngineError(f"device tree builder: root {int(rec[1])} is not the bonus {out[start]}")
+            tree, post = unpack_tree(got.tree_rec, T)
+            if int(tree.parents[0]) != -1 or got.root != out[start]:
+                raise CudaEngineError(f"device tree builder: root {got.root} is not the bonus {out[start]}")
         else:
-            post = rec[1 + 4 * T:1 + 5 * T].astype(np.int64)
+            post = got.argmax.astype(np.int64)
         e.length = start + T
         acc, bonus = walk(tree.child_maps, post)
         t = mark("walk", t)
         pending = (start, acc)
-        ids = np.concatenate([[out[start]], tree.tokens]).astype(np.int64)
-        out[start + 1:] = [int(x) for x in ids[acc[1:]]] + [bonus]
-        rounds.append(Round(start, tree.tokens, tree.parents, tree.depths, tree.ranks, post, acc, bonus, T,
-                            len(acc) - 1, logits[acc]))
+        _record(out, rounds, start, tree, post, acc, bonus, T, got.logits)
         if keep_logits:
-            stats["verify"].append({"start": start, "tree": tree, "logits": logits, "out": list(out),
+            stats["verify"].append({"start": start, "tree": tree, "logits": got.logits, "out": list(out),
                                     "draft_logits": None if dr is None else (q if q is not None else dr.logits())})
         ctx_rows = np.asarray(acc)
         start += len(acc)
@@ -375,4 +379,4 @@ def ddtree_run(engine, prompt_ids, pos0: int, n_tokens: int, timing: bool = Fals
     return records, stats
 
 
-__all__ = ["DDTreeState", "ddtree_run", "live_records", "pack_tree_inputs", "read_drafter", "tree_rows", "unpack_tree"]
+__all__ = ["DDTreeState", "ddtree_run", "live_records", "read_drafter", "tree_rows"]

@@ -24,6 +24,7 @@ import numpy as np
 from cuda_engine.device import CudaEngineError, DevBuf
 from cuda_engine.ops import BLOCK, WARPS_PER_BLOCK
 from kdtr_format import open_kdtr
+from refmodel import drafter as refmodel_drafter
 from refmodel.drafter import DrafterConfig, drafter_shapes
 
 # kernels/drafter.cu: name -> argument types (struct codes as cuda_engine/ops.py)
@@ -55,8 +56,8 @@ def read_drafter(bundle) -> tuple[DrafterConfig, dict, dict] | None:
     meta = bundle.metadata
     if "drafter_config" not in meta:
         return None
-    dcfg = DrafterConfig.from_dict(meta["drafter_config"])
-    DW = {n: np.array(bundle.get(n), dtype=np.float32) for n in bundle.names if n.startswith("drafter.")}
+    dcfg, DW64 = refmodel_drafter.read_drafter(bundle)                  # the one reader (refmodel/drafter.py)
+    DW = {n: w.astype(np.float32) for n, w in DW64.items()}             # stored bfloat16: exact in float32
     missing = sorted(set(drafter_shapes(dcfg)) - set(DW))
     if missing:
         raise CudaEngineError(f"bundle drafter: tensors {missing[:3]} missing for its drafter_config")

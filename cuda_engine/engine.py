@@ -197,7 +197,7 @@ class CudaEngine:
 
     def hold_routing(self, ids: dict | None) -> None:
         """The expert sets the next prefill/decode/verify_tree runs ({layer: [T, K]}, a row of -1: the router
-        decides; conformance/protocol.py). The router still reports its own scores, ids and weights; the
+        decides; conformance/engines/protocol.py). The router still reports its own scores, ids and weights; the
         MoE runs the held ids, weighted from its own scores there (kernels/moe.cu, router_kernel)."""
         self._held_ids = {int(l): np.asarray(v, np.int64) for l, v in (ids or {}).items()}
 

@@ -11,7 +11,6 @@ from pathlib import Path
 from cuda_engine.build import PACKAGE_DIR, engine_source_hash
 from kdtr_format import open_kdtr
 
-PROOF_DIR = Path("bundles") / "proofs"
 REQUIRED = ("device", "compute_capability", "driver", "commit", "source_hash")
 REPROVE = ("re-prove on a GPU machine with `bash cuda_engine/device_run.sh OUTDIR` (docs/cuda-engine.md) and "
            "commit OUTDIR/*.cuda.kdtr as bundles/proofs/")

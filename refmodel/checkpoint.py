@@ -30,7 +30,7 @@ from kdtr_format import Tensor, open_kdtr, write_kdtr
 from kdtr_format.paths import open_regular
 from refmodel.config import ModelConfig
 from refmodel.quant import SCOPES, is_quantized, quant_config
-from refmodel.stored import StoredWeights
+from refmodel.stored import StoredWeights, read_model
 from refmodel.weights import expected_shapes
 
 PREFIX = "language_model."                          # K2.5 / K2.6 wrapper prefix of the text model
@@ -369,5 +369,4 @@ def load_model(path, dtype=np.float64) -> tuple[ModelConfig, StoredWeights]:
     with open_kdtr(path) as f:
         if "config" not in f.metadata:
             raise CheckpointError(f"{path}: no 'config' in the metadata; not a model file from kdtr import")
-        cfg = ModelConfig.from_dict(f.metadata["config"])
-        return cfg, StoredWeights.from_kdtr(f, dtype, skip=())    # the views outlive the closed file
+        return read_model(f, dtype, skip=())                        # the views outlive the closed file

@@ -230,3 +230,10 @@ def drafter_forward(dcfg: DrafterConfig, DW: dict, W: dict, block_ids, ctx_featu
 
 def _lm_head(W: dict) -> np.ndarray:
     return W["lm_head.weight"] if "lm_head.weight" in W else W["model.embed_tokens.weight"]
+
+
+def read_drafter(f) -> tuple[DrafterConfig, dict[str, np.ndarray]]:
+    """(config, float64 weights) of the drafter an open bundle carries: metadata `drafter_config` and the
+    `drafter.*` tensors (stored bfloat16, widened exactly)."""
+    DW = {n: np.array(f.get(n), dtype=np.float64) for n in f.names if n.startswith("drafter.")}
+    return DrafterConfig.from_dict(f.metadata["drafter_config"]), DW

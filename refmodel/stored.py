@@ -9,7 +9,7 @@ upcast. The values are exactly those of `refmodel.quant.dequantize_model` (then 
 a StoredWeights is bit-identical to the same forward on the dense dict: the same float64 (or float32)
 values go into the same NumPy calls (tests/test_stored_weights.py checks it on the tiny bundles).
 
-    W64 = StoredWeights.from_kdtr(f)            # an open bundle or model file, float64 compute
+    cfg, W64 = read_model(f)                    # an open bundle or model file, float64 compute
     W32 = W64.astype(np.float32)                # the same stored bytes, float32 compute
     logits, _ = forward(cfg, W64, ids, positions)
 
@@ -284,3 +284,15 @@ def upcast_if_fits(W: StoredWeights, copies: float = 1.5, share: float = 0.6):
     avail = available_memory()
     budget = share * avail if avail is not None else UNKNOWN_MEMORY_BUDGET
     return dict(W.items()) if copies * W.upcast_nbytes() <= budget else W
+
+
+def read_model(f, dtype=np.float64, skip: tuple = ("golden/", "drafter.")) -> tuple[ModelConfig, StoredWeights]:
+    """(cfg, weights) of an open .kdtr file: a bundle (metadata `model_config`) or a model file from `kdtr
+    import` (`config`). The model tensors stay memory-mapped as stored and are upcast to `dtype` when a
+    forward reads one (INT4 `.qw`/`.sc` dequantized exactly), so the model is never whole in `dtype`;
+    names starting with `skip` are left out. KeyError naming both keys when the file holds no config."""
+    meta = f.metadata
+    conf = meta.get("model_config", meta.get("config"))
+    if conf is None:
+        raise KeyError("no model_config (a bundle) or config (a model file from kdtr import) in the metadata")
+    return ModelConfig.from_dict(conf), StoredWeights.from_kdtr(f, dtype, skip)

@@ -45,8 +45,8 @@ def small_int4_bundle(tmp_path_factory):
 def reference_run(small_bundle):
     """(open small bundle, the reference engine's outputs on it): a correct run, collected once per module
     (module scope: tests may edit the outputs they are given)."""
-    from conformance.verify.collect import collect
     from conformance.engines.reference_engine import ReferenceEngine
+    from conformance.verify.collect import collect
     from kdtr_format import open_kdtr
 
     with open_kdtr(small_bundle) as f:

@@ -6,11 +6,13 @@ skipped with that reason, never as a pass."""
 import numpy as np
 import pytest
 
-from conformance.verify.collect import collect
 from conformance.engines.faults import FaultyEngine
-from conformance.verify.judge import judge
 from conformance.precision import profile_taps
-from conformance.tolerance import DerivedTolerance, RuleOverride
+from conformance.rules_file import RuleOverride
+from conformance.tolerance import DerivedTolerance
+from conformance.verify.collect import collect
+from conformance.verify.context import Run
+from conformance.verify.judge import judge
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +21,7 @@ def run(reference_run):
 
 
 def failed(f, out, profile="bf16", overrides=()):
-    return [c.name for c in judge(f, out, overrides, profile=profile)[0] if c.status == "fail"]
+    return [c.name for c in judge(Run.of(f, profile, overrides), out)[0] if c.status == "fail"]
 
 
 def test_the_correct_run_passes_bf16(run):
@@ -79,7 +81,7 @@ def test_a_tolerance_that_passes_zeros_is_a_skip_not_a_pass(run):
     wide = [RuleOverride("p0/ar/logits", {"atol": 1e9, "nmse": 2.0}, why="test", where="test: rule 1")]
     zero = {**out, "p0/ar/logits": np.zeros_like(np.asarray(out["p0/ar/logits"]))}
     zero["p0/ar/tokens"] = np.zeros_like(np.asarray(out["p0/ar/tokens"]))      # argmax of a zero row
-    checks = judge(f, zero, wide, profile="bf16")[0]
+    checks = judge(Run.of(f, "bf16", wide), zero)[0]
     c = next(c for c in checks if c.name == "p0/ar/logits")
     assert c.status == "skip" and "would pass an all-zero output" in c.message
     # with its logits unjudged, no token flip of p0 is a near-tie: the zero stream fails the token check

@@ -11,8 +11,8 @@ import pytest
 from click.testing import CliRunner
 
 from cli.main import main
-from conformance.exit_codes import ExitCode
 from conformance.engines.reference_engine import ReferenceEngine
+from conformance.exit_codes import ExitCode
 from conformance.verify.runner import verify
 from kdtr_format import open_kdtr
 

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from conformance.exit_codes import ExitCode
 from conformance.engines.faults import FaultyEngine, msb_first, neox_perms
 from conformance.engines.reference_engine import ReferenceEngine
+from conformance.exit_codes import ExitCode
 from conformance.records import DUMP_SCHEMA
 from conformance.verify.runner import verify
 from kdtr_format import Tensor, open_kdtr, write_kdtr

@@ -1,14 +1,14 @@
 """conformance.tolerance: rule semantics at the boundary, minimum passing tolerance, the derived
-(baseline-multiple) rule, and rules files."""
+(baseline-multiple) rule; conformance.rules_file: rules files."""
 import json
 
 import numpy as np
 import pytest
 
+from conformance.rules_file import load_rules_file, parse_rules
 from conformance.tolerance import (DEFAULT_FLOOR_ULPS, DEFAULT_MULTIPLIER, FP32_EPS,
                                    DerivedTolerance, Rule, check_tap, derive_tolerance,
-                                   load_rules_file, min_passing_tolerance, parse_rules,
-                                   resolve_rule)
+                                   min_passing_tolerance, resolve_rule)
 
 G = np.array([0.0, 1.0, -2.0, 4.0, 0.5])
 

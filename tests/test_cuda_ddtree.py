@@ -37,7 +37,7 @@ def _random_tree(seed: int, L: int = 15, V: int = 400, budget: int = 32):
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_packed_verify_inputs_are_compile_tree(seed):
-    from cuda_engine.ddtree import pack_tree_inputs
+    from cuda_engine.ddtree_io import pack_tree_inputs
 
     tree = _random_tree(seed)
     ids, positions, _ = compile_tree(tree, 7, 11, 1000)
@@ -59,7 +59,7 @@ def test_tree_rows_is_what_build_ddtree_makes():
 
 
 def test_unpack_tree_reads_the_device_layout():
-    from cuda_engine.ddtree import unpack_tree
+    from cuda_engine.ddtree_io import unpack_tree
 
     tree = _random_tree(4)
     T = tree.size
@@ -72,7 +72,7 @@ def test_unpack_tree_reads_the_device_layout():
 
 
 def test_unpack_tree_refuses_a_tree_of_another_size():
-    from cuda_engine.ddtree import unpack_tree
+    from cuda_engine.ddtree_io import unpack_tree
     from cuda_engine.device import CudaEngineError
 
     with pytest.raises(CudaEngineError, match="made 3 nodes where the verify was sized for 32"):
@@ -97,14 +97,16 @@ def test_the_engines_records_are_the_reference_engines():
     import cuda_engine.ddtree
     from conformance import records
     from conformance.engines import reference_engine
-    from conformance.engines.reference_engine import bundle_drafter, bundle_weights
+    from refmodel.drafter import read_drafter
+    from refmodel.stored import read_model
     from refmodel import ddtree
 
     assert cuda_engine.ddtree.live_records is ddtree.live_records, "the CUDA engine builds its own records"
     assert records.live_records is ddtree.live_records and reference_engine.live_records is ddtree.live_records
     with open_kdtr(TINY) as f:
-        cfg, W = bundle_weights(f)
-        dcfg, DW, settings = bundle_drafter(f)
+        cfg, W = read_model(f)
+        dcfg, DW = read_drafter(f)
+        settings = f.metadata["ddtree"]
         prompt = np.asarray(f["golden/p0/prompt_ids"])
     g = ddtree.ddtree_generate(cfg, W, dcfg, DW, prompt, 12, budget=settings["budget"])
     rec, R = cuda_engine.ddtree.live_records(g.tokens, g.rounds, g.counters.target_forwards), g.rounds
@@ -123,12 +125,13 @@ def test_the_engines_records_are_the_reference_engines():
 
 
 def test_read_drafter_is_the_bundles_drafter_exactly():
-    from conformance.engines.reference_engine import bundle_drafter
     from cuda_engine.drafter import read_drafter
+    from refmodel import drafter as refmodel_drafter
 
     dcfg, DW, settings = read_drafter(TINY)
     with open_kdtr(TINY) as f:
-        rcfg, RW, rsettings = bundle_drafter(f)
+        rcfg, RW = refmodel_drafter.read_drafter(f)
+        rsettings = f.metadata["ddtree"]
     assert dcfg == rcfg and settings == rsettings and DW.keys() == RW.keys()
     for k in DW:
         assert DW[k].dtype == np.float32 and np.array_equal(DW[k].astype(np.float64), RW[k]), k
@@ -168,12 +171,14 @@ def tiny_run(engine_cls):
 
 def _reference_drafts(prompt, pos0, n, dtype):
     """{start: drafter logits [L, V]} of refmodel's DDTree loop in `dtype` on the tiny bundle."""
-    from conformance.engines.reference_engine import bundle_drafter, bundle_weights
+    from refmodel.drafter import read_drafter
+    from refmodel.stored import read_model
     from refmodel.ddtree import draft_logits, prefill, verify_round
 
     with open_kdtr(TINY) as f:
-        cfg, W = bundle_weights(f)
-        dcfg, DW, settings = bundle_drafter(f)
+        cfg, W = read_model(f)
+        dcfg, DW = read_drafter(f)
+        settings = f.metadata["ddtree"]
     W = {k: v.astype(dtype) for k, v in W.items()}
     DW = {k: v.astype(dtype) for k, v in DW.items()}
     dec, drafts = prefill(cfg, W, np.asarray(prompt, np.int64), dcfg, pos0), {}
@@ -202,7 +207,7 @@ def test_drafter_logits_match_refmodel(tiny_run):
 
 @pytest.mark.cuda
 def test_device_tree_mask_is_compile_trees(engine_cls):
-    from cuda_engine.ddtree import pack_tree_inputs
+    from cuda_engine.ddtree_io import pack_tree_inputs
     from cuda_engine.device import DevBuf
     from cuda_engine.drafter import tree_mask
 
@@ -221,7 +226,8 @@ def test_device_tree_mask_is_compile_trees(engine_cls):
 
 def _device_build(e, x, budget, start=5, pos0=100, root=3, given=None):
     """Run the device builder on logits x [L, V] (or, with given=(top_id, lp), the heap alone on them)."""
-    from cuda_engine.ddtree import tree_rows, unpack_tree
+    from cuda_engine.ddtree import tree_rows
+    from cuda_engine.ddtree_io import unpack_tree
     from cuda_engine.device import DevBuf
     from cuda_engine.drafter import build_tree
 
@@ -335,14 +341,13 @@ def test_every_verified_node_is_an_ar_replay_of_its_path(engine_cls, bundle):
     prefix + root + its ancestor path (the bundle's derived ar/logits tolerance, the one kdtr verify judges
     path logits with), and vs the engine's own causal forward over the same tokens (same tolerance). The
     float64 prefix (committed rows + root) is computed once per round and each node's path continues it."""
-    from conformance.verify.judge import manifest_rule
-    from conformance.engines.reference_engine import bundle_weights
-    from conformance.tolerance import check_tap, resolve_rule
+    from refmodel.stored import read_model
+    from conformance.tolerance import check_tap, manifest_rule, resolve_rule
     from cuda_engine.ddtree import ddtree_run
     from refmodel.model import KVCache, forward
 
     with open_kdtr(bundle) as f:
-        cfg, W = bundle_weights(f)
+        cfg, W = read_model(f)
         rule = resolve_rule("ar/logits", manifest_rule(f.metadata["tolerances"]["taps"]["ar/logits"]), [])
         prompt, pos0 = _prompts(f)[0]
     e = engine_cls()

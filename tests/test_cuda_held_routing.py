@@ -62,8 +62,7 @@ def run(engine, f, g: str, held_prefill: dict, held_ar: dict, tokens, steps: int
 @pytest.mark.parametrize("bundle", BUNDLES)
 def test_held_ids_run_as_the_reference_runs_them(engine_cls, bundle):
     from conformance.engines.reference_engine import ReferenceEngine
-    from conformance.verify.judge import manifest_rule
-    from conformance.tolerance import check_tap, resolve_rule
+    from conformance.tolerance import check_tap, manifest_rule, resolve_rule
     from kdtr_format import open_kdtr
     from refmodel.config import ModelConfig
 

@@ -8,8 +8,8 @@ import pytest
 from click.testing import CliRunner
 
 from cli.main import main
-from conformance.verify.outputs import LIVE, LIVE_RECORDS
 from conformance.records import prompts_of
+from conformance.verify.outputs import LIVE, LIVE_RECORDS
 from cuda_engine.build import PACKAGE_DIR
 from cuda_engine.proofs import REPROVE, ProofError, check_provenance, engine_info, proof_modes, proof_path
 from kdtr_format import open_kdtr

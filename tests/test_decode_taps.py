@@ -2,8 +2,8 @@
 only in the decode path is localised to its sublayer, not to the layer's resid_out."""
 import pytest
 
-from conformance.exit_codes import ExitCode
 from conformance.engines.faults import FaultyEngine
+from conformance.exit_codes import ExitCode
 from conformance.verify.runner import verify
 from kdtr_format import open_kdtr
 

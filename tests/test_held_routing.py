@@ -11,9 +11,9 @@ computes is the same either way); the torch engine's own hold is tested in tests
 import numpy as np
 import pytest
 
+from conformance.engines.reference_engine import ReferenceEngine
 from conformance.exit_codes import ExitCode
 from conformance.records import write_dump
-from conformance.engines.reference_engine import ReferenceEngine
 from conformance.verify.runner import verify
 from kdtr_format import open_kdtr
 

@@ -18,15 +18,17 @@ decode step 2 of prompt 1, layer 1's K-th and (K+1)-th biased golden scores are 
 import numpy as np
 import pytest
 
-from conformance.gen.bundle_model import as_stored
-from conformance.verify.collect import collect
+from conformance.engines.reference_engine import ReferenceEngine
 from conformance.exit_codes import ExitCode
+from conformance.gen.bundle_model import as_stored
 from conformance.gen.gen import GenSettings, apply_quant, generate_bundle, model_from_preset
 from conformance.gen.goldens import random_prompt, run_reference
+from conformance.tolerance import entry_atol
+from conformance.verify.collect import collect
+from conformance.verify.context import Prompt, Run
 from conformance.verify.judge_live import live_checks
-from conformance.verify.near_ties import _atol, routing_tie_row
+from conformance.verify.near_ties import routing_tie_row
 from conformance.verify.outputs import LIVE
-from conformance.engines.reference_engine import ReferenceEngine
 from conformance.verify.runner import verify
 from conformance.verify.tree_ties import GoldenDrafts
 from kdtr_format import open_kdtr
@@ -75,7 +77,7 @@ def test_the_bundle_holds_routing_and_records_its_near_tie(near_tie_bundle):
         g = f"golden/p{PROMPT}/"
         bias = np.asarray(f.get(f"model.layers.{LAYER}.mlp.gate.e_score_correction_bias"), np.float64)
         choice = np.asarray(f[g + f"ar/L{LAYER}/router_scores"])[STEP] + bias
-        atol = _atol(man[f"ar/L{LAYER}/router_scores"])
+        atol = entry_atol(man[f"ar/L{LAYER}/router_scores"])
         print(f"\nnear-tie gap {choice[inside] - choice[outside]:.3g}, router_scores atol {atol:.3g}")
         assert abs(choice[inside] - choice[outside]) <= 2 * atol        # stored goldens: float32-rounded
         assert routing_tie_row(f, g, man, cfg) == row
@@ -169,7 +171,7 @@ def test_an_engine_whose_own_scores_take_the_other_side_of_a_near_tie_passes(nea
     no later tap moves. Its live DDTree, whose router is free, may leave the golden stream from there."""
     path, row, (inside, outside) = near_tie_bundle
     with open_kdtr(path) as f:
-        atol = _atol(f.metadata["tolerances"]["taps"][f"ar/L{LAYER}/router_scores"])
+        atol = entry_atol(f.metadata["tolerances"]["taps"][f"ar/L{LAYER}/router_scores"])
         e = nudge(f, LAYER, outside, STEP, atol / 4)                     # the outside expert rises past the tie
     v = verify(path, engine=e)
     assert v.exit_code == ExitCode.OK, not_passed(v)[:5]
@@ -194,7 +196,7 @@ def test_the_same_engine_flipping_a_decisive_decision_fails(near_tie_bundle):
         choice = np.asarray(f[g + f"ar/L{layer}/router_scores"])[STEP] + bias
         order = np.argsort(-choice, kind="stable")
         gap = choice[order[K - 1]] - choice[order[K]]
-        atol = _atol(f.metadata["tolerances"]["taps"][f"ar/L{layer}/router_scores"])
+        atol = entry_atol(f.metadata["tolerances"]["taps"][f"ar/L{layer}/router_scores"])
         assert gap > 4 * atol                                            # decisive
         e = nudge(f, layer, int(order[K]), STEP, 1.5 * gap)
     v = verify(path, engine=e)
@@ -213,7 +215,7 @@ def test_the_live_stream_may_leave_the_golden_one_only_from_the_near_tie_on(near
     before the first token a near-tie may move (the tie placed one row later) fails too."""
     path, row, (inside, outside) = near_tie_bundle
     with open_kdtr(path) as f:
-        atol = _atol(f.metadata["tolerances"]["taps"][f"ar/L{LAYER}/router_scores"])
+        atol = entry_atol(f.metadata["tolerances"]["taps"][f"ar/L{LAYER}/router_scores"])
         e = nudge(f, LAYER, outside, STEP, atol / 4)
         e.load(f)
         out = collect(e, f, hold_routing=True, man=f.metadata["tolerances"]["taps"])
@@ -223,7 +225,7 @@ def test_the_live_stream_may_leave_the_golden_one_only_from_the_near_tie_on(near
         assert first == row - P + 1, (first, row, P)                    # it parts exactly at the tie
 
         def tokens_check(tie_row):
-            return next(c for c in live_checks(f, g, PROMPT, out, GoldenDrafts(f), True, tie_row)
+            return next(c for c in live_checks(Prompt.of(Run.of(f), PROMPT), out, GoldenDrafts(f), True, tie_row)
                         if c.name.endswith(f"{LIVE}/tokens"))
 
         assert tokens_check(row).status == "pass"

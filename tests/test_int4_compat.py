@@ -59,7 +59,7 @@ def awkward_weight(rng: np.random.Generator, out_dim: int, in_dim: int, group_si
 shapes = st.tuples(st.integers(1, 9), st.integers(1, 6), st.sampled_from([8, 16, 32, 64, 128]))
 
 
-def test_known_word_decodes_as_the_spec_says():
+def test_known_word_decodes_as_docs_int4_says():
     word = np.array([[0x010448AD]], dtype=np.uint32).view(np.int32)
     assert unpack_int4(word).tolist() == [[5, 2, 0, -4, -4, -8, -7, -8]]
     assert pack_int4(np.array([[5, 2, 0, -4, -4, -8, -7, -8]])).view(np.uint32)[0, 0] == 0x010448AD

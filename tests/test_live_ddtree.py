@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from conformance.report.console import print_console
-from conformance.exit_codes import ExitCode
 from conformance.engines.faults import FaultyEngine
-from conformance.verify.outputs import LIVE, LIVE_RECORDS
 from conformance.engines.protocol import check_engine
-from conformance.records import read_dump, write_dump
 from conformance.engines.reference_engine import ReferenceEngine
-from conformance.verify.runner import verify
+from conformance.exit_codes import ExitCode
+from conformance.records import read_dump, write_dump
+from conformance.report.console import print_console
 from conformance.tolerance import DerivedTolerance
+from conformance.verify.outputs import LIVE, LIVE_RECORDS
+from conformance.verify.runner import verify
 from conformance.verify.tree_ties import first_difference, log_probs
 from kdtr_format import open_kdtr
 
@@ -199,6 +199,7 @@ class _MiscountingEngine(ReferenceEngine):
 def test_counters_must_agree_with_the_records_even_when_not_every_tree_is_golden(all_golden):
     """counters[0] = 1 prefill + one verify per round, whatever the trees were: judged against the records
     even when (not every tree golden) the count is not judged against the golden one."""
+    from conformance.verify.context import Prompt, Run
     from conformance.verify.judge_live import _forwards_check
 
     with open_kdtr(COMMITTED) as f:
@@ -208,10 +209,11 @@ def test_counters_must_agree_with_the_records_even_when_not_every_tree_is_golden
         p = f"p1/{LIVE}/"
         R = len(rec["accepted_offsets"]) - 1
         out = {p + k: v for k, v in rec.items()}
-        ok = _forwards_check(f, "golden/p1/", p, out, all_golden)
+        pr = Prompt.of(Run.of(f), 1)
+        ok = _forwards_check(pr, out, all_golden)
         assert ok.status == "pass" and list(rec["counters"]) == [1 + R, R], ok.message
         out[p + "counters"] = rec["counters"] + np.array([1, 0], np.int64)
-        bad = _forwards_check(f, "golden/p1/", p, out, all_golden)
+        bad = _forwards_check(pr, out, all_golden)
     assert bad.status == "fail" and bad.message == (f"counters [{R + 2}, {R}] disagree with the {R} rounds the "
                                                     f"records hold: expected [{R + 1}, {R}] (1 prefill + one "
                                                     f"verify forward per round)")

@@ -5,11 +5,11 @@ float64-angle reference passes."""
 import numpy as np
 import pytest
 
-from conformance.gen.bundle_model import LONG_POSITION_OFFSET
-from conformance.exit_codes import ExitCode
 from conformance.engines.faults import FaultyEngine
-from conformance.gen.goldens import LONG_PROMPT_LENGTH
 from conformance.engines.reference_engine import ReferenceEngine
+from conformance.exit_codes import ExitCode
+from conformance.gen.bundle_model import LONG_POSITION_OFFSET
+from conformance.gen.goldens import LONG_PROMPT_LENGTH
 from conformance.verify.runner import verify
 from kdtr_format import open_kdtr
 

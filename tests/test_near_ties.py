@@ -4,11 +4,12 @@ fp32 profile, and a flip the engine's numbers do not explain fails under both.""
 import numpy as np
 import pytest
 
+from conformance.precision import profile_taps
+from conformance.tolerance import DerivedTolerance
+from conformance.verify.context import Run
 from conformance.verify.judge import judge
 from conformance.verify.near_ties import logits_atol, routing_near_ties
 from conformance.verify.outputs import InvalidOutputs
-from conformance.precision import profile_taps
-from conformance.tolerance import DerivedTolerance
 from refmodel.config import ModelConfig
 
 
@@ -46,9 +47,9 @@ def test_a_token_flip_its_own_logits_explain_at_a_near_tie_passes_only_under_bf1
     f, out = run
     s, margin = near_tie_step(f)
     flipped = flip_step(f, out, s, 1e-3)                                  # error: just over the margin
-    c = status(judge(f, flipped, profile="bf16")[0], "p0/ar/tokens")
+    c = status(judge(Run.of(f, "bf16"), flipped)[0], "p0/ar/tokens")
     assert c.status == "pass" and c.metrics["near_ties"] == [s] and "near-tie flips at steps" in c.message
-    assert status(judge(f, flipped, profile="fp32")[0], "p0/ar/tokens").status == "fail"
+    assert status(judge(Run.of(f, "fp32"), flipped)[0], "p0/ar/tokens").status == "fail"
 
 
 def test_a_near_tie_flip_with_a_logit_error_beyond_the_profile_is_a_token_failure(run):
@@ -56,7 +57,7 @@ def test_a_near_tie_flip_with_a_logit_error_beyond_the_profile_is_a_token_failur
     f, out = run
     s, _ = near_tie_step(f)
     flipped = flip_step(f, out, s, 4 * logits_atol(profile_taps(f.metadata, "bf16")))
-    c = status(judge(f, flipped, profile="bf16")[0], "p0/ar/tokens")
+    c = status(judge(Run.of(f, "bf16"), flipped)[0], "p0/ar/tokens")
     assert c.status == "fail" and "exceeds the profile's logits atol" in c.message
 
 
@@ -68,7 +69,7 @@ def test_a_token_that_is_not_its_own_logits_argmax_is_invalid_output(run):
     bad = {**out, "p0/ar/tokens": (np.asarray(out["p0/ar/tokens"]) + 1) % V}
     for profile in ("bf16", "fp32"):
         with pytest.raises(InvalidOutputs, match="p0/ar/tokens holds .* but the argmax of ar/logits row 0"):
-            judge(f, bad, profile=profile)
+            judge(Run.of(f, profile), bad)
 
 
 def test_a_garbage_ddtree_stream_fails_under_bf16(run):
@@ -79,7 +80,7 @@ def test_a_garbage_ddtree_stream_fails_under_bf16(run):
     bad = dict(out)
     for i in range(2):
         bad[f"p{i}/ddtree/tokens"] = (np.asarray(out[f"p{i}/ddtree/tokens"]) + 1) % V
-    checks = judge(f, bad, profile="bf16")[0]
+    checks = judge(Run.of(f, "bf16"), bad)[0]
     for i in range(2):
         c = status(checks, f"p{i}/ddtree/tokens")
         assert c.status == "fail" and "differs from the golden DDTree stream at token 0" in c.message
@@ -99,7 +100,7 @@ def test_a_ddtree_stream_leaving_at_its_first_token_skips_what_it_cannot_compare
     tokens = np.array(out["p0/ddtree/tokens"])
     tokens[0] = flipped["p0/ar/tokens"][0]
     flipped["p0/ddtree/tokens"] = tokens
-    checks = judge(f, flipped, profile="bf16")[0]
+    checks = judge(Run.of(f, "bf16"), flipped)[0]
     assert status(checks, "p0/ddtree/tokens").status == "pass"
     for name in ("p0/ddtree/rounds", "p0/ddtree/path_logits", "p0/ddtree/target_forwards"):
         c = status(checks, name)
@@ -150,9 +151,9 @@ def test_an_expert_swap_at_a_routing_near_tie_passes_only_with_its_own_scores(ru
             swapped.pop("p0/prefill/L1/router_scores")
         else:
             swapped["p0/prefill/L1/router_scores"] = scores
-        c = status(judge(f, swapped, profile="bf16")[0], "p0/prefill/L1/topk_ids")
+        c = status(judge(Run.of(f, "bf16"), swapped)[0], "p0/prefill/L1/topk_ids")
         assert (c.status == "pass") == ok, (ok, c.message)
-        assert status(judge(f, swapped, profile="fp32")[0], "p0/prefill/L1/topk_ids").status == "fail"
+        assert status(judge(Run.of(f, "fp32"), swapped)[0], "p0/prefill/L1/topk_ids").status == "fail"
         _, ties = routing_near_ties(f, "golden/p0/", "prefill/L1/topk_ids", bf16, gold, ids, scores, cfg)
         assert ties.tolist() == ([0] if ok else [])
 
@@ -179,7 +180,7 @@ def test_decode_step_sets_its_own_scores_do_not_choose_fail(run):
     for k in out:
         if "/ar/L" in k and k.endswith("/topk_ids"):
             shifted[k] = (np.asarray(out[k]) + 1) % E
-    checks = judge(f, shifted, profile="bf16")[0]
+    checks = judge(Run.of(f, "bf16"), shifted)[0]
     bad = [c.name for c in checks if c.name.endswith("/topk_ids") and "/ar/" in c.name and c.status == "fail"]
     assert len(bad) == len([k for k in out if "/ar/L" in k and k.endswith("/topk_ids")]) > 0
 
@@ -190,4 +191,4 @@ def test_a_repeated_expert_id_is_invalid_output_not_a_crash(run):
     ids[0, 1] = ids[0, 0]
     for profile in ("fp32", "bf16"):
         with pytest.raises(InvalidOutputs, match=r"p0/prefill/L1/topk_ids row 0 names expert \d+ twice"):
-            judge(f, {**out, "p0/prefill/L1/topk_ids": ids}, profile=profile)
+            judge(Run.of(f, profile), {**out, "p0/prefill/L1/topk_ids": ids})

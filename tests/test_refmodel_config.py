@@ -7,7 +7,7 @@ import pytest
 from refmodel.config import PRESETS, ModelConfig
 
 
-def test_tiny_preset_matches_issue_3():
+def test_tiny_preset_keeps_its_shapes_and_constants():
     c = PRESETS["tiny"]
     assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.vocab_size) == (192, 6, 6, 400)
     assert (c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim) == (96, 64, 32, 16, 32)
@@ -20,7 +20,7 @@ def test_tiny_preset_matches_issue_3():
     assert c.latent_norm_eps == 1e-6
 
 
-def test_k26_derived_constants_match_spec_1_3():
+def test_k26_softmax_scale_carries_the_yarn_mscale():
     c = PRESETS["k26"]
     assert c.qk_head_dim == 192
     assert c.softmax_scale == pytest.approx(0.144680, abs=5e-7)       # 192^-1/2 * (1 + 0.1 ln 64)^2

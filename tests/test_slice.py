@@ -18,10 +18,10 @@ from click.testing import CliRunner
 import refmodel.config as config
 import refmodel.drafter as drafter
 from cli.main import main
+from conformance.engines.reference_engine import ReferenceEngine
 from conformance.exit_codes import ExitCode
 from conformance.gen.goldens import PromptGoldens, check_decisive, routing_near_tie_count
 from conformance.tolerance import DerivedTolerance
-from conformance.engines.reference_engine import ReferenceEngine
 from conformance.verify.runner import verify
 from kdtr_format import open_kdtr
 from refmodel.config import PRESETS, SLICE_OF, slice_shrinkage

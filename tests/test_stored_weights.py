@@ -5,15 +5,15 @@ the whole model in float64."""
 import numpy as np
 import pytest
 
+from conformance.engines.reference_engine import ReferenceEngine
+from conformance.gen.bf16_profile import bf16_weights
 from conformance.gen.bundle_model import GenSettings, _f32, apply_quant, as_stored, model_from_preset
 from conformance.gen.goldens import run_reference
-from conformance.gen.bf16_profile import bf16_weights
-from conformance.engines.reference_engine import ReferenceEngine, bundle_weights
 from kdtr_format import open_kdtr
 from refmodel.config import PRESETS, ModelConfig
 from refmodel.ddtree import ddtree_generate
 from refmodel.quant import dequantize_model
-from refmodel.stored import StoredWeights, generate_stored
+from refmodel.stored import StoredWeights, generate_stored, read_model
 from refmodel.weights import init_weights
 
 PROMPT = np.array([5, 17, 3, 250, 11], np.int64)
@@ -87,7 +87,7 @@ def test_reference_engine_reads_the_bundle_mapped(bundle, upcast_once, request, 
                 old[n] = np.array(f[n]) if f.info(n).int4_shape is not None else np.array(f.get(n), np.float64)
         old32 = {k: v.astype(np.float32) for k, v in dequantize_model(old).items()}
         assert_identical(old32, {k: e.W[k] for k in e.W})
-        cfg, W64 = bundle_weights(f)
+        cfg, W64 = read_model(f)
         assert W64.dtype == np.float64 and cfg == ModelConfig.from_dict(f.metadata["model_config"])
 
 

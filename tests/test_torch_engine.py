@@ -19,9 +19,9 @@ import pytest
 from click.testing import CliRunner
 
 from cli.main import main
+from conformance.engines.torch_engine import TorchEngine, TorchEngineError
 from conformance.exit_codes import ExitCode
 from conformance.verify.runner import verify
-from conformance.engines.torch_engine import TorchEngine, TorchEngineError
 from kdtr_format import open_kdtr
 
 BUNDLES = ["bundles/model_tiny.kdtr", "bundles/model_int4_tiny.kdtr"]
@@ -201,13 +201,13 @@ def test_hold_routing_runs_the_held_experts_for_one_call_and_reports_its_own_cho
     """Prefill row 0 of layer `first_k_dense_replace` held to the golden set with one expert swapped: that
     row's mlp_out is the float64 reference's with the same experts forced (within the bundle's fp32 rule,
     which the free row fails), the taps still report the router's own choice, and the hold lasts one call."""
-    from conformance.engines.reference_engine import bundle_weights
+    from refmodel.stored import read_model
     from conformance.tolerance import DerivedTolerance, check_tap
     from refmodel.model import forward
     e = TorchEngine("float32")
     with open_kdtr(small_bundle) as f:
         e.load(f)
-        cfg, W = bundle_weights(f)
+        cfg, W = read_model(f)
         l, prompt = cfg.first_k_dense_replace, np.asarray(f["golden/p0/prompt_ids"])
         pos = np.arange(len(prompt))                                     # p0: position offset 0
         gold = np.array(f[f"golden/p0/prefill/L{l}/topk_ids"])

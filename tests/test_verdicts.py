@@ -11,13 +11,13 @@ from click.testing import CliRunner
 from rich.console import Console
 
 from cli.main import main
-from conformance.report.console import print_console
-from conformance.exit_codes import ExitCode
 from conformance.engines.faults import FaultyEngine
-from conformance.records import DUMP_SCHEMA
 from conformance.engines.reference_engine import ReferenceEngine
+from conformance.exit_codes import ExitCode
+from conformance.records import DUMP_SCHEMA
+from conformance.report.console import print_console
+from conformance.rules_file import parse_rules
 from conformance.verify.runner import verify
-from conformance.tolerance import parse_rules
 from kdtr_format import Tensor, bf16_bits, open_kdtr, write_kdtr
 
 

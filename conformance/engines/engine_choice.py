@@ -10,7 +10,7 @@ ENGINES = ("cuda", "python", "reference", "torch")
 
 
 class EngineUnavailable(RuntimeError):
-    """The requested engine cannot run here (no GPU, no pycuda, not built yet)."""
+    """The requested engine cannot run here (no GPU, no pycuda, no torch for --engine torch)."""
 
 
 class EngineOptionError(ValueError):
@@ -21,8 +21,6 @@ def _cuda_engine_class():
     """cuda_engine.engine.CudaEngine when pycuda imports and a device answers; else (None, why)."""
     if importlib.util.find_spec("pycuda") is None:
         return None, "pycuda is not installed (pip install -e '.[cuda]')"
-    if importlib.util.find_spec("cuda_engine.engine") is None:
-        return None, "cuda_engine has no engine yet (the CUDA engine issues add it)"
     try:
         import pycuda.driver as drv
 

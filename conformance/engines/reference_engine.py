@@ -17,22 +17,9 @@ from conformance.records import live_records
 from kdtr_format import open_kdtr
 from refmodel.config import ModelConfig
 from refmodel.ddtree import Tree, build_ddtree, draft_logits, prefill, verify_round
-from refmodel.drafter import DrafterConfig
+from refmodel.drafter import read_drafter
 from refmodel.model import KVCache, block, causal_mask, expert_weights, forward, rope_cos_sin
-from refmodel.stored import StoredWeights, upcast_if_fits
-
-
-def bundle_weights(f, dtype=np.float64) -> tuple[ModelConfig, StoredWeights]:
-    """(cfg, weights) of an open bundle: the stored tensors memory-mapped, each upcast to `dtype` when a
-    forward reads it (INT4 `.qw`/`.sc` dequantized exactly), so the model is never whole in `dtype`."""
-    return ModelConfig.from_dict(f.metadata["model_config"]), StoredWeights.from_kdtr(f, dtype)
-
-
-def bundle_drafter(f) -> tuple[DrafterConfig, dict, dict]:
-    """(drafter config, float64 drafter weights (stored bfloat16, exact), the bundle's `ddtree` settings:
-    budget, topk) of an open bundle."""
-    DW = {n: np.array(f.get(n), dtype=np.float64) for n in f.names if n.startswith("drafter.")}
-    return DrafterConfig.from_dict(f.metadata["drafter_config"]), DW, f.metadata["ddtree"]
+from refmodel.stored import read_model, upcast_if_fits
 
 
 class ReferenceEngine:
@@ -52,11 +39,12 @@ class ReferenceEngine:
         if isinstance(bundle, (str, os.PathLike)):
             with open_kdtr(bundle) as f:
                 return self.load(f)
-        self.cfg, W = bundle_weights(bundle, self.np_dtype)          # memory-mapped, upcast per matmul
+        self.cfg, W = read_model(bundle, self.np_dtype)              # memory-mapped, upcast per matmul
         # A model that fits in memory is upcast once (the same rule as kdtr gen's): on the tiny bundles the
         # per-matmul upcasts (INT4 dequantization included) cost about a quarter of a verify run.
         self.W = upcast_if_fits(W, copies=1)
-        self.dcfg, DW, self.ddtree_settings = bundle_drafter(bundle)
+        self.dcfg, DW = read_drafter(bundle)
+        self.ddtree_settings = bundle.metadata["ddtree"]                # budget, topk
         self.DW = {k: v.astype(self.np_dtype) for k, v in DW.items()}
         self.held_rows = 0
         self.reset()

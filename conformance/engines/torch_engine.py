@@ -25,6 +25,8 @@ other way (docs/run-dump.md, "Layouts to match"). A port that keeps the interlea
 `kdtr_rope_layout = "interleaved"` and P is the identity. A tap the module does not expose is not reported and its
 reason is kept in `unobserved`, which the runner shows on the skipped check.
 
+Building the model (config, weights under HF names, a user module's class): conformance/engines/torch_port.py.
+
 Legend: T tokens of a forward, S cache rows, D hidden, H heads, A = N + R query dims, N nope dims,
 C kv_lora_rank, R qk_rope_head_dim, V vocab.
 """
@@ -36,11 +38,11 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from conformance.engines.reference_engine import bundle_weights
 from conformance.engines.torch_port import DTYPES, TorchEngineError, build_model, port_class, rope_layout
 from kdtr_format import open_kdtr
 from refmodel.config import ModelConfig
 from refmodel.model import causal_mask, tap_names
+from refmodel.stored import read_model
 
 
 def _rope_order(R: int, layout: str) -> tuple[np.ndarray, np.ndarray]:
@@ -76,9 +78,9 @@ class TorchEngine:
     def load(self, bundle) -> None:
         if isinstance(bundle, (str, os.PathLike)):
             with open_kdtr(bundle) as f:
-                self.cfg, W = bundle_weights(f)
+                self.cfg, W = read_model(f)
         else:
-            self.cfg, W = bundle_weights(bundle)
+            self.cfg, W = read_model(bundle)
         self.model = build_model(self.cfg, W, self.module, self.dtype, self.device)
         self.held_rows = 0
         self._P, self._inv = _rope_order(self.cfg.qk_rope_head_dim, self.rope_layout)

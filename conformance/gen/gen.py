@@ -24,17 +24,19 @@ from typing import Callable
 
 import numpy as np
 
+from conformance.gen.bf16_profile import bf16_profile
 # The CLI, the tests and conformance.gen.bf16_profile take the model sources and golden runs from here too.
 from conformance.gen.bundle_model import (LONG_POSITION_OFFSET, GenError, GenSettings, Model, _f32,  # noqa: F401
                                           apply_quant, as_stored, default_drafter, model_from_kdtr,
                                           model_from_preset, quant_of)
 from conformance.gen.goldens import (AR_TAPS, LONG_NEW_TOKENS, MAX_REDRAWS, PromptGoldens,  # noqa: F401
-                                 long_position_default, long_position_extent, baseline_errors, check_decisive, check_prompt, decisive_atols,
-                                 golden_for_prompt, long_prompt, manifest, random_prompt,
-                                 routing_near_tie_count, run_reference)
-from conformance.gen.bf16_profile import bf16_profile
+                                     baseline_errors, check_decisive, check_prompt, decisive_atols,
+                                     golden_for_prompt, long_position_default, long_position_extent,
+                                     long_prompt, manifest, random_prompt, routing_near_tie_count,
+                                     run_reference)
 from conformance.gen.from_checkpoint import model_from_checkpoint  # noqa: F401 - the CLI takes it from here
 from conformance.records import BUNDLE_SCHEMA, offsets, ragged
+from conformance.version import kdtr_version
 from kdtr_format import Tensor, write_kdtr
 from kdtr_format.bf16 import bf16_bits, is_bf16
 from refmodel.config import PRESETS  # noqa: F401 - tests pick the preset config through this module
@@ -333,17 +335,9 @@ def generate_bundle(m: Model, s: GenSettings, out: str, progress=None) -> dict:
         "long_position": dict(zip(("offset", "chosen_by"), long_position(m, s)), rule=LONG_POSITION_RULE),
         "tolerances": man,
         "figures": fig,
-        "provenance": {"generator": f"kdtr {_version()}", "command": s.command, "seed": s.seed,
+        "provenance": {"generator": f"kdtr {kdtr_version()}", "command": s.command, "seed": s.seed,
                        "numpy": np.__version__, "python": platform.python_version()},
         **{k: v for k, v in m.meta.items() if k != "quantization"},
     }
     write_kdtr(out, bundle_tensors(m, pgs), meta)
     return meta["figures"]
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        return version("kdtr")
-    except PackageNotFoundError:
-        return "0+unknown"

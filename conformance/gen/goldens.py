@@ -11,7 +11,7 @@ import numpy as np
 
 from conformance.gen.bundle_model import GenError, Model, _f32
 from conformance.metrics import routing_gaps
-from conformance.tolerance import DEFAULT_FLOOR_ULPS, DEFAULT_MULTIPLIER, DerivedTolerance, derive_tolerance
+from conformance.tolerance import DEFAULT_FLOOR_ULPS, DEFAULT_MULTIPLIER, derive_tolerance, entry_atol
 from refmodel.config import ModelConfig
 from refmodel.ddtree import ddtree_generate
 from refmodel.generate import decode_one_token, prefill, top2_margin
@@ -227,7 +227,7 @@ def atol(man: dict, key: str) -> float:
     entry = man["taps"].get(key)
     if entry is None:
         raise KeyError(f"tolerance manifest has no entry {key!r} (taps: {len(man['taps'])}): a generator bug")
-    return DerivedTolerance.from_dict(entry).rule().atol
+    return entry_atol(entry)
 
 
 def decisive_atols(man: dict) -> tuple[float, float]:

@@ -16,8 +16,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from conformance.report.coverage import coverage_text, skip_reasons, skipped
 from conformance.exit_codes import ExitCode
+from conformance.report.coverage import coverage_text, skip_reasons, skipped
 from conformance.report.verdict import KINDS, Verdict, counts, error_ratio, fmt_value, metric_summary
 
 WORST = 10                                   # numeric failures listed by default

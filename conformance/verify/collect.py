@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from conformance.records import golden_tree, offsets, position_offset, prompts_of, ragged
 from conformance.verify.near_ties import near_tie_rows
 from conformance.verify.outputs import LIVE
-from conformance.records import golden_tree, offsets, position_offset, prompts_of, ragged
 from kdtr_format import bf16_to_float32
 from refmodel.config import ModelConfig
 from refmodel.ddtree import compile_tree, walk

@@ -14,7 +14,8 @@
   exact when every round had the golden tree (then the runs are the same), reported otherwise (a
   near-tie tree may accept another number).
 
-The live path logits are judged by judge.py's `_path_logits_check`, as the replay's.
+- `path_logits`: the live tree forward's logits on the committed rows, judged as the replay's
+  (judge_ddtree.py, `path_logits_check`).
 
 On an fp32 bundle made with `--routing-near-ties held` (judged with the fp32 profile), the live loop's
 router still runs freely (tree rows have no golden expert sets), so a correct engine may pick another
@@ -31,29 +32,41 @@ from __future__ import annotations
 
 import numpy as np
 
-from conformance.verify.outputs import LIVE, tree_offsets
 from conformance.report.verdict import CheckResult
+from conformance.verify.context import Prompt
+from conformance.verify.judge_ddtree import path_logits_check
+from conformance.verify.near_ties import routing_tie_row
+from conformance.verify.outputs import LIVE, tree_offsets
 from conformance.verify.tree_ties import GoldenDrafts, first_difference
 from refmodel.ddtree import walk
 
 
-def free_from_token(f, g: str, tie_row: int | None) -> int | None:
+def live_tie_row(pr: Prompt) -> int | None:
+    """The prompt's first cache row whose golden routing is a near-tie, on a bundle judged with the fp32
+    profile whose routing is held (module docstring); None: every live check exact throughout."""
+    run = pr.run
+    if run.profile != "fp32" or not run.holds_routing:
+        return None
+    return routing_tie_row(run.f, pr.g, run.man, run.cfg)
+
+
+def free_from_token(pr: Prompt, tie_row: int | None) -> int | None:
     """The first stream token a near-tie routing decision at cache row `tie_row` may move: token j is
     predicted by row P + j - 1 (token 0 by the last prompt row), so j = tie_row - P + 1, at least 0."""
-    return None if tie_row is None else max(0, tie_row - len(f[g + "prompt_ids"]) + 1)
+    return None if tie_row is None else max(0, tie_row - pr.P + 1)
 
 
-def live_checks(f, g: str, i: int, out: dict, drafts: GoldenDrafts, ar_ok: bool = True,
+def live_checks(pr: Prompt, out: dict, drafts: GoldenDrafts, ar_ok: bool = True,
                 tie_row: int | None = None) -> list[CheckResult]:
-    """The checks of prompt i's live DDTree (outputs that passed validation). `ar_ok`: whether the
+    """The checks of prompt `pr`'s live DDTree (outputs that passed validation). `ar_ok`: whether the
     engine's AR logits passed; if not, the drafter's context (the target's features) is off already and a
     tree difference is that numeric failure seen downstream, kind "numeric", not a DDTree fault.
-    `tie_row`: the prompt's first near-tie golden routing row under a profile that holds routing (module
-    docstring), None: every check exact throughout."""
-    p = f"p{i}/{LIVE}/"
-    mine, gold = np.asarray(out[p + "tokens"]), np.asarray(f[g + "ddtree/tokens"])     # both [n]
+    `tie_row` (`live_tie_row`): the prompt's first near-tie golden routing row under a profile that holds
+    routing (module docstring), None: every check exact throughout."""
+    p = pr.p + f"{LIVE}/"
+    mine, gold = np.asarray(out[p + "tokens"]), np.asarray(pr.golden("ddtree/tokens"))     # both [n]
     bad = np.nonzero(mine != gold)[0]
-    free = free_from_token(f, g, tie_row)
+    free = free_from_token(pr, tie_row)
     parted = bool(bad.size) and free is not None and int(bad[0]) >= free    # left at a routing near-tie
     metrics = {"tokens": int(len(mine)), **({} if tie_row is None else {"routing_tie_row": tie_row,
                                                                         "free_from_token": free})}
@@ -67,19 +80,20 @@ def live_checks(f, g: str, i: int, out: dict, drafts: GoldenDrafts, ar_ok: bool 
                                        f"{int(gold[bad[0]])}, got {int(mine[bad[0]])}")
     checks = [CheckResult(p + "tokens", "fail" if bad.size and not parted else "pass", "ddtree", metrics,
                           {"exact": True}, msg)]
-    ar = np.asarray(out[f"p{i}/ar/tokens"])
+    ar = np.asarray(out[pr.p + "ar/tokens"])
     k = int(bad[0]) + (0 if parted else 1) if bad.size else len(mine)    # a parted token is not the golden one
     diff = np.nonzero(ar[:k] != mine[:k])[0]
     checks.append(CheckResult(p + "tokens_vs_own_ar", "fail" if diff.size else "pass", "ddtree",
                               {"compared": k}, {"exact": True}, "" if not diff.size else
                               f"token {int(diff[0])}: the live DDTree emitted {int(mine[diff[0]])} where the "
                               f"engine's own AR argmax is {int(ar[diff[0]])}"))
-    trees, all_golden = _trees_check(f, g, i, out, drafts, tie_row)
+    trees, all_golden = _trees_check(pr, out, drafts, tie_row)
     if trees.status == "fail" and not ar_ok:
         trees.kind = "numeric"
         trees.message += " (the engine's AR logits fail too: its drafter saw off target features)"
     checks.append(trees)
-    checks.append(_forwards_check(f, g, p, out, all_golden))
+    checks.append(_forwards_check(pr, out, all_golden))
+    checks.append(path_logits_check(pr, p, out, "ddtree" if ar_ok else "numeric", tie_row=tie_row))
     return checks
 
 
@@ -98,20 +112,22 @@ def _walk(tok, par, post) -> tuple[list, int]:
     return walk(children, post)
 
 
-def _trees_check(f, g: str, i: int, out: dict, drafts: GoldenDrafts,
+def _trees_check(pr: Prompt, out: dict, drafts: GoldenDrafts,
                  tie_row: int | None = None) -> tuple[CheckResult, bool]:
     """(the `trees` check, whether every live round was a golden round with the golden tree, judged in
     full). `tie_row`: a round drafted from cache rows at or after it (start > tie_row) may have another
     tree, and one whose golden verification commits tokens predicted by such rows another path and bonus:
     those are counted in `after_routing_tie`, not failed."""
-    p, name = f"p{i}/{LIVE}/", f"p{i}/{LIVE}/trees"
+    f, g, i = pr.run.f, pr.g, pr.i
+    p = pr.p + f"{LIVE}/"
+    name = p + "trees"
     gs = {int(s): r for r, s in enumerate(np.asarray(f[g + "ddtree/round_start"]))}
     go, ga = np.asarray(f[g + "ddtree/tree_offsets"]), np.asarray(f[g + "ddtree/accepted_offsets"])
     eo = np.asarray(out[p + "accepted_offsets"])
     R = len(eo) - 1
-    et = tree_offsets(f, g, out, f"p{i}/", R, LIVE)
+    et = tree_offsets(f, g, out, pr.p, R, LIVE)
     bonus, tokens = np.asarray(out[p + "round_bonus"]), np.asarray(out[p + "tokens"])
-    start, stream = len(f[g + "prompt_ids"]), [int(tokens[0])]
+    start, stream = pr.P, [int(tokens[0])]
     m = {"rounds": R, "golden_rounds": len(go) - 1, "compared": 0, "equal": 0, "near_ties": [], "not_comparable": 0,
          "after_routing_tie": 0}
     moved = lambda row: tie_row is not None and row >= tie_row  # noqa: E731 - may a routing near-tie move it
@@ -179,11 +195,12 @@ def _trees_check(f, g: str, i: int, out: dict, drafts: GoldenDrafts,
     return CheckResult(name, "pass", "ddtree", m, {"exact": True, "near_ties": "golden drafter"}, msg), same
 
 
-def _forwards_check(f, g: str, p: str, out: dict, all_golden: bool) -> CheckResult:
+def _forwards_check(pr: Prompt, out: dict, all_golden: bool) -> CheckResult:
     """The engine's reported counters against its own records always (1 prefill + one verify per round,
     docs/run-dump.md), and against the golden count exactly when every round had the golden tree."""
-    n = len(f[g + "ar/tokens"])                   # AR: 1 prefill + n - 1 decodes
-    fw, rounds, gfw = int(out[p + "counters"][0]), int(out[p + "counters"][1]), int(f[g + "ddtree/counters"][0])
+    p = pr.p + f"{LIVE}/"
+    n = len(pr.golden("ar/tokens"))               # AR: 1 prefill + n - 1 decodes
+    fw, rounds, gfw = int(out[p + "counters"][0]), int(out[p + "counters"][1]), int(pr.golden("ddtree/counters")[0])
     R = len(out[p + "accepted_offsets"]) - 1      # the rounds the records hold
     m = {"engine": fw, "golden": gfw, "ar_forwards": n, "engine_ratio": round(n / fw, 4) if fw > 0 else None,
          "golden_ratio": round(n / gfw, 4), "rounds": R}

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from conformance.verify.judge import canonical_routing, manifest_rule
-from conformance.verify.outputs import widened
-from conformance.precision import profile_taps
 from conformance.records import position_offset
 from conformance.report.verdict import Divergence
-from conformance.tolerance import check_tap, resolve_rule
+from conformance.tolerance import check_tap
+from conformance.verify.context import Run
+from conformance.verify.judge_taps import canonical_routing
+from conformance.verify.outputs import widened
 
 
 def layer_inputs(f, div: Divergence, out: dict | None = None, dtype: str = "float32") -> dict:
@@ -69,15 +69,15 @@ def _inputs(f, div: Divergence, src) -> dict:
             "c_kv": cat("kv_latent"), "k_pe": cat("k_pe")}
 
 
-def localize(engine, f, div: Divergence, checks: list, out: dict, overrides=(), dtype="float32",
-             profile: str = "fp32") -> Divergence:
+def localize(engine, run: Run, div: Divergence, checks: list, out: dict) -> Divergence:
     """Fill in `div`'s local_error (the tap on golden inputs), inherited_error (the tap in the full run,
     from `checks`), cause and evidence (module docstring). `out`: the engine's outputs (run-dump names)."""
+    f = run.f
     if div.layer is None or not getattr(engine, "supports_teacher_forcing", False):
         return div
     if div.phase == "ar" and (div.step is None or div.tap not in f.metadata["taps"]["ar"]):
         return div
-    local = _replay(engine, f, div, layer_inputs(f, div), overrides, dtype, profile)
+    local = _replay(engine, run, div, layer_inputs(f, div))
     if local is None:
         return div
     div.local_error = _summary(local)
@@ -92,7 +92,7 @@ def localize(engine, f, div: Divergence, checks: list, out: dict, overrides=(), 
     div.evidence = {"golden inputs": f"{at} is within tolerance on golden inputs ({metric_text(local)})",
                     "earlier taps": _earlier_taps(f, div, checks)}
     try:
-        own = _replay(engine, f, div, layer_inputs(f, div, out, dtype), overrides, dtype, profile)
+        own = _replay(engine, run, div, layer_inputs(f, div, out, run.dtype))
     except KeyError as e:
         div.cause = "not local"
         div.evidence["own inputs"] = (f"the engine did not report {e.args[0]}, so its own inputs cannot be "
@@ -111,17 +111,18 @@ def localize(engine, f, div: Divergence, checks: list, out: dict, overrides=(), 
     return div
 
 
-def _replay(engine, f, div: Divergence, inputs: dict, overrides, dtype, profile: str):
+def _replay(engine, run: Run, div: Divergence, inputs: dict):
     """The diverging tap of layer div.layer run alone on `inputs`, judged against its golden as the
     judge does (routing as per-row sets); None when run_layer does not report that tap."""
     taps = engine.run_layer(div.layer, inputs)
     key = f"L{div.layer}/{div.tap}"
     if key not in taps:
         return None
+    f = run.f
     i, rel = int(div.name.split("/")[0][1:]), div.name.split("/", 1)[1]
     rows = slice(div.step, div.step + 1) if div.phase == "ar" else slice(None)
     golden = np.asarray(f[f"golden/p{i}/{rel}"][rows])
-    rule = resolve_rule(div.name, manifest_rule(profile_taps(f.metadata, profile).get(rel)), overrides)
+    rule = run.tolerance(div.name, rel).rule
     actual = np.asarray(taps[key])
     if div.tap in ("topk_ids", "topk_weights") and actual.shape == golden.shape:   # as judge: per-row sets
         g_ids = np.asarray(f[f"golden/p{i}/{rel.rsplit('/', 1)[0]}/topk_ids"][rows])
@@ -129,7 +130,7 @@ def _replay(engine, f, div: Divergence, inputs: dict, overrides, dtype, profile:
         weights = div.tap == "topk_weights"
         golden = canonical_routing(g_ids, golden if weights else None)[int(weights)]
         actual = canonical_routing(a_ids, actual if weights else None)[int(weights)]
-    return check_tap(golden, actual, rule, dtype)
+    return check_tap(golden, actual, rule, run.dtype)
 
 
 def _summary(r) -> dict:

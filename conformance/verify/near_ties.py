@@ -35,20 +35,13 @@ from __future__ import annotations
 import numpy as np
 
 from conformance.metrics import routing_gaps
-from conformance.tolerance import DerivedTolerance
+from conformance.tolerance import entry_atol
 from refmodel.model import select_experts
-
-
-def _atol(entry: dict | None) -> float:
-    """The derived atol of a manifest entry (0 for an exact or absent one)."""
-    if not entry or "baseline_max_abs" not in entry:
-        return 0.0
-    return DerivedTolerance.from_dict(entry).rule().atol
 
 
 def logits_atol(man: dict) -> float:
     """The profile's logits bound: the looser of the prefill and AR logits atol (as `kdtr gen` uses)."""
-    return max(_atol(man.get("prefill/logits")), _atol(man.get("ar/logits")))
+    return max(entry_atol(man.get("prefill/logits")), entry_atol(man.get("ar/logits")))
 
 
 def token_near_ties(margins: np.ndarray, man: dict, vacuous: bool = False) -> np.ndarray:
@@ -84,7 +77,7 @@ def routing_near_ties(f, g: str, key: str, man: dict, golden_ids: np.ndarray, ac
     bias = np.asarray(f.get(f"model.layers.{layer[1:]}.mlp.gate.e_score_correction_bias"), np.float64)
     own = np.sort(select_experts(cfg, np.asarray(engine_scores, np.float64) + bias), axis=-1)  # [T, K]
     choice = np.asarray(f[g + scores_key], np.float64) + bias                       # [T, E] biased
-    reach = 2 * _atol(man.get(scores_key))
+    reach = 2 * entry_atol(man.get(scores_key))
     near = []
     for t in differ:
         dropped = np.setdiff1d(g_sets[t], a_sets[t])
@@ -143,4 +136,4 @@ def near_tie_rows(f, g: str, phase: str, l: int, man: dict, cfg) -> np.ndarray |
         return None
     bias = np.asarray(f.get(f"model.layers.{l}.mlp.gate.e_score_correction_bias"), np.float64)     # [E]
     gaps = routing_gaps(np.asarray(f[g + key], np.float64) + bias, cfg.num_experts_per_tok)
-    return None if gaps is None else gaps <= 2 * _atol(man.get(key))
+    return None if gaps is None else gaps <= 2 * entry_atol(man.get(key))

@@ -58,10 +58,9 @@ def storage_name(a: np.ndarray, dtype: str) -> str:
     return a.dtype.name
 
 
-def validate_outputs(f, out: dict, dtype: str = "float32") -> list[str]:
-    """Every problem of outputs `out` against the open bundle `f`, one line each naming the record;
-    empty when the judge can proceed."""
-    cfg = ModelConfig.from_dict(f.metadata["model_config"])
+def validate_outputs(f, out: dict, dtype: str, cfg: ModelConfig) -> list[str]:
+    """Every problem of outputs `out` against the open bundle `f` (model config `cfg`, as the run resolved
+    it), one line each naming the record; empty when the judge can proceed."""
     problems: list[str] = []
     for i in prompts_of(f):
         problems += _prompt_problems(f, i, out, dtype, cfg)

@@ -6,22 +6,24 @@ external engine writes a `.kdtr` run dump with the same names itself (conformanc
 `judge` (conformance/verify/judge.py) compares either against the bundle's goldens; the first numeric failure
 in execution order is the first divergence, and with a live engine that can run one layer alone,
 `localize` (conformance/verify/localize.py) re-runs that layer on golden inputs to tell a local fault from
-inherited error.
+inherited error. The bundle's config and the chosen profile are resolved once, into a `Run`
+(conformance/verify/context.py), which collection, judge and localizer share.
 """
 from __future__ import annotations
 
 import os
 import time
 
+from conformance.engines.protocol import check_engine
+from conformance.precision import PROFILE_OF_DTYPE
+from conformance.records import check_schema, dump_routing, prompts_of, read_dump, write_dump
+from conformance.report.verdict import CheckResult, make_verdict
 from conformance.verify.collect import can_hold_routing, collect
+from conformance.verify.context import Run
 from conformance.verify.judge import coverage_check, judge
 from conformance.verify.localize import localize
 from conformance.verify.outputs import InvalidOutputs
 from conformance.verify.preflight import preflight_localisation
-from conformance.precision import PROFILE_OF_DTYPE, holds_routing, profile_taps
-from conformance.engines.protocol import check_engine
-from conformance.records import check_schema, dump_routing, prompts_of, read_dump, write_dump
-from conformance.report.verdict import CheckResult, make_verdict
 from kdtr_format import KdtrError, open_kdtr
 
 
@@ -50,15 +52,13 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
             checks.append(CheckResult("engine/run", "error", "numeric",
                                       message=f"not an engine (conformance/engines/protocol.py): {'; '.join(lacks)}"))
             return make_verdict(name, bundle, checks)
+        run = None
         if engine is not None and dump is None:                          # a missing profile: say so before
-            profile = profile or PROFILE_OF_DTYPE.get(engine.dtype, "fp32")   # the run, not after it
-            profile_taps(f.metadata, profile)
-        dtype, hold, unlocalised = "float32", bool(dump is None and holds_routing(f.metadata, profile or "")), None
-        held = hold and can_hold_routing(engine)                        # what collect will do
+            run = Run.of(f, profile or PROFILE_OF_DTYPE.get(engine.dtype, "fp32"), overrides, engine.dtype)
+        held = bool(run and run.holds_routing) and can_hold_routing(engine)   # what collect will do
+        unlocalised = None
         try:
-            out, dtype, unlocalised = _outputs(f, engine, dump, progress, hold,
-                                               profile_taps(f.metadata, profile) if hold and dump is None else None,
-                                               announce)
+            out, dtype, unlocalised = _outputs(f, engine, dump, progress, run, announce)
         except KdtrError as e:
             checks.append(CheckResult("dump/integrity", "error", "integrity", message=f"{dump}: {e}"))
             return make_verdict(name, bundle, checks)
@@ -67,9 +67,10 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
                                       message=f"{type(e).__name__}: {e}"))
             return make_verdict(name, bundle, checks)
         t1 = time.perf_counter()
-        profile = profile or PROFILE_OF_DTYPE.get(dtype, "fp32")
+        if run is None:                                                  # a dump: its dtype picks the profile
+            run = Run.of(f, profile or PROFILE_OF_DTYPE.get(dtype, "fp32"), overrides, dtype)
         try:
-            judged, first = judge(f, out, overrides, dtype, profile)
+            judged, first = judge(run, out)
         except InvalidOutputs as e:                                      # a bad dump is a bad file (5);
             kind, label = ("integrity", "dump/structure") if dump else ("numeric", "engine/outputs")  # a bad engine, 6
             checks.append(CheckResult(label, "error", kind, {"problems": e.problems}, message=str(e)))
@@ -84,13 +85,13 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
                 first.cause = f"not localised: {unlocalised}"
         elif first is not None and engine is not None and dump is None:
             try:
-                first = localize(engine, f, first, judged, out, overrides, dtype, profile)
+                first = localize(engine, run, first, judged, out)
             except Exception as e:  # noqa: BLE001 - localisation is best effort; the verdict stands
                 first.cause = f"not localised: run_layer raised {type(e).__name__}: {e}"
         if require_coverage is not None:
             judged.append(coverage_check(judged, require_coverage))
-        info = {"dtype": dtype, "profile": profile,
-                "routing": _routing_info(engine, dump, profile, held, holds_routing(f.metadata, profile)),
+        info = {"dtype": dtype, "profile": run.profile,
+                "routing": _routing_info(engine, dump, run.profile, held, run.holds_routing),
                 "localisation": None if dump else (unlocalised or "ready: run_layer answered on golden inputs"),
                 "engine_seconds": round(t1 - t0, 3),
                 "judge_seconds": round(time.perf_counter() - t1, 3), "prompts": len(prompts_of(f)),
@@ -127,13 +128,14 @@ def _routing_info(engine, dump, profile: str, held: bool, derived_held: bool) ->
             ("" if rows is None else f"; {rows} row(s) ran the golden experts instead of the engine's own choice"))
 
 
-def _outputs(f, engine, dump, progress, hold: bool = False, man: dict | None = None,
-             announce=None) -> tuple[dict, str, str | None]:
-    """(outputs, dtype, why localisation will not work or None)."""
+def _outputs(f, engine, dump, progress, run: Run | None, announce=None) -> tuple[dict, str, str | None]:
+    """(outputs under run-dump names, their dtype, why localisation will not work or None): the dump's, or
+    the live engine's (`run`: resolved before the run, its profile says whether to hold routing)."""
     if dump is not None:
         return *read_dump(dump), None
     engine.load(f)
     unlocalised = preflight_localisation(engine, f)
     if unlocalised is not None and announce is not None:
         announce(unlocalised)
-    return collect(engine, f, progress, hold, man), engine.dtype, unlocalised
+    hold = run.holds_routing
+    return collect(engine, f, progress, hold, run.man if hold else None), engine.dtype, unlocalised

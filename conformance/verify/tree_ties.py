@@ -31,11 +31,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from conformance.records import position_offset, prompts_of
-from conformance.engines.reference_engine import bundle_drafter, bundle_weights
 from conformance.tolerance import DerivedTolerance, derive_tolerance
 from refmodel.ddtree import build_ddtree
-from refmodel.drafter import DrafterCache, drafter_forward, target_features
+from refmodel.drafter import DrafterCache, drafter_forward, read_drafter, target_features
 from refmodel.model import forward, weights_dtype
+from refmodel.stored import read_model
 
 
 def replay_drafts(cfg, W: dict, dcfg, DW: dict, f, i: int) -> list[np.ndarray]:
@@ -128,8 +128,9 @@ class GoldenDrafts:
 
     def _compute(self) -> None:
         f = self.f
-        cfg, W64 = bundle_weights(f)
-        dcfg, DW64, settings = bundle_drafter(f)
+        cfg, W64 = read_model(f)
+        dcfg, DW64 = read_drafter(f)
+        settings = f.metadata["ddtree"]
         W32 = {k: v.astype(np.float32) for k, v in W64.items()}
         DW32 = {k: v.astype(np.float32) for k, v in DW64.items()}
         self._q64, err, sq_err, sq, mag = {}, 0.0, 0.0, 0.0, 0.0
