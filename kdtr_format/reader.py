@@ -27,6 +27,7 @@ from kdtr_format.errors import (
     NotAKdtrFileError, OffsetError, OverlapError, PaddingError,
     ShapeMismatchError, TensorNotFoundError, TrailingDataError, TruncatedFileError,
     UnsupportedVersionError)
+from kdtr_format.extents import CHUNK, FileWatch
 from kdtr_format.paths import open_regular
 
 TOP_KEYS = {"metadata", "tensors"}
@@ -65,20 +66,22 @@ def _reject_constant(token: str):
 class KdtrFile:
     """An open .kdtr file. Use as a context manager; see open_kdtr."""
 
-    def __init__(self, path, verify: bool = False):
-        self.path = os.fspath(path)
+    def __init__(self, path, verify: bool = False, private: bool = False):
+        self.path, self.private = os.fspath(path), private
         self._mm = None
         self._closed = False
-        with open_regular(self.path, "kdtr file") as fh:
-            self.file_size = os.fstat(fh.fileno()).st_size
-            self._read_header(fh)
-            self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-        if verify:
-            try:
+        self._fh = open_regular(self.path, "kdtr file")
+        try:
+            self._watch = FileWatch(self._fh.fileno(), self.path)    # reads check the file did not change
+            self.file_size = self._watch.size
+            self._read_header(self._fh)
+            if not private:
+                self._mm = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_READ)
+            if verify:
                 self.verify()
-            except BaseException:
-                self.close()
-                raise
+        except BaseException:
+            self.close()
+            raise
 
     # -- header parsing, in spec order --
 
@@ -298,22 +301,42 @@ class KdtrFile:
         return len(self._infos)
 
     def __getitem__(self, name: str) -> np.ndarray:
-        """Read-only zero-copy view of the tensor (bfloat16 as raw uint16, INT4 as packed int32)."""
+        """Read-only view of the tensor (bfloat16 as raw uint16, INT4 as packed int32): zero-copy into
+        the mapping, or (private) a copy read with pread and checked against its checksum."""
         info = self.info(name)
         dtype = spec.DTYPES[info.dtype]
-        mm = self._mapping()
+        buf, offset = self._buffer(info)
         if info.nbytes == 0:
             out = np.empty(info.shape, dtype)
             out.flags.writeable = False
             return out
         if info.dtype == "bool":
-            self._check_bool(info, mm)
-        return np.frombuffer(mm, dtype, count=info.nbytes // dtype.itemsize,
-                             offset=info.offset).reshape(info.shape)
+            self._check_bool(info, buf, offset)
+        out = np.frombuffer(buf, dtype, count=info.nbytes // dtype.itemsize, offset=offset).reshape(info.shape)
+        out.flags.writeable = False
+        return out
 
-    def _check_bool(self, info: TensorInfo, mm) -> None:
+    def _buffer(self, info: TensorInfo):
+        """(buffer, offset of the tensor in it). Mapped: the file is first checked to be as it was opened
+        (a page cut off under the mapping would be SIGBUS). Private: a checked copy of its bytes."""
+        if self._closed:
+            raise ClosedFileError(f"{self.path}: file is closed; read tensors inside `with open_kdtr(...)`")
+        self._watch.check()
+        if not self.private:
+            return self._mm, info.offset
+        raw = self._watch.read(info.offset, info.nbytes)
+        self._check_sum(info, hashlib.sha256(raw).hexdigest())
+        return raw, 0
+
+    def _check_sum(self, info: TensorInfo, got: str) -> None:
+        if got != info.checksum:
+            raise ChecksumError(
+                f"{self.path}: tensor '{info.name}': checksum mismatch (SHA-256 {got[:16]}... "
+                f"!= directory {info.checksum[:16]}...): its data is corrupt; {REGENERATE}")
+
+    def _check_bool(self, info: TensorInfo, buf, offset: int) -> None:
         """NumPy would hand out a byte 2 as a bool that is true yet != True: refuse it instead."""
-        raw = np.frombuffer(mm, np.uint8, count=info.nbytes, offset=info.offset)
+        raw = np.frombuffer(buf, np.uint8, count=info.nbytes, offset=offset)
         if raw.max() > 1:
             at = int(np.argmax(raw > 1))
             raise InvalidBoolError(
@@ -327,44 +350,46 @@ class KdtrFile:
             return spec.bfloat16_to_float32(self[name])
         return self[name]
 
-    def verify(self, names=None) -> None:
-        """Check SHA-256 of the named tensors (all by default; then every padding byte is checked too)."""
+    def verify(self, names=None, progress=None) -> None:
+        """Check SHA-256 of the named tensors (all by default; then every padding byte is checked too).
+        Read with pread a chunk at a time (kdtr_format/extents.py): memory stays one chunk whatever the
+        tensor sizes, and progress(done_bytes, total_bytes) is called as the bytes go by."""
         infos = [self.info(n) for n in names] if names is not None else list(self._infos.values())
-        mm = self._mapping()
-        with memoryview(mm) as view:
-            for info in infos:
-                got = hashlib.sha256(view[info.offset:info.offset + info.nbytes]).hexdigest()
-                if got != info.checksum:
-                    raise ChecksumError(
-                        f"{self.path}: tensor '{info.name}': checksum mismatch (SHA-256 {got[:16]}... "
-                        f"!= directory {info.checksum[:16]}...): its data is corrupt; {REGENERATE}")
-                if info.dtype == "bool" and info.nbytes:
-                    self._check_bool(info, mm)
-            if names is None:
-                self._verify_padding(view)
+        if self._closed:
+            raise ClosedFileError(f"{self.path}: file is closed; verify inside `with open_kdtr(...)`")
+        total, done, buf = sum(i.nbytes for i in infos), 0, bytearray(CHUNK)
 
-    def _verify_padding(self, view: memoryview) -> None:
+        def step(n):
+            nonlocal done
+            done += n
+            progress(done, total)
+        for info in infos:
+            self._check_sum(info, self._watch.sha256(info.offset, info.nbytes, step if progress else None, buf))
+            if info.dtype == "bool" and info.nbytes:
+                self._check_bool(info, *self._buffer(info))
+        if names is None:
+            self._verify_padding()
+        self._watch.check()
+
+    def _verify_padding(self) -> None:
         end, after = spec.DATA_START, "the preamble"
         for info in [*self._infos.values(), None]:
             start = info.offset if info else self.header_offset
-            if any(view[end:start]):
+            if start > end and any(self._watch.read(end, start - end)):     # < 64 bytes each
                 raise PaddingError(
                     f"{self.path}: non-zero padding in bytes [{end}, {start}) after {after}; "
                     f"{REGENERATE}")
             if info:
                 end, after = info.offset + info.nbytes, f"tensor '{info.name}'"
 
-    def _mapping(self) -> mmap.mmap:
-        if self._closed:
-            raise ClosedFileError(f"{self.path}: file is closed; read tensors inside `with open_kdtr(...)`")
-        return self._mm
-
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        self._fh.close()
         try:
-            self._mm.close()
+            if self._mm is not None:
+                self._mm.close()
         except BufferError:
             pass  # views handed out are still alive; the mapping is released with the last of them
         self._mm = None
@@ -386,10 +411,12 @@ def _product(shape) -> int:
     return n
 
 
-def open_kdtr(path, verify: bool = False) -> KdtrFile:
+def open_kdtr(path, verify: bool = False, private: bool = False) -> KdtrFile:
     """Open and validate a .kdtr file (lazily: data is mmapped, not read). verify=True also checks
-    every tensor checksum and padding byte before returning."""
-    return KdtrFile(path, verify=verify)
+    every tensor checksum and padding byte before returning. private=True maps nothing: each tensor
+    read is a copy checked against its checksum, so a file changed or truncated while open is a
+    KdtrError (exit 5), never a SIGBUS, and the bytes a caller gets are the bytes that were checked."""
+    return KdtrFile(path, verify=verify, private=private)
 
 
 def describe(path, check: bool = False) -> dict:
