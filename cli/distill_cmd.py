@@ -4,16 +4,18 @@ import sys
 
 import click
 
+from cli.inputs import InputPath
 from cli.outputs import check_output, fail_write
 from conformance.exit_codes import ExitCode
 
 
 @click.command("distill")
-@click.argument("model", type=click.Path(exists=True, dir_okay=False, readable=True))
+@click.argument("model", type=InputPath(dir_okay=False, readable=True))
 @click.option("--steps", default=1000, show_default=True, type=click.IntRange(min=1), help="Training steps.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seeds the corpus, the init and torch.")
 @click.option("--out", type=click.Path(dir_okay=False), default=None,
-              help="Write here instead of updating MODEL in place.")
+              help="Write here instead of updating MODEL in place (MODEL itself: the same as leaving it out; "
+                   "the update is atomic, the old file intact until the new one is whole).")
 def distill_cmd(model: str, steps: int, seed: int, out: str | None) -> None:
     """Distill the drafter for MODEL (deterministic given --seed) and save it into the .kdtr."""
     try:
