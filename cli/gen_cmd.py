@@ -1,21 +1,19 @@
 """`kdtr gen`: make a golden bundle (conformance.gen.gen does the work)."""
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shlex
 import sys
-import time
 
 import click
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
 from cli.inputs import InputPath
 from cli.outputs import check_output, fail_write, make_console, refuse_overwriting
+from cli.progress import stage_progress
 from conformance.gen.bundle_model import LONG_POSITION_OFFSET
 from conformance.exit_codes import ExitCode
 from conformance.gen.gen import GenError, GenSettings, apply_quant, generate_bundle, model_from_checkpoint, \
@@ -70,34 +68,6 @@ def _canonical_command(ctx: click.Context) -> str:
         if v is not None:
             argv += [p.opts[0], str(v)]
     return shlex.join(argv)
-
-
-class _Bars:
-    """progress(stage, done, total, info) -> one rich bar per stage on a terminal. Elsewhere (a log file, a
-    pipe, CI) rich draws nothing until the end, so plain lines instead: a stage's start, then a line every
-    LINE_EVERY seconds or tenth of the stage, and its end; the log can be read while it runs."""
-    LINE_EVERY = 10.0
-
-    def __init__(self, progress: Progress | None, console):
-        self.p, self.console, self.tasks = progress, console, {}
-        self.lines = progress is None
-        self.t0 = time.monotonic()
-        self.last: dict = {}                              # stage -> (time, tenth) of its last line
-
-    def __call__(self, stage, done, total, info):
-        loss = "" if info is None else f"loss {info:.3f}"
-        if not self.lines:
-            if stage not in self.tasks:
-                self.tasks[stage] = self.p.add_task(stage, total=total, info="")
-            self.p.update(self.tasks[stage], completed=done, info=loss)
-            return
-        now, tenth = time.monotonic(), (10 * done // total if total else 10)
-        at, was = self.last.get(stage, (None, -1))
-        if at is None or done >= total or tenth > was or now - at >= self.LINE_EVERY:
-            self.last[stage] = (now, tenth)
-            state = "done" if done >= total else ("started" if at is None and done == 0 else "")
-            self.console.print(f"{now - self.t0:8.1f} s  {stage}: {done}/{total} {state}{' ' + loss if loss else ''}"
-                                 .rstrip(), soft_wrap=True, markup=False, highlight=False)
 
 
 @click.command("gen")
@@ -160,12 +130,8 @@ def gen_cmd(preset, quant, int4_scope, checkpoint, model_path, prompts_file, pro
                     distill_steps=distill_steps, long_position=long_position, command=command,
                     bf16_profile=bf16_profile is not False, routing_near_ties=routing_near_ties or "forbid")
     console = make_console(stderr=True)
-    cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            TextColumn("{task.fields[info]}"))
     try:
-        bars = Progress(*cols, console=console, transient=False) if console.is_terminal else None
-        with bars or contextlib.nullcontext():
-            progress = _Bars(bars, console)
+        with stage_progress(console) as progress:
             if model_path:
                 m = model_from_kdtr(model_path, s, progress)
             elif checkpoint:

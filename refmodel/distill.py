@@ -307,22 +307,6 @@ def _train(cfg, W, dcfg, seed, s, ids_np, feats_np, plens, progress):
     return {k: v.detach().to(torch.float64).numpy().copy() for k, v in P.items()}
 
 
-def rich_progress():
-    """A progress(stage, done, total, loss) callback drawing one rich bar per stage; use as a context."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   TextColumn("{task.fields[info]}"))
-    tasks = {}
-
-    def update(stage, done, total, loss):
-        if stage not in tasks:
-            tasks[stage] = bar.add_task(stage, total=total, info="")
-        bar.update(tasks[stage], completed=done, info="" if loss is None else f"loss {loss:.3f}")
-
-    return bar, update
-
-
 # ----------------------------------------------------------------------------------------------------
 # the model file: `kdtr distill MODEL.kdtr`
 
