@@ -12,14 +12,16 @@ from rich.table import Table
 from rich.text import Text
 
 from cli.inputs import InputPath
-from cli.outputs import check_output, fail_write, make_console, refuse_overwriting
+from cli.outputs import check_free_space, check_output, fail_write, make_console, refuse_overwriting
 from cli.progress import stage_progress
 from conformance.gen.bundle_model import LONG_POSITION_OFFSET
 from conformance.exit_codes import ExitCode
 from conformance.gen.gen import GenError, GenSettings, apply_quant, generate_bundle, model_from_checkpoint, \
     model_from_kdtr, model_from_preset
 from kdtr_format import KdtrError
-from kdtr_format.paths import open_regular
+from conformance.gen.goldens import LONG_NEW_TOKENS
+from conformance.gen.size import estimate_bundle_bytes
+from kdtr_format.paths import free_bytes, open_regular
 from refmodel.checkpoint import CheckpointError
 from refmodel.config import PRESETS
 
@@ -90,7 +92,8 @@ def _canonical_command(ctx: click.Context) -> str:
               help="Random prompts of lengths 1, 5, 10, 18, 33, 63, 118, 224 (the first N) when none are given.")
 @click.option("--max-new-tokens", type=click.IntRange(2, 4096), default=64, show_default=True,
               help="Greedy tokens generated per prompt: the golden AR stream's length (1 prefill + N-1 "
-                   "decodes) and the DDTree stream's; the long-position prompt gets at most 8.")
+                   "decodes) and the DDTree stream's; the long-position prompt gets at most "
+                   f"{LONG_NEW_TOKENS}.")
 @click.option("--budget", type=click.IntRange(1, 1024), default=32, show_default=True, help="DDTree node budget.")
 @click.option("--distill-steps", type=click.IntRange(0), default=1000, show_default=True,
               help="Drafter distillation steps (0: untrained drafter).")
@@ -130,6 +133,11 @@ def gen_cmd(preset, quant, int4_scope, checkpoint, model_path, prompts_file, pro
                     distill_steps=distill_steps, long_position=long_position, command=command,
                     bf16_profile=bf16_profile is not False, routing_near_ties=routing_near_ties or "forbid")
     console = make_console(stderr=True)
+    need = _estimate(s, model_path, checkpoint)
+    if need is not None:                                                     # a full disk: say so now, not
+        check_free_space(out, need, "--out")                                 # after the work
+        console.print(f"bundle of about {need / 2**20:.1f} MiB ({free_bytes(out) / 2**20:.0f} MiB free there)",
+                      markup=False, highlight=False, soft_wrap=True)
     try:
         with stage_progress(console) as progress:
             if model_path:
@@ -152,6 +160,15 @@ def gen_cmd(preset, quant, int4_scope, checkpoint, model_path, prompts_file, pro
     for k, v in _figure_rows(fig):
         table.add_row(Text(k), Text(v))
     make_console().print(table)
+
+
+def _estimate(s: GenSettings, model_path, checkpoint) -> int | None:
+    """The bundle's size, estimated before the work (conformance/gen/size.py); None where the model cannot
+    be sized from its header (the work then says what is wrong with it)."""
+    try:
+        return estimate_bundle_bytes(s, model_path, checkpoint)
+    except (KdtrError, OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _figure_rows(fig: dict, prefix: str = ""):

@@ -40,4 +40,36 @@ def test_gen_progress_is_lines_in_a_log(tmp_path):
                        env={**os.environ, "PYTHONPATH": ROOT}, check=True)
     lines = log.read_text().splitlines()
     assert any(ln.endswith("goldens: 1/1 done") for ln in lines), lines
-    assert all(" s  " in ln for ln in lines), lines
+    assert lines[0].startswith("bundle of about ") and all(" s  " in ln for ln in lines[1:]), lines
+
+
+def test_the_size_estimate_bounds_the_bundle_from_above(small_bundle):
+    """The free-space check needs an upper estimate: at least the bundle's size, and near it (the settings
+    of the conftest fixture, and the committed FP32 bundle's command)."""
+    from conformance.gen.gen import GenSettings
+    from conformance.gen.size import estimate_bundle_bytes
+    small = GenSettings(quant="fp32", num_prompts=2, max_new_tokens=8, distill_steps=0, seed=0)
+    committed = GenSettings(quant="fp32", num_prompts=4, max_new_tokens=64)
+    for s, path in ((small, small_bundle), (committed, os.path.join(ROOT, "bundles", "model_tiny.kdtr"))):
+        size, est = os.path.getsize(path), estimate_bundle_bytes(s)
+        print(f"{os.path.basename(path)}: {size} bytes, estimated {est} ({est / size:.2f}x)")
+        assert size <= est <= 1.25 * size
+
+
+def test_a_disk_too_small_is_refused_before_the_work(tmp_path):
+    """A 1 MiB tmpfs for a ~20 MiB bundle: exit 2 at once, naming the sizes; nothing written, no stage run."""
+    import subprocess
+    d = tmp_path / "small"
+    d.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(d)], capture_output=True, text=True)
+    if r.returncode != 0:
+        import pytest
+        pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.strip()}")
+    try:
+        out = d / "b.kdtr"
+        r = CliRunner().invoke(main, ["gen", "--distill-steps", "0", "--out", str(out)])
+        assert r.exit_code == 2, r.output
+        assert f"{out}: about" in r.output and "MiB needed, 1.0 MiB free on its file system" in r.output, r.output
+        assert "goldens" not in r.output and os.listdir(d) == []
+    finally:
+        subprocess.run(["umount", str(d)], check=True)
