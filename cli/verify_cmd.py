@@ -16,7 +16,8 @@ from conformance.engines.engine_choice import ENGINES, EngineOptionError, Engine
 from conformance.exit_codes import ExitCode
 from conformance.report.console import print_console, print_verdict
 from conformance.precision import PROFILES, ProfileError
-from conformance.report.verdict import PRECEDENCE, write_html, write_json, write_junit
+from conformance.report.html import write_html
+from conformance.report.verdict import PRECEDENCE, write_json, write_junit
 from conformance.verify.runner import verify
 from conformance.tolerance import load_rules_file
 from cuda_engine.engine import W4A16_MODES

@@ -72,10 +72,12 @@ def count_line(v: Verdict) -> str:
     """The bundle's checks by status, so that they add up to the coverage total beside them; the checks
     outside coverage (bundle integrity, the coverage gate, errors) are counted apart."""
     n = counts([c for c in v.checks if check_group(c)])
-    rest = [c for c in v.checks if not check_group(c)]
-    other = ", ".join(f"{c.name} {c.status}" for c in rest[:4]) + (f", {len(rest) - 4} more" if len(rest) > 4 else "")
+    rest = counts([c for c in v.checks if not check_group(c)])
+    other = ", ".join(f"{rest[k]} {w}" for k, w in (("pass", "passed"), ("fail", "failed"), ("error", "errors"),
+                                                      ("skip", "skipped")) if rest[k])
     return (f"{n['pass']} passed, {n['fail']} failed, {n['skip']} skipped of the bundle's checks; coverage "
-            f"(checks run / defined): {coverage_text(v.coverage)}" + (f"; besides: {other}" if rest else ""))
+            f"(checks run / defined): {coverage_text(v.coverage)}"
+            + (f"; outside coverage (bundle integrity, errors, the coverage gate): {other}" if other else ""))
 
 
 def print_verdict(v: Verdict, console: Console, not_written: list[str] = ()) -> None:
