@@ -103,3 +103,17 @@ def test_console_lines_in_a_log_do_not_wrap_at_80_columns(tmp_path):
     assert r.returncode == 0, r.stderr
     assert f"PASS dump on {bundle}: exit code 0 (OK)" in r.stdout.splitlines()
     assert len(str(bundle)) > 120
+
+
+@pytest.mark.parametrize("omp, threads", [(None, 1), ("2", 2)])
+def test_the_torch_engine_runs_one_cpu_thread_unless_told_and_says_so(omp, threads):
+    pytest.importorskip("transformers")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    if omp:
+        env["OMP_NUM_THREADS"] = omp
+    code = ("import torch; from conformance.engines.torch_engine import TorchEngine; "
+            "e = TorchEngine(device='cpu'); print(torch.get_num_threads()); print(e.describe())")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**env, "PYTHONPATH": ROOT},
+                       capture_output=True, text=True)
+    n, line = r.stdout.splitlines()
+    assert int(n) == threads and f"cpu ({threads} threads; OMP_NUM_THREADS sets them)" in line, r.stdout + r.stderr
