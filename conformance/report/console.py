@@ -69,15 +69,14 @@ def print_console(v: Verdict, console: Console | None = None, verbose: bool = Fa
 
 
 def count_line(v: Verdict) -> str:
-    """The bundle's checks by status, so that they add up to the coverage total beside them; the checks
-    outside coverage (bundle integrity, the coverage gate, errors) are counted apart."""
+    """The checks of the coverage groups by status, so that they add up to the coverage total beside them;
+    the others (bundle integrity, errors, the coverage gate, per-prompt summaries) are counted apart."""
     n = counts([c for c in v.checks if check_group(c)])
     rest = counts([c for c in v.checks if not check_group(c)])
     other = ", ".join(f"{rest[k]} {w}" for k, w in (("pass", "passed"), ("fail", "failed"), ("error", "errors"),
                                                       ("skip", "skipped")) if rest[k])
-    return (f"{n['pass']} passed, {n['fail']} failed, {n['skip']} skipped of the bundle's checks; coverage "
-            f"(checks run / defined): {coverage_text(v.coverage)}"
-            + (f"; outside coverage (bundle integrity, errors, the coverage gate): {other}" if other else ""))
+    return (f"{n['pass']} passed, {n['fail']} failed, {n['skip']} skipped; coverage (checks run / defined): "
+            f"{coverage_text(v.coverage)}" + (f"; other checks (integrity, errors, summaries): {other}" if other else ""))
 
 
 def print_verdict(v: Verdict, console: Console, not_written: list[str] = ()) -> None:

@@ -10,6 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from conformance.report.console import count_line
+from conformance.report.coverage import coverage_text
 from conformance.report.verdict import CheckResult, Verdict, error_ratio, fmt_value, metric_summary, write_text
 
 _LAYER_TAP = re.compile(r"^(?P<group>.*?)/?L(?P<layer>\d+)/(?P<tap>[^/]+)$")
@@ -112,7 +113,8 @@ def write_html(v: Verdict, path: str | Path) -> None:
            f"</title><style>{_CSS}</style></head><body>",
            f"<h1>kdtr verify: <span class='{e(v.verdict)}'>{e(v.verdict.upper())}</span></h1>",
            f"<p>engine <code>{e(v.engine)}</code>, bundle <code>{e(v.bundle)}</code>, exit code "
-           f"{int(v.exit_code)} ({e(v.exit_code.name)}).</p>", f"<p>{e(count_line(v))}</p>"]
+           f"{int(v.exit_code)} ({e(v.exit_code.name)}).</p>", f"<p>{e(count_line(v).split('; coverage')[0])}</p>",
+           f"<p>coverage (checks run / checks the bundle defines): {e(coverage_text(v.coverage))}</p>"]
     d = v.first_divergence
     if d:
         rows = "".join(f"<tr><th>{e(k.replace('_', ' '))}</th><td>{e(_cell(val))}</td></tr>"
