@@ -14,7 +14,7 @@ from cli.outputs import check_output, fail_write, refuse_overwriting
 from conformance.exit_codes import ExitCode
 from kdtr_format import KdtrError
 from kdtr_format.interop import META_FILE, ST_FILE, convert_safetensors, export_safetensors
-from kdtr_format.reader import describe
+from kdtr_format.describe import describe
 
 _FILE = InputPath(dir_okay=False, readable=True)
 

@@ -19,12 +19,12 @@ import numpy as np
 
 from kdtr_format import spec
 from kdtr_format.checks import (
-    check_dtype, check_int4_pairs, check_int4_shape, check_name, check_shape, check_zero_size_extent,
+    check_dtype, check_extents, check_int4_pairs, check_int4_shape, check_name, check_shape, check_zero_size_extent,
     header_digest, scan_json)
 from kdtr_format.errors import (
     REGENERATE, AlignmentError, ByteOrderError, ChecksumError, ClosedFileError, DuplicateNameError,
     HeaderChecksumError, HeaderFormatError, HeaderTooLargeError, InvalidBoolError, MetadataError,
-    NotAKdtrFileError, OffsetError, OverlapError, PaddingError,
+    NotAKdtrFileError, OffsetError, PaddingError,
     ShapeMismatchError, TensorNotFoundError, TrailingDataError, TruncatedFileError,
     UnsupportedVersionError)
 from kdtr_format.extents import CHUNK, FileWatch
@@ -187,7 +187,7 @@ class KdtrFile:
                 f"{REGENERATE}")
         self.metadata = doc["metadata"]
         entries = [self._entry(i, e, strict) for i, e in enumerate(doc["tensors"])]
-        self._check_extents(entries)
+        check_extents(entries, self.header_offset, self.path)
         for info in entries:
             if type(info.dtype) is not str or info.dtype not in spec.DTYPES:
                 check_dtype(info.name, info.dtype, p)
@@ -250,33 +250,6 @@ class KdtrFile:
                                     f"lowercase hex digits; {REGENERATE}")
         raise HeaderFormatError(f"{p}: {label}: field 'int4_shape' = {e['int4_shape']!r} is not a "
                                 f"list (omit the key for a tensor that is not packed INT4); {REGENERATE}")
-
-    def _check_extents(self, entries: list[TensorInfo]) -> None:
-        """Extents in directory order: inside the data section, non-overlapping, aligned, no gaps."""
-        p, end = self.path, spec.DATA_START
-        for info in entries:
-            name = info.name
-            if info.offset < spec.DATA_START or info.offset + info.nbytes > self.header_offset:
-                raise OffsetError(
-                    f"{p}: tensor '{name}': extent [{info.offset}, {info.offset + info.nbytes}) lies "
-                    f"outside the data section [{spec.DATA_START}, {self.header_offset}); {REGENERATE}")
-            if info.offset < end:
-                raise OverlapError(
-                    f"{p}: tensor '{name}': offset {info.offset} is before the end {end} of the "
-                    f"previous tensor (extents must be sorted and disjoint); {REGENERATE}")
-            if info.offset % spec.ALIGNMENT:
-                raise AlignmentError(
-                    f"{p}: tensor '{name}': offset {info.offset} is not a multiple of "
-                    f"{spec.ALIGNMENT}; {REGENERATE}")
-            if info.offset != spec.align_up(end):
-                raise OffsetError(
-                    f"{p}: tensor '{name}': offset {info.offset} leaves a gap after byte {end} "
-                    f"(expected {spec.align_up(end)}); {REGENERATE}")
-            end = info.offset + info.nbytes
-        if spec.align_up(end) != self.header_offset:
-            raise OffsetError(
-                f"{p}: data ends at byte {end} but header_offset is {self.header_offset} "
-                f"(expected {spec.align_up(end)}); {REGENERATE}")
 
     # -- public API --
 
@@ -357,7 +330,8 @@ class KdtrFile:
         infos = [self.info(n) for n in names] if names is not None else list(self._infos.values())
         if self._closed:
             raise ClosedFileError(f"{self.path}: file is closed; verify inside `with open_kdtr(...)`")
-        total, done, buf = sum(i.nbytes for i in infos), 0, bytearray(CHUNK)
+        total, done = sum(i.nbytes for i in infos), 0
+        buf = bytearray(max(1, min(CHUNK, max((i.nbytes for i in infos), default=0))))   # small file, small buffer
 
         def step(n):
             nonlocal done
@@ -417,17 +391,3 @@ def open_kdtr(path, verify: bool = False, private: bool = False) -> KdtrFile:
     read is a copy checked against its checksum, so a file changed or truncated while open is a
     KdtrError (exit 5), never a SIGBUS, and the bytes a caller gets are the bytes that were checked."""
     return KdtrFile(path, verify=verify, private=private)
-
-
-def describe(path, check: bool = False) -> dict:
-    """A JSON-able summary of a file (what `kdtr inspect` shows); check=True verifies every checksum."""
-    with open_kdtr(path, verify=check) as f:
-        tensors = [{"name": i.name, "dtype": i.dtype, "shape": list(i.shape), "offset": i.offset,
-                    "nbytes": i.nbytes, "sha256": i.checksum,
-                    "int4_shape": list(i.int4_shape) if i.int4_shape is not None else None}
-                   for i in f._infos.values()]
-        return {"path": f.path, "version": f"{f.version[0]}.{f.version[1]}",
-                "file_size": f.file_size, "header_offset": f.header_offset,
-                "header_len": f.header_len, "header_sha256": f.header_sha256,
-                "data_bytes": sum(t["nbytes"] for t in tensors), "checked": check,
-                "metadata": f.metadata, "tensors": tensors}
