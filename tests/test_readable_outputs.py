@@ -115,4 +115,5 @@ def test_the_torch_engine_runs_one_cpu_thread_unless_told_and_says_so(omp, threa
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**env, "PYTHONPATH": ROOT},
                        capture_output=True, text=True)
     n, line = r.stdout.splitlines()
-    assert int(n) == threads and f"cpu ({threads} threads; OMP_NUM_THREADS sets them)" in line, r.stdout + r.stderr
+    said = f"cpu ({threads} thread{'s' * (threads != 1)}; OMP_NUM_THREADS sets them)"
+    assert int(n) == threads and said in line, r.stdout + r.stderr

@@ -183,7 +183,8 @@ class TorchEngine:
         self.held_rows = 0                                               # rows that ran held, not own, experts
 
     def describe(self) -> str:
-        threads = f" ({torch.get_num_threads()} threads; OMP_NUM_THREADS sets them)" if self.device == "cpu" else ""
+        n = torch.get_num_threads()
+        threads = f" ({n} thread{'s' * (n != 1)}; OMP_NUM_THREADS sets them)" if self.device == "cpu" else ""
         return f"{self.module or 'transformers DeepseekV3ForCausalLM'}, {self.dtype}, {self.device}{threads}"
 
     def load(self, bundle) -> None:
