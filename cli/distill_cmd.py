@@ -4,29 +4,31 @@ import sys
 
 import click
 
-from cli.outputs import check_output, fail_write
+from cli.inputs import InputPath
+from cli.outputs import check_output, fail_write, make_console
+from cli.progress import stage_progress
 from conformance.exit_codes import ExitCode
 
 
 @click.command("distill")
-@click.argument("model", type=click.Path(exists=True, dir_okay=False, readable=True))
+@click.argument("model", type=InputPath(dir_okay=False, readable=True))
 @click.option("--steps", default=1000, show_default=True, type=click.IntRange(min=1), help="Training steps.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seeds the corpus, the init and torch.")
 @click.option("--out", type=click.Path(dir_okay=False), default=None,
-              help="Write here instead of updating MODEL in place.")
+              help="Write here instead of updating MODEL in place (MODEL itself: the same as leaving it out; "
+                   "the update is atomic, the old file intact until the new one is whole).")
 def distill_cmd(model: str, steps: int, seed: int, out: str | None) -> None:
     """Distill the drafter for MODEL (deterministic given --seed) and save it into the .kdtr."""
     try:
-        from refmodel.distill import distill_model_file, rich_progress
+        from refmodel.distill import distill_model_file
     except ImportError as e:
         click.echo(f"error: kdtr distill needs torch ({e}); pip install torch==2.13.0 first", err=True)
         sys.exit(int(ExitCode.USAGE))
     from kdtr_format import KdtrError
 
     check_output(out or model, "--out")
-    bar, progress = rich_progress()
     try:
-        with bar:
+        with stage_progress(make_console(stderr=True)) as progress:
             info = distill_model_file(model, out or model, seed, steps, progress)
     except (KdtrError, ValueError) as e:
         click.echo(f"error: {e}", err=True)

@@ -4,17 +4,19 @@ A bad file is the user's input, not a bug: every KdtrError (an input that is not
 included) becomes one line on stderr and exit code ExitCode.INVALID_FILE (5); a missing path or an
 output that cannot be written is a usage error (2). Everything printed is plain text."""
 import json
+import os
 import sys
 
 import click
 
-from cli.outputs import check_output, fail_write
+from cli.inputs import InputPath
+from cli.outputs import check_output, fail_write, refuse_overwriting
 from conformance.exit_codes import ExitCode
 from kdtr_format import KdtrError
-from kdtr_format.interop import convert_safetensors, export_safetensors
-from kdtr_format.reader import describe
+from kdtr_format.interop import META_FILE, ST_FILE, convert_safetensors, export_safetensors
+from kdtr_format.describe import describe
 
-_FILE = click.Path(exists=True, dir_okay=False, readable=True)
+_FILE = InputPath(dir_okay=False, readable=True)
 
 
 def _fail(err: Exception) -> None:
@@ -81,6 +83,8 @@ def export_cmd(file: str, out_dir: str) -> None:
 
     Both files are written atomically. Exit 0, 2 when DIR cannot be written, 5 for an invalid FILE.
     """
+    refuse_overwriting([("--to", os.path.join(out_dir, ST_FILE)), ("--to", os.path.join(out_dir, META_FILE))],
+                       [("input", file)])
     try:
         st_path, meta_path = export_safetensors(file, out_dir)
     except KdtrError as e:
@@ -101,6 +105,7 @@ def convert_cmd(file: str, out_path: str) -> None:
     it removes its temp file; one left by a kill -9 is swept by the next write to the same name.
     """
     check_output(out_path, "--out")
+    refuse_overwriting([("--out", out_path)], [("input", file)])
     try:
         convert_safetensors(file, out_path)
     except KdtrError as e:

@@ -5,36 +5,42 @@ import json
 import os
 import shlex
 import sys
-import time
 
 import click
-from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
-from cli.outputs import check_output, fail_write
+from cli.inputs import InputPath
+from cli.outputs import check_free_space, check_output, fail_write, make_console, refuse_overwriting
+from cli.progress import stage_progress
 from conformance.exit_codes import ExitCode
 from conformance.gen.bundle_model import LONG_POSITION_OFFSET
 from conformance.gen.gen import GenError, GenSettings, apply_quant, generate_bundle, model_from_checkpoint, \
     model_from_kdtr, model_from_preset
 from kdtr_format import KdtrError
-from kdtr_format.paths import open_regular
+from conformance.gen.goldens import LONG_NEW_TOKENS
+from conformance.gen.size import estimate_bundle_bytes
+from kdtr_format.paths import free_bytes, open_regular
 from refmodel.checkpoint import CheckpointError
+from refmodel.config import PRESETS
 
 
 def _parse_prompt_ids(text: str | None) -> list | None:
-    """'1,5,9;7' -> [[1, 5, 9], [7]]: prompts separated by ';', ids by ','."""
+    """'1,5,9;7' -> [[1, 5, 9], [7]]: prompts separated by ';', ids by ','. Strict: an empty id or prompt
+    ('1,,2', '1;;2', a trailing ',' or ';') is an error, never skipped, so what runs is what was typed."""
     if text is None:
         return None
-    try:
-        prompts = [[int(t) for t in p.split(",") if t.strip()] for p in text.split(";") if p.strip()]
-    except ValueError:
-        prompts = []
-    if not prompts or not all(prompts):
-        raise click.BadParameter(f"{text!r}: write prompts as comma-separated ids, prompts separated by ';' "
-                                 f"(e.g. '12;5,7,9')", param_hint="--prompt-ids")
+    prompts, bad = [], None
+    for p in text.split(";"):
+        ids = [t.strip() for t in p.split(",")]
+        if bad is None:
+            bad = next((t for t in ids if not (t.isascii() and t.isdigit())), None)
+        prompts.append([int(t) for t in ids if t.isascii() and t.isdigit()])
+    if bad is not None:
+        where = "an empty id or prompt" if bad == "" else f"{bad!r} is not a token id (an integer >= 0)"
+        raise click.BadParameter(f"{text!r}: {where}; write prompts as comma-separated ids, prompts separated "
+                                 f"by ';' (e.g. '12;5,7,9')", param_hint="--prompt-ids")
     return prompts
 
 
@@ -66,44 +72,32 @@ def _canonical_command(ctx: click.Context) -> str:
     return shlex.join(argv)
 
 
-class _Bars:
-    """progress(stage, done, total, info) -> one rich bar per stage."""
-
-    def __init__(self, progress: Progress):
-        self.p, self.tasks = progress, {}
-        self.lines = not progress.console.is_terminal     # a log file: a line per finished stage instead
-        self.t0 = time.monotonic()
-
-    def __call__(self, stage, done, total, info):
-        if stage not in self.tasks:
-            self.tasks[stage] = self.p.add_task(stage, total=total, info="")
-        self.p.update(self.tasks[stage], completed=done, info="" if info is None else f"loss {info:.3f}")
-        if self.lines and done >= total:
-            self.p.console.print(f"{time.monotonic() - self.t0:8.1f} s  {stage}: {done}/{total} done",
-                                 soft_wrap=True, markup=False, highlight=False)
-
-
 @click.command("gen")
-@click.option("--preset", default="tiny", show_default=True, help="Model preset (refmodel.config.PRESETS).")
+@click.option("--preset", type=click.Choice(sorted(PRESETS)), default="tiny", show_default=True,
+              help="Model preset (refmodel.config.PRESETS): tiny (the committed bundles' target), k26-slice "
+                   "(K2.6's true layer shapes, 3 layers), k26 (the full model: listed, refused: too large).")
 @click.option("--quant", type=click.Choice(["fp32", "int4"]), default=None,
               help="fp32 weights, or INT4 W4A16 group-32 (compressed-tensors layout). Default: the model's "
                    "own (--model, --from-checkpoint), fp32 for --preset.")
 @click.option("--int4-scope", type=click.Choice(["experts", "mlp"]), default="experts", show_default=True,
               help="INT4 modules: routed experts only (as K2.6 ships) or every MLP.")
-@click.option("--from-checkpoint", "checkpoint", type=click.Path(exists=True, file_okay=False),
+@click.option("--from-checkpoint", "checkpoint", type=InputPath(file_okay=False),
               help="Take the target straight from an HF-layout checkpoint directory (read in place, never copied; "
                    "a drafter is distilled for it when --distill-steps asks and it fits in memory, else untrained).")
 @click.option("--layers", type=click.IntRange(1), default=None,
               help="With --from-checkpoint: the first N layers (embedding, layers 0..N-1, final norm, lm_head), "
                    "the model an engine runs with num_hidden_layers = N. Default: every layer.")
-@click.option("--model", "model_path", type=click.Path(exists=True, dir_okay=False),
+@click.option("--model", "model_path", type=InputPath(dir_okay=False),
               help="Take target and drafter from an existing .kdtr model or bundle.")
-@click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False),
+@click.option("--prompts", "prompts_file", type=InputPath(dir_okay=False),
               help="JSON file: a list of prompts, each a list of token ids.")
 @click.option("--prompt-ids", help="Prompts inline: ids separated by ',', prompts by ';' (e.g. '12;5,7,9').")
 @click.option("--num-prompts", type=click.IntRange(1, 8), default=4, show_default=True,
               help="Random prompts of lengths 1, 5, 10, 18, 33, 63, 118, 224 (the first N) when none are given.")
-@click.option("--max-new-tokens", type=click.IntRange(2, 4096), default=64, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(2, 4096), default=64, show_default=True,
+              help="Greedy tokens generated per prompt: the golden AR stream's length (1 prefill + N-1 "
+                   "decodes) and the DDTree stream's; the long-position prompt gets at most "
+                   f"{LONG_NEW_TOKENS}.")
 @click.option("--budget", type=click.IntRange(1, 1024), default=32, show_default=True, help="DDTree node budget.")
 @click.option("--distill-steps", type=click.IntRange(0), default=1000, show_default=True,
               help="Drafter distillation steps (0: untrained drafter).")
@@ -138,6 +132,8 @@ def gen_cmd(preset, quant, int4_scope, checkpoint, layers, model_path, prompts_f
         raise click.UsageError("--prompts and --prompt-ids both give prompts: pass one")
     prompts = _read_prompts(prompts_file) or _parse_prompt_ids(prompt_ids)
     check_output(out, "--out")                                               # fail now, not after the work
+    refuse_overwriting([("--out", out)], [("--model", model_path), ("--prompts file", prompts_file)]
+                       + [("checkpoint file", os.path.join(checkpoint, n)) for n in _files(checkpoint)])
     command = _canonical_command(click.get_current_context())
     s = GenSettings(preset=preset, quant=quant, int4_scope=int4_scope, seed=seed, prompts=prompts,
                     num_prompts=num_prompts, max_new_tokens=max_new_tokens, budget=budget,
@@ -145,12 +141,14 @@ def gen_cmd(preset, quant, int4_scope, checkpoint, layers, model_path, prompts_f
                     bf16_profile=bf16_profile is not False, layers=layers,
                     # a real checkpoint's top-8 of hundreds of experts has near-ties in most prompts: held
                     routing_near_ties=routing_near_ties or ("held" if checkpoint else "forbid"))
-    console = Console(stderr=True)
-    cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            TextColumn("{task.fields[info]}"))
+    console = make_console(stderr=True)
+    need = _estimate(s, model_path, checkpoint)
+    if need is not None:                                                     # a full disk: say so now, not
+        check_free_space(out, need, "--out")                                 # after the work
+        console.print(f"bundle of about {need / 2**20:.1f} MiB ({free_bytes(out) / 2**20:.0f} MiB free there)",
+                      markup=False, highlight=False, soft_wrap=True)
     try:
-        with Progress(*cols, console=console, transient=False) as bar:
-            progress = _Bars(bar)
+        with stage_progress(console) as progress:
             if model_path:
                 m = model_from_kdtr(model_path, s, progress)
             elif checkpoint:
@@ -168,6 +166,36 @@ def gen_cmd(preset, quant, int4_scope, checkpoint, layers, model_path, prompts_f
     table.add_column("value", justify="right")
     table.add_row("bundle size", f"{os.path.getsize(out) / 2**20:.2f} MiB")
     table.add_row("prompts x new tokens", f"{len(s.prompts) if s.prompts else num_prompts} x {max_new_tokens}")
+    for k, v in _figure_rows(fig):
+        table.add_row(Text(k), Text(v))
+    make_console().print(table)
+
+
+def _estimate(s: GenSettings, model_path, checkpoint) -> int | None:
+    """The bundle's size, estimated before the work (conformance/gen/size.py); None where the model cannot
+    be sized from its header (the work then says what is wrong with it)."""
+    try:
+        return estimate_bundle_bytes(s, model_path, checkpoint)
+    except (KdtrError, CheckpointError, OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _figure_rows(fig: dict, prefix: str = ""):
+    """The summary figures as (name, value) rows: a nested table's entries as `long_position: prompt`, a
+    list as its values separated by spaces (never a Python repr)."""
     for k, v in fig.items():
-        table.add_row(k, str(v))
-    Console().print(table)
+        name = f"{prefix}{k.replace('_', ' ')}"
+        if isinstance(v, dict):
+            yield from _figure_rows(v, f"{name}: ")
+        elif isinstance(v, (list, tuple)):
+            yield name, " ".join(map(str, v))
+        else:
+            yield name, f"{v:.6g}" if isinstance(v, float) else str(v)
+
+
+def _files(directory: str | None) -> list[str]:
+    """The regular files directly in a checkpoint directory (its config and shards)."""
+    if directory is None:
+        return []
+    with os.scandir(directory) as it:
+        return sorted(e.name for e in it if e.is_file())

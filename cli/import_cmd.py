@@ -2,13 +2,15 @@
 (INT4 experts kept packed) into one .kdtr model file. All logic is refmodel.checkpoint.import_checkpoint;
 a bad checkpoint (a config or shard that is not a regular file included) is one line on stderr and
 exit code ExitCode.INVALID_FILE (5); an --out that cannot be written is exit 2."""
+import os
 import sys
 
 import click
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-from cli.outputs import check_output, fail_write
+from cli.inputs import InputPath
+from cli.outputs import check_output, fail_write, refuse_overwriting
 from conformance.exit_codes import ExitCode
 from kdtr_format import KdtrError
 from refmodel.checkpoint import CheckpointError, import_checkpoint
@@ -16,7 +18,7 @@ from refmodel.truncate import LayersError, import_truncated
 
 
 @click.command("import")
-@click.argument("checkpoint_dir", type=click.Path(exists=True, file_okay=False, readable=True))
+@click.argument("checkpoint_dir", type=InputPath(file_okay=False, readable=True))
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False, writable=True),
               help="The .kdtr model file to write (atomically).")
 @click.option("--layers", type=click.IntRange(1), default=None,
@@ -25,6 +27,8 @@ from refmodel.truncate import LayersError, import_truncated
 def import_cmd(checkpoint_dir: str, out_path: str, layers: int | None) -> None:
     """Import CHECKPOINT_DIR (config.json + safetensors shards) into a .kdtr model file."""
     check_output(out_path, "--out")
+    with os.scandir(checkpoint_dir) as it:        # --out inside the checkpoint must not replace its config or a shard
+        refuse_overwriting([("--out", out_path)], [("checkpoint file", e.path) for e in it if e.is_file()])
     console = Console(stderr=True)
     columns = (TextColumn("importing"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
     try:

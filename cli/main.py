@@ -2,17 +2,33 @@
 commands parse arguments, call one typed library function and print."""
 import click
 
+from conformance.exit_codes import ExitCode
 from conformance.version import kdtr_version
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Kdtr(click.Group):
+    """Ctrl-C (SIGINT) ends any command with exit code 130, as shells report it, and one line: click's
+    own "Aborted!" exits 1, the code of a numeric failure. Temp files are removed and outputs left as
+    they were on the way out (kdtr_format.paths.write_atomically)."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            name = ctx.invoked_subcommand or ""
+            click.echo(f"\nkdtr {name}: interrupted; outputs not written are left as they were (exit code "
+                       f"{int(ExitCode.INTERRUPTED)})", err=True)
+            raise click.exceptions.Exit(int(ExitCode.INTERRUPTED)) from None
+
+
+@click.group(cls=_Kdtr, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(kdtr_version(), "--version", prog_name="kdtr")
 def main() -> None:
     """kdtr: golden-bundle conformance for Kimi K2.6-class inference engines.
 
     Exit codes: 0 pass, 1 numeric tolerance failure, 2 usage error, 3 token-stream
     mismatch, 4 DDTree mismatch, 5 invalid or corrupt file, 6 engine error, 7 coverage
-    below `kdtr verify --require-coverage`.
+    below `kdtr verify --require-coverage`, 130 interrupted (Ctrl-C).
     """
 
 

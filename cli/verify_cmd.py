@@ -1,39 +1,32 @@
 """`kdtr verify`: judge an engine (or an external engine's run dump) against golden bundles."""
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import click
-from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.text import Text
 
-from cli.outputs import check_output, fail_write
+from cli.inputs import InputPath
+from cli.outputs import (STDOUT, check_output, make_console, per_bundle, refuse_overwriting, write_error,
+                         writes_stdout)
 from conformance.engines.engine_choice import ENGINES, EngineOptionError, EngineUnavailable, pick_engine
 from conformance.exit_codes import ExitCode
 from conformance.precision import PROFILES, ProfileError
-from conformance.report.console import print_console
-from conformance.report.html_report import write_html
-from conformance.report.junit import write_junit
-from conformance.report.verdict import PRECEDENCE, write_json
+from conformance.report.console import print_console, print_verdict
+from conformance.report.html import write_html
+from conformance.report.verdict import PRECEDENCE, write_json, write_junit
 from conformance.rules_file import load_rules_file
 from conformance.verify.runner import verify
 from cuda_engine.engine import W4A16_MODES
 from kdtr_format.errors import NotARegularFileError
-from kdtr_format.paths import check_regular
-
-
-def _suffixed(path: str | None, bundle: str, many: bool) -> str | None:
-    """With several bundles, one report per bundle: report.json -> report.model_tiny.json."""
-    if path is None or not many:
-        return path
-    stem = bundle.rsplit("/", 1)[-1].rsplit(".", 1)[0]
-    head, dot, ext = path.rpartition(".")
-    return f"{head}.{stem}.{ext}" if dot else f"{path}.{stem}"
+from kdtr_format.paths import check_regular, same_file
 
 
 @click.command("verify")
-@click.argument("bundles", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.argument("bundles", nargs=-1, required=True, type=InputPath(dir_okay=False))
 @click.option("--engine", "engine_name", type=click.Choice(["auto"] + sorted(ENGINES)), default="auto",
               show_default=True, help="Engine under test; auto = cuda when a GPU and pycuda are present, "
                                       "else reference; torch = a PyTorch DeepseekV3 (docs/conformance.md); "
@@ -50,16 +43,21 @@ def _suffixed(path: str | None, bundle: str, many: bool) -> str | None:
                    "(the packed weights as stored), dense (dequantized at load). docs/cuda-engine.md.")
 @click.option("--profile", type=click.Choice(PROFILES),
               help="Tolerance profile the bundle derived (fp32, bf16); default: the engine's dtype.")
-@click.option("--dump", type=click.Path(exists=True, dir_okay=False),
+@click.option("--dump", type=InputPath(dir_okay=False),
               help="Judge an external engine's run dump (docs/run-dump.md) instead of running an engine (so "
                    "--engine, --dtype, --module and --w4a16 do not apply: a usage error).")
-@click.option("--rules", type=click.Path(exists=True, dir_okay=False),
+@click.option("--rules", type=InputPath(dir_okay=False),
               help="Tolerance overrides: TOML/JSON, glob over check names -> rule (docs/conformance.md).")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the JSON report here.")
-@click.option("--junit", "junit_path", type=click.Path(dir_okay=False), help="Write a JUnit XML report here.")
-@click.option("--html", "html_path", type=click.Path(dir_okay=False), help="Write a static HTML report here.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True),
+              help="Write the JSON report here; `-` (or /dev/stdout): to stdout, the console then on stderr. "
+                   "With several BUNDLES, one report each (README.md: report names).")
+@click.option("--junit", "junit_path", type=click.Path(dir_okay=False, allow_dash=True),
+              help="Write a JUnit XML report here (`-`: stdout).")
+@click.option("--html", "html_path", type=click.Path(dir_okay=False, allow_dash=True),
+              help="Write a static HTML report here (`-`: stdout).")
 @click.option("--save-dump", type=click.Path(dir_okay=False),
-              help="Also write the engine's outputs as a run dump (the format external engines write).")
+              help="Also write the engine's outputs as a run dump (the format external engines write); never "
+                   "a bundle or other input (refused).")
 @click.option("--require-coverage", "require_coverage", metavar="full|FRACTION",
               help="Fail (exit 7) unless every group of checks (prefill, decode, tokens, ddtree) ran at "
                    "least this fraction of the checks the bundle defines; `full` = 1. Default: skipped "
@@ -68,31 +66,39 @@ def _suffixed(path: str | None, bundle: str, many: bool) -> str | None:
 def verify_cmd(bundles, engine_name, dtype, module_path, w4a16, profile, dump, rules, json_path, junit_path, html_path,
                save_dump, require_coverage, verbose):
     """Verify an engine against golden BUNDLES: every tap of every layer, the AR token stream and
-    the DDTree rounds. Exit 0 pass, 1 numeric, 2 usage, 3 tokens, 4 DDTree, 5 invalid/corrupt bundle or
-    dump, 6 engine error, 7 coverage below --require-coverage (the most severe wins when several occur:
-    5 > 6 > 3 > 4 > 1 > 7).
+    the DDTree rounds. Exit 0 pass, 1 numeric, 2 usage (or a report not written), 3 tokens, 4 DDTree,
+    5 invalid/corrupt bundle or dump, 6 engine error, 7 coverage below --require-coverage, 130
+    interrupted (the most severe wins when several occur: 5 > 6 > 3 > 4 > 1 > 7 > 2). The verdict line
+    comes last, after every report is written; each report written is named.
     """
-    console = Console(stderr=True)
+    console = make_console(stderr=True)
     coverage = _coverage_fraction(require_coverage)
     try:
         overrides = load_rules_file(rules) if rules else ()
     except (OSError, ValueError) as e:
         raise click.BadParameter(str(e), param_hint="--rules") from None
-    for path, hint in ((json_path, "--json"), (junit_path, "--junit"), (html_path, "--html")):
+    reports = {"--json": json_path, "--junit": junit_path, "--html": html_path}
+    for hint, path in reports.items():
         check_output(path, hint, stream_ok=True)    # a report may go to a device or /dev/stdout
     check_output(save_dump, "--save-dump")          # a .kdtr needs a regular file (it is seeked)
     if dump and len(bundles) > 1:
         raise click.UsageError("--dump judges one run against one bundle: pass a single BUNDLE")
     if dump:
         _refuse_engine_options(engine_name, dtype, module_path, w4a16)
+    to_stdout = _stdout_report(reports, len(bundles))
+    paths = {hint: per_bundle(path, list(bundles)) for hint, path in (*reports.items(), ("--save-dump", save_dump))}
+    _refuse_repeats(bundles)
+    refuse_overwriting([(hint, p) for hint, ps in paths.items() for p in dict.fromkeys(ps)],
+                       [("bundle", b) for b in bundles] + [("run dump", dump), ("rules file", rules)])
     for path, what in [(b, "bundle") for b in bundles] + ([(dump, "run dump")] if dump else []):
         try:                                        # a FIFO or device: one line and exit 5, before any run
             check_regular(path, what)
         except (NotARegularFileError, OSError) as e:
-            Console(stderr=True, soft_wrap=True).print(f"kdtr verify: {e}", markup=False, highlight=False)
+            make_console(stderr=True).print(f"kdtr verify: {e}", markup=False, highlight=False, soft_wrap=True)
             sys.exit(ExitCode.INVALID_FILE)
+    verdicts = make_console(stderr=to_stdout)      # the console's own lines: stdout, unless a report takes it
     worst = ExitCode.OK
-    for bundle in bundles:
+    for k, bundle in enumerate(bundles):
         engine = None
         if not dump:
             try:
@@ -103,39 +109,85 @@ def verify_cmd(bundles, engine_name, dtype, module_path, w4a16, profile, dump, r
                 console.print(f"[red]kdtr verify: {escape(str(e))}[/red]", soft_wrap=True)
                 sys.exit(ExitCode.ENGINE_ERROR)
             console.print(f"engine: [bold]{escape(engine.name)}[/bold] ({escape(why)})")
-        cols = (TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
-                TimeElapsedColumn())
-        with Progress(*cols, console=console, transient=True) as bar:
-            task = {}
-
-            def progress(stage, done, total, _info):
-                if stage not in task:
-                    task[stage] = bar.add_task(f"{bundle}: {stage}", total=total)
-                bar.update(task[stage], completed=done)
-
+        with _bars(console, bundle) as progress:
             try:
                 v = verify(bundle, engine=engine, dump=dump, overrides=overrides, progress=progress,
-                           save_dump=_suffixed(save_dump, bundle, len(bundles) > 1), require_coverage=coverage,
-                           profile=profile, announce=lambda line: console.print(escape(line), soft_wrap=True))
+                           save_dump=paths["--save-dump"][k], require_coverage=coverage, profile=profile,
+                           announce=lambda line: console.print(escape(line), soft_wrap=True))
             except ProfileError as e:
                 raise click.UsageError(f"{bundle}: {e}") from None
-            except OSError as e:        # only the dump write touches the file system after the checks above
-                if not save_dump:
-                    raise
-                fail_write(e, "kdtr verify --save-dump")
         console.print(f"tolerance profile: {v.info.get('profile', '-')}")
         if "routing" in v.info:
             console.print(f"routing: {escape(v.info['routing'])}")
-        print_console(v, Console(), verbose=verbose)
-        many = len(bundles) > 1
-        for path, write in ((json_path, write_json), (junit_path, write_junit), (html_path, write_html)):
-            if path:
-                try:
-                    write(v, _suffixed(path, bundle, many))
-                except OSError as e:   # e.g. --json /dev/full: one line and exit 2, the device untouched
-                    fail_write(e, "kdtr verify")
-        worst = max(worst, v.exit_code, key=_severity)
+        print_console(v, verdicts, verbose=verbose, verdict=False)
+        failed = _write_reports(v, {h: ps[k] for h, ps in paths.items()}, console)
+        print_verdict(v, verdicts, failed)
+        worst = max(worst, ExitCode.USAGE if failed and v.exit_code == ExitCode.OK else v.exit_code, key=_severity)
     sys.exit(int(worst))
+
+
+REPORTS = (("--json", "JSON report", write_json), ("--junit", "JUnit report", write_junit),
+           ("--html", "HTML report", write_html))
+
+
+def _write_reports(v, paths: dict, console) -> list[str]:
+    """Write every report asked for, each on its own: one that fails (a full disk) is named with why, and
+    the others are still written. Returns the paths not written (the run dump's included)."""
+    failed = []
+    saved = v.info.get("save_dump")
+    if paths["--save-dump"] and saved is None:
+        console.print(Text(f"run dump not written to {paths['--save-dump']}: the run stopped before the engine's "
+                           f"outputs were complete (see above)", style="yellow"), soft_wrap=True)
+    elif saved is not None and "error" in saved:
+        failed.append(saved["path"])
+        console.print(Text(f"run dump NOT written: cannot write {saved['path']}: {saved['error']}", style="bold red"),
+                      soft_wrap=True)
+    elif saved is not None:
+        console.print(Text(f"run dump: {saved['path']}"), soft_wrap=True)
+    for hint, label, write in REPORTS:
+        path = paths[hint]
+        if path is None:
+            continue
+        try:
+            write(v, "/dev/stdout" if path == STDOUT else path)
+        except OSError as e:       # e.g. a full disk: named, and the next report is still tried
+            failed.append(path)
+            console.print(Text(f"{label} NOT written: {write_error(e, path)}", style="bold red"), soft_wrap=True)
+            continue
+        console.print(Text(f"{label}: {'stdout' if path == STDOUT else path}"), soft_wrap=True)
+    return failed
+
+
+def _stdout_report(reports: dict, n_bundles: int) -> bool:
+    """True when a report goes to stdout; then it must be the only thing there (one report, one bundle)."""
+    to = [hint for hint, path in reports.items() if writes_stdout(path)]
+    if len(to) > 1:
+        raise click.UsageError(f"{' and '.join(to)} both write to stdout: one report can go there, the others to files")
+    if to and n_bundles > 1:
+        raise click.UsageError(f"{to[0]} to stdout with {n_bundles} bundles would mix their reports: give a file "
+                               f"name (one report per bundle is written beside it) or one BUNDLE")
+    return bool(to)
+
+
+def _refuse_repeats(bundles) -> None:
+    for i, b in enumerate(bundles):
+        for b0 in bundles[:i]:
+            if same_file(b, b0):
+                raise click.UsageError(f"BUNDLE {b} is given twice (also as {b0}): its reports would have one name")
+
+
+@contextlib.contextmanager
+def _bars(console, bundle: str):
+    """A progress(stage, done, total, info) callback drawing a transient bar per stage (terminals only)."""
+    cols = (TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*cols, console=console, transient=True) as bar:
+        task = {}
+
+        def progress(stage, done, total, _info):
+            if stage not in task:
+                task[stage] = bar.add_task(f"{bundle}: {stage}", total=total)
+            bar.update(task[stage], completed=done)
+        yield progress
 
 
 def _refuse_engine_options(engine_name, dtype, module_path, w4a16) -> None:
@@ -167,4 +219,7 @@ def _coverage_fraction(text: str | None) -> float | None:
 
 
 def _severity(code: ExitCode) -> int:
-    return len(PRECEDENCE) - PRECEDENCE.index(code) if code in PRECEDENCE else 0
+    """PRECEDENCE, then USAGE (a report not written) below every failure of the run, then OK."""
+    if code in PRECEDENCE:
+        return len(PRECEDENCE) - PRECEDENCE.index(code) + 1
+    return 1 if code == ExitCode.USAGE else 0

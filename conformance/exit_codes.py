@@ -12,3 +12,4 @@ class ExitCode(IntEnum):
     INVALID_FILE = 5     # not a kdtr file, corrupt, truncated, checksum mismatch
     ENGINE_ERROR = 6     # the engine under test raised or is unavailable
     COVERAGE = 7         # every check that ran passed, but fewer ran than --require-coverage asks
+    INTERRUPTED = 130    # stopped by Ctrl-C (SIGINT): 128 + 2, as shells report a SIGINT death

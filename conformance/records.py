@@ -7,6 +7,8 @@ import numpy as np
 
 from kdtr_format import KdtrError, Tensor, open_kdtr, write_kdtr
 from refmodel.config import ModelConfig
+from refmodel.drafter import DrafterConfig, drafter_shapes
+from refmodel.weights import expected_shapes
 from refmodel.ddtree import Tree, live_records, offsets, ragged, visibility  # noqa: F401 - the records' one builder
 from refmodel.model import tap_names
 
@@ -47,6 +49,52 @@ def check_schema(f, path: str) -> None:
             and all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offs)):
         raise BundleSchemaError(f"{path}: metadata position_offsets must list one integer >= 0 per prompt, got "
                                 f"{str(offs)[:80]}; regenerate the bundle with `kdtr gen`")
+    check_tensors(f, path)
+
+
+# The per-prompt records besides the numeric goldens (numeric_keys), as conformance/gen/gen.py writes them.
+PROMPT_RECORDS = ("prompt_ids", "ar/tokens", "ar/margins")
+DDTREE_RECORDS = tuple(f"ddtree/{k}" for k in (
+    "tokens", "round_start", "round_bonus", "round_accepted_depth", "tree_offsets", "tree_tokens", "tree_parents",
+    "tree_depths", "tree_ranks", "verify_argmax", "accepted_offsets", "accepted", "counters"))
+
+
+def check_tensors(f, path: str) -> None:
+    """Every tensor is one the bundle's schema names, from its metadata alone and before any byte is read
+    or hashed: the target's weights at the shapes of model_config (INT4 `.qw`/`.sc` for a quantized
+    linear), the drafter's at drafter_config's, and per prompt its golden records. A tensor outside these
+    (a declared 1 TiB extra, say) is refused at once, not hashed for an hour."""
+    meta = f.metadata
+    try:
+        cfg = ModelConfig.from_dict(meta["model_config"])
+        weights = expected_shapes(cfg)
+        drafter = drafter_shapes(DrafterConfig.from_dict(meta["drafter_config"])) if "drafter_config" in meta else {}
+        ar_taps = list(meta["taps"]["ar"])
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        raise BundleSchemaError(f"{path}: metadata model_config, drafter_config or taps is not valid ({e}); "
+                                f"regenerate the bundle with `kdtr gen`") from None
+    golden = {*PROMPT_RECORDS, *DDTREE_RECORDS, *numeric_keys(cfg, ar_taps)}
+    prompts = set(prompts_of(f))
+    for name in f.names:
+        info, why = f.info(name), None
+        if name.startswith("golden/"):
+            p, _, key = name[len("golden/"):].partition("/")
+            if not (p[:1] == "p" and p[1:].isdigit() and int(p[1:]) in prompts and key in golden):
+                why = "is no golden record of this bundle's prompts and taps"
+        elif name in weights or name in drafter:
+            want = weights.get(name, drafter.get(name))
+            if info.shape != want:
+                why = f"has shape {list(info.shape)}, but the metadata's config says {list(want)}"
+        elif name.endswith((".qw", ".sc")) and name[:-3] + ".weight" in weights:
+            out, inp = weights[name[:-3] + ".weight"]
+            ok = (info.int4_shape == (out, inp) if name.endswith(".qw") else
+                  len(info.shape) == 2 and info.shape[0] == out and 0 < info.shape[1] <= inp and inp % info.shape[1] == 0)
+            why = None if ok else f"does not pack the [{out}, {inp}] weight of the metadata's config"
+        else:
+            why = "is not a weight of the metadata's model_config or drafter_config, nor a golden record"
+        if why:
+            raise BundleSchemaError(f"{path}: tensor {name!r} ({info.nbytes} bytes) {why}; regenerate the "
+                                    f"bundle with `kdtr gen` (docs/golden-bundles.md lists a bundle's records)")
 
 
 def position_offset(f, i: int) -> int:
@@ -83,7 +131,7 @@ def read_dump(path: str) -> tuple[dict, str]:
     """A run dump's outputs (run-dump names; bfloat16 records as raw uint16 bit patterns, as a live
     engine returns them) and the engine's compute dtype. A golden bundle given as the dump stands for its
     own goldens (to judge a regenerated bundle against a committed one)."""
-    with open_kdtr(path, verify=True) as d:
+    with open_kdtr(path, verify=True, private=True) as d:   # private: a dump cut meanwhile is an error, not SIGBUS
         meta = d.metadata
         if meta.get("schema") == BUNDLE_SCHEMA:                      # a regenerated bundle: its goldens
             return bundle_as_outputs(d), "float32"
@@ -119,14 +167,36 @@ def dump_routing(path: str) -> str | None:
         return d.metadata.get("routing")
 
 
+def dump_made_from_other(path: str, f) -> str | None:
+    """Why the run dump at `path` was not made from the open bundle `f`, or None. The dump's metadata
+    `bundle_sha256` (the bundle's header_sha256, which covers every tensor's checksum) decides; a dump
+    without it (an external engine may leave it out) is compared by its `bundle_command` against the
+    bundle's provenance command when both are given."""
+    with open_kdtr(path) as d:
+        meta = d.metadata
+    if meta.get("schema") != DUMP_SCHEMA:
+        return None                                       # read_dump says what is wrong with it
+    made, this = meta.get("bundle_sha256"), f.header_sha256
+    if made is not None:
+        return None if made == this else (f"this dump was made from another bundle (its bundle_sha256 {str(made)[:16]}... "
+                                          f"!= this bundle's {this[:16]}...); judge it against the bundle it was made from")
+    cmd, own = meta.get("bundle_command"), f.metadata.get("provenance", {}).get("command")
+    if cmd and own and cmd != own:
+        return (f"this dump was made from another bundle (its bundle_command {str(cmd)[:80]!r} is not this bundle's "
+                f"{own[:80]!r}); judge it against the bundle it was made from")
+    return None
+
+
 def write_dump(out: dict, path: str, engine_name: str, dtype: str, bundle_command: str = "",
-               engine_info: dict | None = None, routing: str | None = None) -> None:
+               engine_info: dict | None = None, routing: str | None = None, bundle_sha256: str | None = None) -> None:
     """A run dump (docs/run-dump.md) of a live engine's outputs: what an external engine writes.
     engine_info: the engine's own provenance (`dump_metadata()`, e.g. the CUDA engine's device and source
     hash), stored under metadata "engine_info". routing: "held" when the run held its routing to the
     golden expert sets, "free" when its router chose them (metadata "routing")."""
 
     meta = {"schema": DUMP_SCHEMA, "engine": engine_name, "dtype": dtype, "bundle_command": bundle_command}
+    if bundle_sha256 is not None:                         # the bundle it was made from (dump_made_from_other)
+        meta["bundle_sha256"] = bundle_sha256
     if routing is not None:
         meta["routing"] = routing
     if engine_info:

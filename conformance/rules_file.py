@@ -8,6 +8,7 @@ and examples: docs/conformance.md.
 from __future__ import annotations
 
 import fnmatch
+import math
 import json
 import tomllib
 from dataclasses import dataclass, field
@@ -44,11 +45,19 @@ def _check_value(at: str, key: str, v) -> None:
     elif key == "max_ulp":
         ok, want = type(v) is int and v >= 0, "an integer >= 0"
     else:
-        ok = (type(v) is int and 0 <= v < 2**63) or (type(v) is float and v >= 0)   # NaN >= 0 is False
+        ok = (type(v) is int and 0 <= v < 2**63) or (type(v) is float and (v >= 0 or math.isnan(v)))
         want = "a number >= 0"
     if not ok:
         shown = repr(v) if len(repr(v)) <= 60 else repr(v)[:60] + "..."
         raise ValueError(f"{at}: {key!r} must be {want}, got {shown}")
+    if key not in ("match", "why", "mode") and (not math.isfinite(v) or v == 0):   # JSON 1e999 is inf; 0 and -0.0
+        why = ("NaN is no tolerance" if math.isnan(v) else "an infinite tolerance passes anything" if v else
+               "a zero tolerance passes only bit-equal values")
+        raise ValueError(f"{at}: {key!r} = {v}: {why}; {_FORMS}")
+
+
+_FORMS = ('for bit-equal values write mode = "exact", to judge by the aggregate gates only mode = "aggregate", '
+          'to drop a gate leave its key out (docs/conformance.md, section 4)')
 
 
 def parse_rules(doc, where: str = "rules") -> list[RuleOverride]:
@@ -73,6 +82,8 @@ def parse_rules(doc, where: str = "rules") -> list[RuleOverride]:
                              f"{sorted(_EXPLICIT | _DERIVED | {'match', 'why'})}")
         for key, v in e.items():
             _check_value(at, key, v)
+        if e.get("mode", "elementwise") == "elementwise" and not set(e) & ({"atol", "rtol"} | _DERIVED):
+            raise ValueError(f"{at}: no atol, rtol or derived key: its elementwise bound is 0; {_FORMS}")  # bit-equal only
         if "atol" in e and set(e) & _DERIVED:
             raise ValueError(f"{at}: give 'atol' or derive it ('multiplier', 'abs_floor', 'nmse_floor'), "
                              f"not both")

@@ -7,7 +7,7 @@
 """
 from kdtr_format.bf16 import bf16_bits, bf16_round, bf16_to_float32
 from kdtr_format.errors import (
-    AlignmentError, ByteOrderError, ChecksumError, ClosedFileError, DuplicateNameError,
+    AlignmentError, ByteOrderError, ChecksumError, ClosedFileError, DuplicateNameError, FileChangedError,
     HeaderChecksumError, HeaderFormatError, HeaderTooLargeError, InvalidBoolError, InvalidDtypeError,
     InvalidNameError, InvalidShapeError, Int4LayoutError, KdtrError, MetadataError, NotAKdtrFileError, NotARegularFileError, OffsetError, OverlapError,
     PaddingError, SafetensorsInputError, ShapeMismatchError, TensorNotFoundError, TrailingDataError, TruncatedFileError,
@@ -24,5 +24,5 @@ __all__ = [
     "HeaderFormatError", "MetadataError", "InvalidNameError", "DuplicateNameError",
     "InvalidDtypeError", "InvalidShapeError", "ShapeMismatchError", "OffsetError", "OverlapError",
     "AlignmentError", "ChecksumError", "PaddingError", "SafetensorsInputError", "TensorNotFoundError", "ClosedFileError",
-    "Int4LayoutError", "InvalidBoolError", "NotARegularFileError",
+    "Int4LayoutError", "InvalidBoolError", "NotARegularFileError", "FileChangedError",
 ]

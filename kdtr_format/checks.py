@@ -10,8 +10,8 @@ import numpy as np
 
 from kdtr_format import spec
 from kdtr_format.errors import (
-    REGENERATE, InvalidDtypeError, InvalidNameError, InvalidShapeError, Int4LayoutError,
-    ShapeMismatchError)
+    REGENERATE, AlignmentError, InvalidDtypeError, InvalidNameError, InvalidShapeError, Int4LayoutError,
+    OffsetError, OverlapError, ShapeMismatchError)
 
 INT4_SCALE_DTYPES = ("bfloat16", "float16", "float32")
 _DEPTH_STEP = np.zeros(256, np.int8)  # byte -> nesting change: [ { open, ] } close
@@ -138,3 +138,32 @@ def scan_json(raw: bytes) -> tuple[int, int]:
         items += int(np.count_nonzero(_ITEM[a] & outside))
         quotes += int(np.count_nonzero(quote))
     return depth, items
+
+
+def check_extents(entries, header_offset: int, p: str) -> None:
+    """Directory extents in order (step 6 of docs/kdtr-format.md): inside the data section,
+    non-overlapping, aligned, no gaps; entries carry name, offset, nbytes."""
+    end = spec.DATA_START
+    for info in entries:
+        name = info.name
+        if info.offset < spec.DATA_START or info.offset + info.nbytes > header_offset:
+            raise OffsetError(
+                f"{p}: tensor '{name}': extent [{info.offset}, {info.offset + info.nbytes}) lies "
+                f"outside the data section [{spec.DATA_START}, {header_offset}); {REGENERATE}")
+        if info.offset < end:
+            raise OverlapError(
+                f"{p}: tensor '{name}': offset {info.offset} is before the end {end} of the "
+                f"previous tensor (extents must be sorted and disjoint); {REGENERATE}")
+        if info.offset % spec.ALIGNMENT:
+            raise AlignmentError(
+                f"{p}: tensor '{name}': offset {info.offset} is not a multiple of "
+                f"{spec.ALIGNMENT}; {REGENERATE}")
+        if info.offset != spec.align_up(end):
+            raise OffsetError(
+                f"{p}: tensor '{name}': offset {info.offset} leaves a gap after byte {end} "
+                f"(expected {spec.align_up(end)}); {REGENERATE}")
+        end = info.offset + info.nbytes
+    if spec.align_up(end) != header_offset:
+        raise OffsetError(
+            f"{p}: data ends at byte {end} but header_offset is {header_offset} "
+            f"(expected {spec.align_up(end)}); {REGENERATE}")

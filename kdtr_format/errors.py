@@ -30,7 +30,11 @@ class HeaderTooLargeError(KdtrError):
 
 
 class TruncatedFileError(KdtrError):
-    """The file ends before header_offset + header_len (it was cut short)."""
+    """The file ends before header_offset + header_len (it was cut short), or it shrank while open."""
+
+
+class FileChangedError(KdtrError):
+    """The file's size or modification time changed while it was open: another process writes it."""
 
 
 class TrailingDataError(KdtrError):

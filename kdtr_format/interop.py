@@ -10,6 +10,7 @@ metadata, INT4 shapes and tensor order are restored, so kdtr -> safetensors -> k
 import json
 import mmap
 import os
+import stat
 import struct
 
 import numpy as np
@@ -39,13 +40,29 @@ def export_safetensors(kdtr_path, out_dir) -> tuple[str, str]:
                  for name, v in views.items()}
         int4 = {n: list(f.info(n).int4_shape) for n in f if f.info(n).int4_shape is not None}
         st_meta = {META_KEY: _dumps(f.metadata), INT4_KEY: _dumps(int4), ORDER_KEY: _dumps(f.names)}
-        # The library writes by name; fh.name is the temp file, flushed and fsync'd after.
-        write_atomically(st_path, lambda fh: safetensors.serialize_file(specs, fh.name, st_meta))
+        # The library writes by name; fh.name is the temp file, flushed and fsync'd after. It creates its
+        # file 0600 whatever the umask: given the mode the metadata file gets (or the replaced file's).
+        mode = _mode_for(st_path)
+
+        def write(fh):
+            safetensors.serialize_file(specs, fh.name, st_meta)
+            os.chmod(fh.name, mode)
+        write_atomically(st_path, write)
         metadata = f.metadata
         del views, specs
     text = json.dumps(metadata, indent=2, sort_keys=True) + "\n"
     write_atomically(meta_path, lambda fh: fh.write(text.encode("utf-8")))
     return st_path, meta_path
+
+
+def _mode_for(path: str) -> int:
+    """The permission bits `path` keeps (it exists) or gets as a new file (0666 minus the umask)."""
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
 
 
 def convert_safetensors(st_path, out_path) -> None:

@@ -71,6 +71,26 @@ def check_regular(path, what: str = "input") -> None:
     open_regular(path, what).close()
 
 
+def same_file(a, b) -> bool:
+    """True when paths a and b name one file: the same inode (symlinks and hard links followed) when
+    both exist, else the same path once every link in it is resolved (two new outputs that would
+    collide). Used to refuse an output that would replace an input before any work is done."""
+    try:
+        sa, sb = os.stat(a), os.stat(b)
+    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b)
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
+def free_bytes(path) -> int:
+    """Bytes an unprivileged writer may still use on the file system that `path` (or, for a new file,
+    its directory) lives on."""
+    target = os.fspath(path)
+    probe = target if os.path.isdir(target) else (os.path.dirname(os.path.realpath(target)) or ".")
+    st = os.statvfs(probe)
+    return st.f_bavail * st.f_frsize
+
+
 # ---- outputs ------------------------------------------------------------------------------------
 
 def check_output_path(path, stream_ok: bool = False) -> None:

@@ -20,14 +20,15 @@ import numpy as np
 from kdtr_format import spec
 from kdtr_format.bf16 import bf16_to_float32
 from kdtr_format.checks import (
-    check_dtype, check_int4_pairs, check_int4_shape, check_name, check_shape, check_zero_size_extent,
+    check_dtype, check_extents, check_int4_pairs, check_int4_shape, check_name, check_shape, check_zero_size_extent,
     header_digest, scan_json)
 from kdtr_format.errors import (
     REGENERATE, AlignmentError, ByteOrderError, ChecksumError, ClosedFileError, DuplicateNameError,
     HeaderChecksumError, HeaderFormatError, HeaderTooLargeError, InvalidBoolError, MetadataError,
-    NotAKdtrFileError, OffsetError, OverlapError, PaddingError,
+    NotAKdtrFileError, OffsetError, PaddingError,
     ShapeMismatchError, TensorNotFoundError, TrailingDataError, TruncatedFileError,
     UnsupportedVersionError)
+from kdtr_format.extents import CHUNK, FileWatch
 from kdtr_format.paths import open_regular
 
 TOP_KEYS = {"metadata", "tensors"}
@@ -66,20 +67,22 @@ def _reject_constant(token: str):
 class KdtrFile:
     """An open .kdtr file. Use as a context manager; see open_kdtr."""
 
-    def __init__(self, path, verify: bool = False):
-        self.path = os.fspath(path)
+    def __init__(self, path, verify: bool = False, private: bool = False):
+        self.path, self.private = os.fspath(path), private
         self._mm = None
         self._closed = False
-        with open_regular(self.path, "kdtr file") as fh:
-            self.file_size = os.fstat(fh.fileno()).st_size
-            self._read_header(fh)
-            self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-        if verify:
-            try:
+        self._fh = open_regular(self.path, "kdtr file")
+        try:
+            self._watch = FileWatch(self._fh.fileno(), self.path)    # reads check the file did not change
+            self.file_size = self._watch.size
+            self._read_header(self._fh)
+            if not private:
+                self._mm = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_READ)
+            if verify:
                 self.verify()
-            except BaseException:
-                self.close()
-                raise
+        except BaseException:
+            self.close()
+            raise
 
     # -- header parsing, in spec order --
 
@@ -185,7 +188,7 @@ class KdtrFile:
                 f"{REGENERATE}")
         self.metadata = doc["metadata"]
         entries = [self._entry(i, e, strict) for i, e in enumerate(doc["tensors"])]
-        self._check_extents(entries)
+        check_extents(entries, self.header_offset, self.path)
         for info in entries:
             if type(info.dtype) is not str or info.dtype not in spec.DTYPES:
                 check_dtype(info.name, info.dtype, p)
@@ -249,33 +252,6 @@ class KdtrFile:
         raise HeaderFormatError(f"{p}: {label}: field 'int4_shape' = {e['int4_shape']!r} is not a "
                                 f"list (omit the key for a tensor that is not packed INT4); {REGENERATE}")
 
-    def _check_extents(self, entries: list[TensorInfo]) -> None:
-        """Extents in directory order: inside the data section, non-overlapping, aligned, no gaps."""
-        p, end = self.path, spec.DATA_START
-        for info in entries:
-            name = info.name
-            if info.offset < spec.DATA_START or info.offset + info.nbytes > self.header_offset:
-                raise OffsetError(
-                    f"{p}: tensor '{name}': extent [{info.offset}, {info.offset + info.nbytes}) lies "
-                    f"outside the data section [{spec.DATA_START}, {self.header_offset}); {REGENERATE}")
-            if info.offset < end:
-                raise OverlapError(
-                    f"{p}: tensor '{name}': offset {info.offset} is before the end {end} of the "
-                    f"previous tensor (extents must be sorted and disjoint); {REGENERATE}")
-            if info.offset % spec.ALIGNMENT:
-                raise AlignmentError(
-                    f"{p}: tensor '{name}': offset {info.offset} is not a multiple of "
-                    f"{spec.ALIGNMENT}; {REGENERATE}")
-            if info.offset != spec.align_up(end):
-                raise OffsetError(
-                    f"{p}: tensor '{name}': offset {info.offset} leaves a gap after byte {end} "
-                    f"(expected {spec.align_up(end)}); {REGENERATE}")
-            end = info.offset + info.nbytes
-        if spec.align_up(end) != self.header_offset:
-            raise OffsetError(
-                f"{p}: data ends at byte {end} but header_offset is {self.header_offset} "
-                f"(expected {spec.align_up(end)}); {REGENERATE}")
-
     # -- public API --
 
     @property
@@ -299,22 +275,42 @@ class KdtrFile:
         return len(self._infos)
 
     def __getitem__(self, name: str) -> np.ndarray:
-        """Read-only zero-copy view of the tensor (bfloat16 as raw uint16, INT4 as packed int32)."""
+        """Read-only view of the tensor (bfloat16 as raw uint16, INT4 as packed int32): zero-copy into
+        the mapping, or (private) a copy read with pread and checked against its checksum."""
         info = self.info(name)
         dtype = spec.DTYPES[info.dtype]
-        mm = self._mapping()
+        buf, offset = self._buffer(info)
         if info.nbytes == 0:
             out = np.empty(info.shape, dtype)
             out.flags.writeable = False
             return out
         if info.dtype == "bool":
-            self._check_bool(info, mm)
-        return np.frombuffer(mm, dtype, count=info.nbytes // dtype.itemsize,
-                             offset=info.offset).reshape(info.shape)
+            self._check_bool(info, buf, offset)
+        out = np.frombuffer(buf, dtype, count=info.nbytes // dtype.itemsize, offset=offset).reshape(info.shape)
+        out.flags.writeable = False
+        return out
 
-    def _check_bool(self, info: TensorInfo, mm) -> None:
+    def _buffer(self, info: TensorInfo):
+        """(buffer, offset of the tensor in it). Mapped: the file is first checked to be as it was opened
+        (a page cut off under the mapping would be SIGBUS). Private: a checked copy of its bytes."""
+        if self._closed:
+            raise ClosedFileError(f"{self.path}: file is closed; read tensors inside `with open_kdtr(...)`")
+        self._watch.check()
+        if not self.private:
+            return self._mm, info.offset
+        raw = self._watch.read(info.offset, info.nbytes)
+        self._check_sum(info, hashlib.sha256(raw).hexdigest())
+        return raw, 0
+
+    def _check_sum(self, info: TensorInfo, got: str) -> None:
+        if got != info.checksum:
+            raise ChecksumError(
+                f"{self.path}: tensor '{info.name}': checksum mismatch (SHA-256 {got[:16]}... "
+                f"!= directory {info.checksum[:16]}...): its data is corrupt; {REGENERATE}")
+
+    def _check_bool(self, info: TensorInfo, buf, offset: int) -> None:
         """NumPy would hand out a byte 2 as a bool that is true yet != True: refuse it instead."""
-        raw = np.frombuffer(mm, np.uint8, count=info.nbytes, offset=info.offset)
+        raw = np.frombuffer(buf, np.uint8, count=info.nbytes, offset=offset)
         if raw.max() > 1:
             at = int(np.argmax(raw > 1))
             raise InvalidBoolError(
@@ -328,44 +324,47 @@ class KdtrFile:
             return bf16_to_float32(self[name])
         return self[name]
 
-    def verify(self, names=None) -> None:
-        """Check SHA-256 of the named tensors (all by default; then every padding byte is checked too)."""
+    def verify(self, names=None, progress=None) -> None:
+        """Check SHA-256 of the named tensors (all by default; then every padding byte is checked too).
+        Read with pread a chunk at a time (kdtr_format/extents.py): memory stays one chunk whatever the
+        tensor sizes, and progress(done_bytes, total_bytes) is called as the bytes go by."""
         infos = [self.info(n) for n in names] if names is not None else list(self._infos.values())
-        mm = self._mapping()
-        with memoryview(mm) as view:
-            for info in infos:
-                got = hashlib.sha256(view[info.offset:info.offset + info.nbytes]).hexdigest()
-                if got != info.checksum:
-                    raise ChecksumError(
-                        f"{self.path}: tensor '{info.name}': checksum mismatch (SHA-256 {got[:16]}... "
-                        f"!= directory {info.checksum[:16]}...): its data is corrupt; {REGENERATE}")
-                if info.dtype == "bool" and info.nbytes:
-                    self._check_bool(info, mm)
-            if names is None:
-                self._verify_padding(view)
+        if self._closed:
+            raise ClosedFileError(f"{self.path}: file is closed; verify inside `with open_kdtr(...)`")
+        total, done = sum(i.nbytes for i in infos), 0
+        buf = bytearray(max(1, min(CHUNK, max((i.nbytes for i in infos), default=0))))   # small file, small buffer
 
-    def _verify_padding(self, view: memoryview) -> None:
+        def step(n):
+            nonlocal done
+            done += n
+            progress(done, total)
+        for info in infos:
+            self._check_sum(info, self._watch.sha256(info.offset, info.nbytes, step if progress else None, buf))
+            if info.dtype == "bool" and info.nbytes:
+                self._check_bool(info, *self._buffer(info))
+        if names is None:
+            self._verify_padding()
+        self._watch.check()
+
+    def _verify_padding(self) -> None:
         end, after = spec.DATA_START, "the preamble"
         for info in [*self._infos.values(), None]:
             start = info.offset if info else self.header_offset
-            if any(view[end:start]):
+            if start > end and any(self._watch.read(end, start - end)):     # < 64 bytes each
                 raise PaddingError(
                     f"{self.path}: non-zero padding in bytes [{end}, {start}) after {after}; "
                     f"{REGENERATE}")
             if info:
                 end, after = info.offset + info.nbytes, f"tensor '{info.name}'"
 
-    def _mapping(self) -> mmap.mmap:
-        if self._closed:
-            raise ClosedFileError(f"{self.path}: file is closed; read tensors inside `with open_kdtr(...)`")
-        return self._mm
-
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        self._fh.close()
         try:
-            self._mm.close()
+            if self._mm is not None:
+                self._mm.close()
         except BufferError:
             pass  # views handed out are still alive; the mapping is released with the last of them
         self._mm = None
@@ -387,21 +386,9 @@ def _product(shape) -> int:
     return n
 
 
-def open_kdtr(path, verify: bool = False) -> KdtrFile:
+def open_kdtr(path, verify: bool = False, private: bool = False) -> KdtrFile:
     """Open and validate a .kdtr file (lazily: data is mmapped, not read). verify=True also checks
-    every tensor checksum and padding byte before returning."""
-    return KdtrFile(path, verify=verify)
-
-
-def describe(path, check: bool = False) -> dict:
-    """A JSON-able summary of a file (what `kdtr inspect` shows); check=True verifies every checksum."""
-    with open_kdtr(path, verify=check) as f:
-        tensors = [{"name": i.name, "dtype": i.dtype, "shape": list(i.shape), "offset": i.offset,
-                    "nbytes": i.nbytes, "sha256": i.checksum,
-                    "int4_shape": list(i.int4_shape) if i.int4_shape is not None else None}
-                   for i in f._infos.values()]
-        return {"path": f.path, "version": f"{f.version[0]}.{f.version[1]}",
-                "file_size": f.file_size, "header_offset": f.header_offset,
-                "header_len": f.header_len, "header_sha256": f.header_sha256,
-                "data_bytes": sum(t["nbytes"] for t in tensors), "checked": check,
-                "metadata": f.metadata, "tensors": tensors}
+    every tensor checksum and padding byte before returning. private=True maps nothing: each tensor
+    read is a copy checked against its checksum, so a file changed or truncated while open is a
+    KdtrError (exit 5), never a SIGBUS, and the bytes a caller gets are the bytes that were checked."""
+    return KdtrFile(path, verify=verify, private=private)

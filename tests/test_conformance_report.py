@@ -14,9 +14,8 @@ from rich.console import Console
 from conformance.engines.protocol import check_engine
 from conformance.exit_codes import ExitCode
 from conformance.report.console import print_console
-from conformance.report.html_report import layer_series, write_html
-from conformance.report.junit import write_junit
-from conformance.report.verdict import CheckResult, Divergence, exit_code_for, make_verdict, write_json
+from conformance.report.html import layer_series, write_html
+from conformance.report.verdict import CheckResult, Divergence, exit_code_for, make_verdict, write_json, write_junit
 from conformance.tolerance import Rule, check_tap
 
 FAILING_TAP = "golden/p0/prefill/L2/attn_out"

@@ -133,3 +133,48 @@ def test_kdtr_distill_rejects_a_file_without_model_config(tmp_path):
     res = CliRunner().invoke(main, ["distill", str(p), "--steps", "1"])
     assert res.exit_code == 5
     assert f"error: {p} has no model_config in its metadata" in res.output
+
+
+# ---- the corpus: sized by the run it feeds ----------------------------------------------------------
+
+def _manifest_distill_steps() -> list[int]:
+    """--distill-steps of every committed bundle command that distills (bundles/MANIFEST.md)."""
+    import os
+    import re
+    text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bundles",
+                             "MANIFEST.md")).read()
+    return [int(m) for m in re.findall(r"^\s+kdtr gen .*--distill-steps (\d+)", text, re.M) if int(m) > 0]
+
+
+def test_the_committed_bundles_corpus_stays_1280_streams():
+    """The committed drafter was distilled on 1280 streams: its command must still get exactly those."""
+    from refmodel.distill import corpus_size
+    steps = _manifest_distill_steps()
+    assert steps == [1000], steps
+    import dataclasses
+    assert corpus_size(dataclasses.replace(DistillSettings(), steps=steps[0])) == 1280 == DistillSettings().sequences
+
+
+@pytest.mark.parametrize("steps, streams", [(1, 8), (20, 32), (100, 128), (999, 1280), (1000, 1280), (5000, 1280)])
+def test_a_short_run_gets_a_corpus_of_its_draws(steps, streams):
+    """steps x batch draws, 6.25 per stream (the measured run's rate), whole batches of 8, at most 1280."""
+    import dataclasses
+
+    from refmodel.distill import corpus_size
+    assert corpus_size(dataclasses.replace(DistillSettings(), steps=steps)) == streams
+
+
+def test_a_smaller_corpus_is_a_prefix_of_the_full_one():
+    """Sizing changes how many streams are made, never which: the first streams are the same draws."""
+    import dataclasses
+
+    from refmodel.distill import make_corpus
+    W = init_weights(MICRO, 0)
+    full = dataclasses.replace(SMALL, sequences=16, steps=100)           # 100 x 4 / 6.25 -> 64, capped at 16
+    short = dataclasses.replace(SMALL, sequences=16, steps=8)            # 8 x 4 / 6.25 = 5.1 -> 8 (whole batches)
+    seen = []
+    a = make_corpus(MICRO, W, MICRO_DRAFTER, 3, full)
+    b = make_corpus(MICRO, W, MICRO_DRAFTER, 3, short, lambda stage, done, total, _: seen.append((done, total)))
+    assert len(a[0]) == 16 and len(b[0]) == 8 and seen[-1] == (8, 8)
+    for x, y in zip(a, b):
+        assert np.array_equal(x[:8], y)

@@ -81,6 +81,11 @@ def test_undecisive_prompt_is_rejected(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--prompt-ids", "5,x"], "write prompts as comma-separated ids"),
+    (["--prompt-ids", "1,,2"], "'1,,2': an empty id or prompt"),
+    (["--prompt-ids", "1;;2"], "'1;;2': an empty id or prompt"),
+    (["--prompt-ids", "1,2,"], "'1,2,': an empty id or prompt"),
+    (["--prompt-ids", "1;-2"], "'-2' is not a token id"),
+    (["--preset", "huge"], "'huge' is not one of " + ", ".join(repr(p) for p in sorted(PRESETS))),
     (["--prompt-ids", "399"], "prompt token 399 is outside [0, 399)"),
     (["--preset", "k26"], "cannot be generated whole"),
     (["--long-position", "262140"], "--long-position 262140: the long-position prompt's positions must lie in "
@@ -167,3 +172,4 @@ def test_a_missing_manifest_entry_is_an_error_not_a_zero_tolerance(small_bundle)
         + man["taps"]["prefill/L0/q"]["abs_floor"], rel=1e-12)
     with pytest.raises(KeyError, match="tolerance manifest has no entry 'prefill/L0/nope'"):
         goldens.atol(man, "prefill/L0/nope")
+

@@ -243,7 +243,7 @@ def test_a_full_device_fails_in_one_line_and_stays_a_device(stub_verify, tmp_pat
     full = tmp_path / "full"
     os.mknod(full, 0o666 | stat.S_IFCHR, os.makedev(1, 7))   # a /dev/full of our own
     r = kdtr("verify", GOLDEN, "--dump", GOLDEN, "--json", full)
-    one_line_error(r, ExitCode.USAGE, "kdtr verify: cannot write", "No space left on device")
+    one_line_error(r, ExitCode.USAGE, "JSON report NOT written: cannot write", "No space left on device")
     assert stat.S_ISCHR(os.lstat(full).st_mode)
     assert listing(tmp_path) == {"full": stat.S_IFCHR}
 
@@ -361,8 +361,9 @@ def test_a_report_to_dev_stdout_redirected_to_a_file_keeps_the_console_lines(tmp
     assert sorted(os.listdir(tmp_path)) == ["log"]
 
 
-def test_save_dump_failing_mid_run_is_one_line_exit_2(tmp_path, monkeypatch):
-    """Disk full while the run dump is written (after the up-front path check passed): one line, exit 2."""
+def test_save_dump_failing_mid_run_is_named_before_the_verdict(tmp_path, monkeypatch):
+    """Disk full while the run dump is written (after the up-front path check passed): the run's verdict
+    still comes, after a line naming the dump and why, and says the reports are incomplete; exit 2."""
     import errno
 
     import conformance.verify.runner
@@ -373,6 +374,9 @@ def test_save_dump_failing_mid_run_is_one_line_exit_2(tmp_path, monkeypatch):
     monkeypatch.setattr(conformance.verify.runner, "write_dump", full)
     target = tmp_path / "run.kdtr"
     r = kdtr("verify", os.path.join(ROOT, "bundles", "model_int4_tiny.kdtr"), "--engine", "reference",
-             "--save-dump", str(target))
-    one_line_error(r, ExitCode.USAGE, "kdtr verify --save-dump: cannot write", "No space left on device")
-    assert not target.exists()
+             "--save-dump", str(target), "--json", tmp_path / "r.json")
+    one_line_error(r, ExitCode.USAGE, f"run dump NOT written: cannot write {target}", "No space left on device")
+    lines = r.output.splitlines()
+    assert lines[-1].startswith("PASS reference on") and f"INCOMPLETE REPORTS (not written: {target})" in lines[-1]
+    assert lines[-2] == f"JSON report: {tmp_path / 'r.json'}"
+    assert not target.exists() and json.loads((tmp_path / "r.json").read_text())["verdict"] == "pass"

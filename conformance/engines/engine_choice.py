@@ -91,5 +91,8 @@ def pick_engine(name: str, dtype: str | None = None, module: str | None = None, 
         cls, why = _cuda_engine_class()
         if cls is not None:
             return cls(w4a16=w4a16), f"auto: {why}"
+        if w4a16:       # the reference engine would run and pass, judging nothing the option asked for
+            raise EngineOptionError(f"--w4a16 {w4a16} configures the CUDA engine, but auto picks the reference "
+                                    f"engine here ({why}): run where the CUDA engine can, or drop --w4a16")
         return ReferenceEngine(), f"auto: no CUDA engine ({why}), so the refmodel in float32"
     raise EngineUnavailable(f"unknown engine {name!r}; choose one of auto, {', '.join(ENGINES)}")

@@ -63,6 +63,8 @@ class TorchEngine:
         self.dtype, self.module = dtype, module
         self.rope_layout, self.rope_declared = rope_layout(port_class(module))   # a bad --module fails here
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device == "cpu" and not os.environ.get("OMP_NUM_THREADS"):   # one token at a time on small
+            torch.set_num_threads(1)     # matrices: a user measured 14 s with one thread, 102 s with torch's default
         self.unobserved: dict[str, str] = {}                             # tap -> why it is not reported
         self.cfg: ModelConfig | None = None
         self.model = None
@@ -73,7 +75,9 @@ class TorchEngine:
     def describe(self) -> str:
         rope = (f"RoPE {self.rope_layout}" if self.rope_declared or self.module is None else
                 "RoPE deinterleaved (transformers'; the class declares no kdtr_rope_layout)")
-        return f"{self.module or 'transformers DeepseekV3ForCausalLM'}, {self.dtype}, {self.device}, {rope}"
+        n = torch.get_num_threads()
+        threads = f" ({n} thread{'s' * (n != 1)}; OMP_NUM_THREADS sets them)" if self.device == "cpu" else ""
+        return f"{self.module or 'transformers DeepseekV3ForCausalLM'}, {self.dtype}, {self.device}{threads}, {rope}"
 
     def load(self, bundle) -> None:
         if isinstance(bundle, (str, os.PathLike)):

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from conformance.report.coverage import check_group, coverage_text, skip_reasons, skipped
 from conformance.exit_codes import ExitCode
 from conformance.report.coverage import coverage_text, skip_reasons, skipped
 from conformance.report.verdict import KINDS, Verdict, counts, error_ratio, fmt_value, metric_summary
@@ -30,7 +31,9 @@ TAP_LETTERS = {"attn_in": "a", "q": "q", "kv_latent": "c", "k_pe": "k", "attn_ou
 _LAYER_CHECK = re.compile(r"(?:^|/)p(?P<p>\d+)/(?P<phase>prefill|ar)/L(?P<layer>\d+)/(?P<tap>[^/]+)$")
 
 
-def print_console(v: Verdict, console: Console | None = None, verbose: bool = False) -> None:
+def print_console(v: Verdict, console: Console | None = None, verbose: bool = False, verdict: bool = True) -> None:
+    """Everything above, then (verdict=True) the verdict line; the CLI passes False and prints the verdict
+    itself once the reports are written (print_verdict)."""
     console = console or Console()
 
     def say(line: str = "", style: str = "") -> None:
@@ -61,12 +64,31 @@ def print_console(v: Verdict, console: Console | None = None, verbose: bool = Fa
             say(f"  ... and {len(names) - 5} more", "yellow")
     if verbose:
         _tables(v, console)
-    n = counts(v.checks)
-    say(f"{n['pass']} passed, {n['fail']} failed, {n['error']} errors, {n['skip']} skipped; coverage "
-        f"(checks run / defined): {coverage_text(v.coverage)}")
-    style = "bold green" if v.exit_code == ExitCode.OK else "bold red"
-    say(f"{v.verdict.upper()} {v.engine} on {v.bundle}: exit code {int(v.exit_code)} ({v.exit_code.name})",
-        style)
+    say(count_line(v))
+    if verdict:
+        print_verdict(v, console)
+
+
+def count_line(v: Verdict) -> str:
+    """The checks of the coverage groups by status, so that they add up to the coverage total beside them;
+    the others (bundle integrity, errors, the coverage gate, per-prompt summaries) are counted apart."""
+    n = counts([c for c in v.checks if check_group(c)])
+    rest = counts([c for c in v.checks if not check_group(c)])
+    other = ", ".join(f"{rest[k]} {w}" for k, w in (("pass", "passed"), ("fail", "failed"), ("error", "errors"),
+                                                      ("skip", "skipped")) if rest[k])
+    return (f"{n['pass']} passed, {n['fail']} failed, {n['skip']} skipped; coverage (checks run / defined): "
+            f"{coverage_text(v.coverage)}" + (f"; other checks (integrity, errors, summaries): {other}" if other else ""))
+
+
+def print_verdict(v: Verdict, console: Console, not_written: list[str] = ()) -> None:
+    """The verdict line, last: `kdtr verify` prints it after every report was written, or names the
+    reports that were not, and then a passing run's exit code is 2 (the reports CI reads are incomplete)."""
+    code = ExitCode.USAGE if not_written and v.exit_code == ExitCode.OK else v.exit_code
+    style = "bold green" if code == ExitCode.OK else "bold red"
+    what = f"{v.verdict.upper()} {v.engine} on {v.bundle}"
+    if not_written:
+        what += f", INCOMPLETE REPORTS (not written: {', '.join(not_written)})"
+    console.print(Text(f"{what}: exit code {int(code)} ({code.name})", style=style), highlight=False)
 
 
 def _echoes_replay(name: str, failed: set) -> bool:

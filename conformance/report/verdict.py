@@ -1,7 +1,6 @@
-"""Verdicts: the data classes, the exit code, the JSON report (the verdict as written) and how a check's
-numbers read. The other views of a verdict: JUnit XML (junit.py), one self-contained HTML file with
-inline SVG plots (html_report.py), the console (console.py). Every report file is written atomically
-(`write_report`).
+"""Verdicts and their reports: data classes, the exit code, and two file writers (JSON, JUnit XML; the HTML
+report with its SVG plots is conformance/report/html.py, the console view conformance/report/console.py).
+Every file write is atomic.
 
 Exit-code precedence when checks of several kinds fail (docs/conformance.md says why):
 
@@ -13,13 +12,14 @@ from __future__ import annotations
 
 import json
 import math
+import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from conformance.exit_codes import ExitCode
-from conformance.report.coverage import coverage
+from conformance.report.coverage import coverage, coverage_text
 from kdtr_format.paths import write_atomically
 
 STATUSES = ("pass", "fail", "error", "skip")
@@ -143,14 +143,14 @@ def verdict_dict(v: Verdict) -> dict:
     })
 
 
-def write_report(path: str | Path, data: str) -> None:
+def write_text(path: str | Path, data: str) -> None:
     """Readers never see half a report (kdtr_format.paths.write_atomically); a device, FIFO or
     /dev/stdout given as the report path is written directly, never replaced by a file."""
     write_atomically(path, lambda fh: fh.write(data.encode("utf-8")), stream_ok=True)
 
 
 def write_json(v: Verdict, path: str | Path) -> None:
-    write_report(path, json.dumps(verdict_dict(v), indent=2, allow_nan=False) + "\n")
+    write_text(path, json.dumps(verdict_dict(v), indent=2, allow_nan=False) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,14 +163,43 @@ def fmt_value(x) -> str:
     return str(x)
 
 
-def error_ratio(c: CheckResult) -> float | None:
-    """How far a numeric check is from its tolerance (<= 1 passes): metrics["ratio"] from
-    tolerance.check_tap, else max_abs / atol."""
-    if "ratio" in c.metrics:
-        return float(c.metrics["ratio"])
-    if "max_abs" in c.metrics and c.tolerance.get("atol"):
-        return float(c.metrics["max_abs"]) / float(c.tolerance["atol"])
-    return None
+def _detail(c: CheckResult) -> str:
+    lines = [c.message] if c.message else []
+    for label, d in (("metrics", c.metrics), ("tolerance", c.tolerance), ("min passing", c.min_passing)):
+        if d:
+            flat = {k: v for k, v in d.items() if not isinstance(v, (dict, list))}
+            lines.append(f"{label}: " + ", ".join(f"{k}={fmt_value(v)}" for k, v in flat.items()))
+    return "\n".join(lines)
+
+
+def write_junit(v: Verdict, path: str | Path) -> None:
+    """One <testsuite> with one <testcase> per check (classname kdtr.<kind>); failures carry the
+    message as attribute and the metrics, tolerance and minimum passing tolerance as text."""
+    n = counts(v.checks)
+    suites = ET.Element("testsuites", name="kdtr verify", tests=str(len(v.checks)),
+                        failures=str(n["fail"]), errors=str(n["error"]), skipped=str(n["skip"]))
+    suite = ET.SubElement(suites, "testsuite", name=f"kdtr verify {v.engine} {v.bundle}",
+                          tests=str(len(v.checks)), failures=str(n["fail"]), errors=str(n["error"]),
+                          skipped=str(n["skip"]))
+    props = ET.SubElement(suite, "properties")
+    for k, val in (("verdict", v.verdict), ("exit_code", int(v.exit_code)), ("engine", v.engine),
+                   ("bundle", v.bundle), ("coverage", coverage_text(v.coverage))):
+        ET.SubElement(props, "property", name=k, value=str(val))
+    for c in v.checks:
+        case = ET.SubElement(suite, "testcase", classname=f"kdtr.{c.kind}", name=c.name)
+        tag = {"fail": "failure", "error": "error", "skip": "skipped"}.get(c.status)
+        if tag:
+            el = ET.SubElement(case, tag, message=c.message or c.status,
+                               type=f"kdtr.{c.kind}" if tag != "skipped" else "skip")
+            if tag != "skipped":
+                el.text = _detail(c)
+    ET.indent(suites)
+    write_text(path, ET.tostring(suites, encoding="unicode", xml_declaration=True) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-layer error series (for the HTML plots)
+# ---------------------------------------------------------------------------------------------
 
 
 _SUMMARY_KEYS = {
@@ -187,3 +216,13 @@ def metric_summary(d: dict | None, role: str = "metrics") -> str:
     keys = [k for k in _SUMMARY_KEYS[role] if d.get(k) is not None]
     keys = keys or [k for k, v in d.items() if not isinstance(v, (dict, list))][:6]
     return ", ".join(f"{k}={fmt_value(d[k])}" for k in keys)
+
+
+def error_ratio(c: CheckResult) -> float | None:
+    """How far a numeric check is from its tolerance (<= 1 passes): metrics["ratio"] from
+    tolerance.check_tap, else max_abs / atol."""
+    if "ratio" in c.metrics:
+        return float(c.metrics["ratio"])
+    if "max_abs" in c.metrics and c.tolerance.get("atol"):
+        return float(c.metrics["max_abs"]) / float(c.tolerance["atol"])
+    return None

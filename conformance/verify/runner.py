@@ -16,7 +16,7 @@ import time
 
 from conformance.engines.protocol import check_engine
 from conformance.precision import PROFILE_OF_DTYPE
-from conformance.records import check_schema, dump_routing, prompts_of, read_dump, write_dump
+from conformance.records import check_schema, dump_made_from_other, dump_routing, prompts_of, read_dump, write_dump
 from conformance.report.verdict import CheckResult, make_verdict
 from conformance.verify.collect import can_hold_routing, collect
 from conformance.verify.context import Run
@@ -40,13 +40,16 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
     t0 = time.perf_counter()
     name = "dump" if dump else str(getattr(engine, "name", "engine"))
     try:
-        f = open_kdtr(bundle, verify=True)
-        check_schema(f, bundle)
+        f = _open_checked(bundle, progress)
     except KdtrError as e:
         return make_verdict(name, bundle, [CheckResult("bundle/integrity", "error", "integrity", message=str(e))])
     with f:
         checks = [CheckResult("bundle/integrity", "pass", "integrity",
                               {"tensors": len(f.names), "checksums": "verified"})]
+        other = dump_made_from_other(dump, f) if dump else None
+        if other:
+            checks.append(CheckResult("dump/bundle", "error", "integrity", message=f"{dump}: {other}"))
+            return make_verdict(name, bundle, checks)
         lacks = check_engine(engine) if dump is None else []
         if lacks:                                                        # before step 37, not during it
             checks.append(CheckResult("engine/run", "error", "numeric",
@@ -59,8 +62,10 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
         unlocalised = None
         try:
             out, dtype, unlocalised = _outputs(f, engine, dump, progress, run, announce)
-        except KdtrError as e:
-            checks.append(CheckResult("dump/integrity", "error", "integrity", message=f"{dump}: {e}"))
+        except KdtrError as e:                                           # the dump's, or the bundle cut meanwhile
+            label = "bundle/integrity" if not dump or str(e).startswith(os.fspath(bundle)) else "dump/integrity"
+            checks.append(CheckResult(label, "error", "integrity",
+                                      message=str(e) if label == "bundle/integrity" else f"{dump}: {e}"))
             return make_verdict(name, bundle, checks)
         except Exception as e:  # noqa: BLE001 - any failure inside the engine under test is its error
             checks.append(CheckResult("engine/run", "error", "numeric",
@@ -75,10 +80,10 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
             kind, label = ("integrity", "dump/structure") if dump else ("numeric", "engine/outputs")  # a bad engine, 6
             checks.append(CheckResult(label, "error", kind, {"problems": e.problems}, message=str(e)))
             return make_verdict(name, bundle, checks)
-        if save_dump and dump is None:
-            own = engine.dump_metadata() if callable(getattr(engine, "dump_metadata", None)) else None
-            write_dump(out, save_dump, name, dtype, f.metadata.get("provenance", {}).get("command", ""), own,
-                       routing="held" if held else "free")
+        except KdtrError as e:                                           # the bundle changed while being read
+            checks.append(CheckResult("bundle/integrity", "error", "integrity", message=str(e)))
+            return make_verdict(name, bundle, checks)
+        saved = _save_dump(f, out, save_dump, engine, name, dtype, held) if save_dump and dump is None else None
         _say_why_unobserved(judged, getattr(engine, "unobserved", None) or {})
         if first is not None and unlocalised is not None:               # said up front; not tried again
             if getattr(engine, "supports_teacher_forcing", False):      # (an engine without it: no cause)
@@ -96,7 +101,37 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
                 "engine_seconds": round(t1 - t0, 3),
                 "judge_seconds": round(time.perf_counter() - t1, 3), "prompts": len(prompts_of(f)),
                 "bundle_figures": f.metadata.get("figures", {})}
+        if saved is not None:
+            info["save_dump"] = saved
         return make_verdict(name, os.fspath(bundle), checks + judged, first, info)
+
+
+def _open_checked(bundle: str, progress=None):
+    """The bundle opened privately (every tensor read is a checksum-checked copy: a file cut or rewritten
+    during the run is a KdtrError, never a SIGBUS), its metadata and tensor names checked against the
+    bundle schema before any byte is hashed, then every checksum verified with progress in MiB."""
+    f = open_kdtr(bundle, private=True)
+    try:
+        check_schema(f, bundle)
+        step = None if progress is None else (lambda done, total: progress("checksums (MiB)", done >> 20, total >> 20,
+                                                                           None))
+        f.verify(progress=step)
+    except BaseException:
+        f.close()
+        raise
+    return f
+
+
+def _save_dump(f, out: dict, path: str, engine, name: str, dtype: str, held: bool) -> dict:
+    """Write the run dump; {"path": path} when written, plus "error" (one line) when the write failed: the
+    verdict stands, and the caller reports the failure with the other reports."""
+    own = engine.dump_metadata() if callable(getattr(engine, "dump_metadata", None)) else None
+    try:
+        write_dump(out, path, name, dtype, f.metadata.get("provenance", {}).get("command", ""), own,
+                   routing="held" if held else "free", bundle_sha256=f.header_sha256)
+    except OSError as e:
+        return {"path": path, "error": e.strerror or str(e)}
+    return {"path": path}
 
 
 def _say_why_unobserved(checks, why: dict) -> None:

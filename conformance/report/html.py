@@ -1,5 +1,6 @@
-"""A verdict as one static HTML file: the verdict, the first-divergence panel, per-layer SVG plots of
-log10(error / tolerance) and the check table. No scripts, no external assets."""
+"""The HTML report: one static file (no scripts, no external assets) with the verdict, the first-divergence
+panel, per-layer SVG plots of error / tolerance, and the check table, failures first. Every value is
+printed as text a reader knows (numbers, `key=value` lists), never as a Python repr."""
 from __future__ import annotations
 
 import html
@@ -8,9 +9,9 @@ import re
 from dataclasses import asdict
 from pathlib import Path
 
+from conformance.report.console import count_line
 from conformance.report.coverage import coverage_text
-from conformance.report.verdict import (CheckResult, Verdict, counts, error_ratio, fmt_value, metric_summary,
-                                        write_report)
+from conformance.report.verdict import CheckResult, Verdict, error_ratio, fmt_value, metric_summary, write_text
 
 _LAYER_TAP = re.compile(r"^(?P<group>.*?)/?L(?P<layer>\d+)/(?P<tap>[^/]+)$")
 RATIO_FLOOR = 1e-6                            # plotted floor for exact matches (log10 -> -6)
@@ -33,6 +34,14 @@ def layer_series(checks: list[CheckResult]) -> dict[str, dict[str, list[tuple[in
 
 def _y(r: float) -> float:
     return math.log10(max(r, RATIO_FLOOR)) if math.isfinite(r) else 3.0
+
+
+# One colour per tap, the same in every plot, 12 that tell apart at a glance (the even hue steps gave
+# neighbouring taps such as mlp_in / mlp_out the same-looking colour); the legend lists taps in execution order.
+TAP_COLOURS = {"attn_in": "#1f77b4", "q": "#ff7f0e", "kv_latent": "#2ca02c", "k_pe": "#d62728",
+               "attn_out": "#9467bd", "resid_attn": "#8c564b", "mlp_in": "#e377c2", "router_scores": "#7f7f7f",
+               "topk_ids": "#bcbd22", "topk_weights": "#17becf", "mlp_out": "#000000", "resid_out": "#ffbf00"}
+_TAP_ORDER = {t: i for i, t in enumerate(TAP_COLOURS)}
 
 
 def svg_plot(group: str, taps: dict[str, list[tuple[int, float]]], highlight: tuple[int, str] | None,
@@ -65,8 +74,8 @@ def svg_plot(group: str, taps: dict[str, list[tuple[int, float]]], highlight: tu
     for l in sorted(set(layers)):
         parts.append(f'<text x="{px(l):.1f}" y="{height - 8}" font-size="10" '
                      f'text-anchor="middle">L{l}</text>')
-    for i, (tap, pts) in enumerate(sorted(taps.items())):
-        color = f"hsl({i * 360 // max(len(taps), 1)},65%,42%)"
+    for i, (tap, pts) in enumerate(sorted(taps.items(), key=lambda kv: _TAP_ORDER.get(kv[0], 99))):
+        color = TAP_COLOURS.get(tap, "#555")
         path = " ".join(f"{px(l):.1f},{py(_y(r)):.1f}" for l, r in pts)
         parts.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="1.5">'
                      f'<title>{e(tap)}</title></polyline>')
@@ -86,6 +95,10 @@ def svg_plot(group: str, taps: dict[str, list[tuple[int, float]]], highlight: tu
     return "\n".join(parts)
 
 
+# ---------------------------------------------------------------------------------------------
+# HTML
+# ---------------------------------------------------------------------------------------------
+
 _CSS = """body{font:14px system-ui,sans-serif;margin:2em;color:#222}table{border-collapse:collapse;
 margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:left;font-size:12px}
 .pass{color:#070}.fail,.error{color:#c00;font-weight:bold}.skip{color:#888}
@@ -96,17 +109,15 @@ def write_html(v: Verdict, path: str | Path) -> None:
     """One static file: the verdict, the first-divergence panel, per-layer SVG plots, and the check
     table (failures first). No scripts, no external assets."""
     e = html.escape
-    n = counts(v.checks)
     out = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>kdtr verify: {e(v.engine)}"
            f"</title><style>{_CSS}</style></head><body>",
            f"<h1>kdtr verify: <span class='{e(v.verdict)}'>{e(v.verdict.upper())}</span></h1>",
            f"<p>engine <code>{e(v.engine)}</code>, bundle <code>{e(v.bundle)}</code>, exit code "
-           f"{int(v.exit_code)} ({e(v.exit_code.name)}); {n['pass']} passed, {n['fail']} failed, "
-           f"{n['error']} errors, {n['skip']} skipped.</p>",
+           f"{int(v.exit_code)} ({e(v.exit_code.name)}).</p>", f"<p>{e(count_line(v).split('; coverage')[0])}</p>",
            f"<p>coverage (checks run / checks the bundle defines): {e(coverage_text(v.coverage))}</p>"]
     d = v.first_divergence
     if d:
-        rows = "".join(f"<tr><th>{e(k)}</th><td>{e(fmt_value(val))}</td></tr>"
+        rows = "".join(f"<tr><th>{e(k.replace('_', ' '))}</th><td>{e(_cell(val))}</td></tr>"
                        for k, val in asdict(d).items() if val is not None)
         out.append(f"<div class='panel'><h2>First divergence: {e(d.name)}</h2><table>{rows}</table></div>")
     series = layer_series(v.checks)
@@ -126,4 +137,15 @@ def write_html(v: Verdict, path: str | Path) -> None:
                    f"<td>{e(metric_summary(c.min_passing, 'min_passing'))}"
                    f"</td><td>{e(c.message)}</td></tr>")
     out.append("</table></body></html>\n")
-    write_report(path, "\n".join(out))
+    write_text(path, "\n".join(out))
+
+
+def _cell(val) -> str:
+    """A panel value as text: a dict as `key=value, ...` (booleans as yes/no), a list as its items."""
+    if isinstance(val, dict):
+        return ", ".join(f"{k}={_cell(v)}" for k, v in val.items())
+    if isinstance(val, (list, tuple)):
+        return ", ".join(_cell(v) for v in val)
+    if isinstance(val, bool):
+        return "yes" if val else "no"
+    return fmt_value(val)
