@@ -14,7 +14,7 @@ from conformance.gen.gen import GenSettings, apply_quant, generate_bundle, model
 from conformance.records import numeric_keys
 from hf_oracle import hf_logits, hf_model
 from kdtr_format import open_kdtr
-from refmodel.config import ModelConfig
+from refmodel.config import PRESETS, ModelConfig
 from test_import_checkpoint import CFG, build_checkpoint
 
 
