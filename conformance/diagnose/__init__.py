@@ -1,0 +1,108 @@
+"""Diagnosis: which known mistake explains a failing verdict, with the evidence (docs/diagnosis.md).
+
+`diagnose(engine, f, first, checks, out, ...)` -> a list of findings, best first, each
+{"id", "title", "kind": "matched" | "consistent", "score", "evidence"}; empty when no known mistake
+explains the failure. At the first divergence, and at the first divergence of every other failing prompt,
+the hypotheses predicting that tap are recomputed (evaluate.py); a prompt whose only failures are in its
+DDTree replay gets the DDTree hypotheses (tree.py); then signatures of the whole verdict (signatures.py)
+add "consistent" hypotheses that no recomputation refuted.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from conformance.diagnose.evaluate import Place, evaluate_layer
+from conformance.diagnose.library import BY_ID, HYPOTHESES
+from conformance.diagnose.signatures import observed
+from conformance.diagnose.tree import evaluate_tree
+from conformance.judge import _divergence, _time_key
+from conformance.records import numeric_keys, prompts_of
+from conformance.reference_engine import bundle_weights
+from refmodel.stored import upcast_if_fits
+
+MAX_PLACES = 4                   # failing prompts whose first divergence is recomputed
+NONE = "no known mistake explains it"
+
+
+def prompt_divergences(f, checks, first, cfg) -> list:
+    """The first divergence, then the first divergence of each other failing prompt (judge's order)."""
+    keys = numeric_keys(cfg, set(f.metadata["taps"]["ar"]))
+    order = {k: n for n, k in enumerate(keys)}
+    per: dict = {}
+    for c in checks:
+        if c.status != "fail" or c.kind != "numeric" or "/" not in c.name:
+            continue
+        p, key = c.name.split("/", 1)
+        if key in order:
+            per.setdefault(p, []).append((_time_key(key, c, order[key], cfg), c))
+    out = [first] if first is not None else []
+    for p in sorted(per, key=lambda p: int(p[1:])):
+        if first is not None and first.name.startswith(p + "/"):
+            continue
+        c = min(per[p], key=lambda t: t[0])[1]
+        out.append(_divergence(c, len(f[f"golden/{p}/prompt_ids"])))
+    return out
+
+
+def _ddtree_prompts(f, checks) -> list[int]:
+    """Prompts whose replay fails while none of their AR taps or tokens do."""
+    bad = [c for c in checks if c.status == "fail"]
+    out = []
+    for i in prompts_of(f):
+        mine = [c for c in bad if c.name.startswith(f"p{i}/")]
+        if any(c.name.startswith(f"p{i}/ddtree/") for c in mine) and all(c.kind == "ddtree" for c in mine):
+            out.append(i)
+    return out
+
+
+def diagnose(engine, f, first, checks, out: dict, overrides=(), dtype: str = "float32",
+             profile: str = "fp32") -> list[dict]:
+    """Findings for a failing verdict (module docstring); [] when nothing failed."""
+    if not any(c.status == "fail" for c in checks):
+        return []
+    cfg, W = bundle_weights(f, np.float64)
+    W = upcast_if_fits(W, copies=1)
+    found, refuted = [], {}
+    for div in prompt_divergences(f, checks, first, cfg)[:MAX_PLACES]:
+        if div.layer is None:
+            continue
+        got, tested = evaluate_layer(engine, f, cfg, W, Place(f, div, overrides, profile), out, dtype, HYPOTHESES)
+        found += got
+        refuted.update({k: v or refuted.get(k, False) for k, v in tested.items()})
+    tree_h = [h for h in HYPOTHESES if h.tree]
+    for i in _ddtree_prompts(f, checks)[:MAX_PLACES]:
+        got, tested = evaluate_tree(f, cfg, W, i, out, tree_h, overrides, profile)
+        found += got
+        refuted.update(tested)
+    best: dict = {}
+    for x in found:                                                       # one entry per id: its best
+        if x["id"] not in best or x["score"] > best[x["id"]]["score"]:
+            best[x["id"]] = x
+    matched = sorted(best.values(), key=lambda x: -x["score"])
+    facts = observed(f, checks, first, out)
+    consistent = []
+    for h in HYPOTHESES:
+        if h.id in best or refuted.get(h.id):
+            continue
+        sets = [s for s in h.signatures if s and all(fact in facts for fact in s)]
+        if sets:
+            s = max(sets, key=len)
+            consistent.append({"id": h.id, "title": h.title, "kind": "consistent", "score": float(len(s)),
+                               "evidence": "signature only: " + "; ".join(facts[x] for x in s)})
+    consistent.sort(key=lambda x: -x["score"])
+    return [{k: x[k] for k in ("id", "title", "kind", "score", "evidence")} for x in matched + consistent]
+
+
+def summary_line(findings: list[dict]) -> str:
+    """The one console line under the first divergence."""
+    if not findings:
+        return f"diagnosis: {NONE}"
+    top = findings[0]
+    if top["kind"] == "matched":
+        more = "" if len(findings) == 1 else f" (+{len(findings) - 1} more in the reports)"
+        return f"diagnosis: {top['id']} (matched, score {top['score']:.3g}): {top['evidence']}{more}"
+    ids = ", ".join(x["id"] for x in findings[:4])
+    return f"diagnosis: no recomputed mistake matches; consistent with {ids} ({top['evidence']})"
+
+
+__all__ = ["diagnose", "summary_line", "HYPOTHESES", "BY_ID", "NONE"]
