@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from conformance.diagnose.layer import Context, Layer
-from conformance.judge import canonical_routing, manifest_rule
-from conformance.localize import layer_inputs
-from conformance.outputs import widened
-from conformance.profiles import profile_taps
+from conformance.verify.diagnose.layer import Context, Layer
+from conformance.verify.judge import canonical_routing, manifest_rule
+from conformance.verify.localize import layer_inputs
+from conformance.verify.outputs import widened
+from conformance.precision import profile_taps
 from conformance.records import position_offset
 from conformance.tolerance import resolve_rule
 from refmodel.config import ModelConfig

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from conformance.diagnose.evaluate import Place, evaluate_layer
-from conformance.diagnose.library import BY_ID, HYPOTHESES
-from conformance.diagnose.signatures import observed
-from conformance.diagnose.tree import evaluate_tree
-from conformance.judge import _divergence, _time_key
+from conformance.verify.diagnose.evaluate import Place, evaluate_layer
+from conformance.verify.diagnose.library import BY_ID, HYPOTHESES
+from conformance.verify.diagnose.signatures import observed
+from conformance.verify.diagnose.tree import evaluate_tree
+from conformance.verify.judge import _divergence, _time_key
 from conformance.records import numeric_keys, prompts_of
-from conformance.reference_engine import bundle_weights
+from conformance.engines.reference_engine import bundle_weights
 from refmodel.stored import upcast_if_fits
 
 MAX_PLACES = 4                   # failing prompts whose first divergence is recomputed

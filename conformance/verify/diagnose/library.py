@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from conformance.diagnose import variants as va
-from conformance.diagnose import variants_moe as vm
+from conformance.verify.diagnose import variants as va
+from conformance.verify.diagnose import variants_moe as vm
 
 ROPE_TAPS = ("q", "k_pe", "attn_out")
 LINEAR_TAPS = ("q", "kv_latent", "k_pe", "attn_out", "router_scores", "mlp_out")

@@ -1,4 +1,4 @@
-"""Known mistakes of the attention half as variants of the reference's layer (conformance/diagnose/
+"""Known mistakes of the attention half as variants of the reference's layer (conformance/verify/diagnose/
 layer.py): each class overrides the one method where the mistake lives and says what it computes in
 `label`. The hypothesis library (library.py) groups them under the mistakes' ids; docs/diagnosis.md
 describes each. The feed-forward half, INT4 and numerics are in variants_moe.py.
@@ -11,7 +11,7 @@ import dataclasses
 
 import numpy as np
 
-from conformance.diagnose.layer import Layer
+from conformance.verify.diagnose.layer import Layer
 from refmodel.config import yarn_get_mscale
 from refmodel.model import apply_rope, yarn_inv_freq
 

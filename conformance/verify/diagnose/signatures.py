@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from conformance.outputs import LIVE, tree_offsets
+from conformance.verify.outputs import LIVE, tree_offsets
 
 BANDS = {"rounding_noise_bf16": (2.0 ** -12, 2.0 ** -6), "rounding_noise_tf32": (2.0 ** -15, 2.0 ** -9)}
 

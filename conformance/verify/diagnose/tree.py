@@ -1,4 +1,4 @@
-"""Testing the DDTree hypotheses: the golden-tree replay (conformance/collect.replay_ddtree's loop:
+"""Testing the DDTree hypotheses: the golden-tree replay (conformance/verify/collect.replay_ddtree's loop:
 depth positions, ancestor mask, greedy walk, compaction) recomputed in float64 under each mistake, and
 the engine's verify argmax compared with each, round by round, row by row.
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from conformance.judge import manifest_rule
-from conformance.profiles import profile_taps
+from conformance.verify.judge import manifest_rule
+from conformance.precision import profile_taps
 from conformance.records import golden_tree, position_offset
 from conformance.tolerance import resolve_rule
 from refmodel.ddtree import compile_tree, walk

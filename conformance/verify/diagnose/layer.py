@@ -1,9 +1,9 @@
 """The reference's computation of one decoder layer, split at the points where the known mistakes live,
-so that a mistake is a subclass overriding one method (conformance/diagnose/variants.py).
+so that a mistake is a subclass overriding one method (conformance/verify/diagnose/variants.py).
 
 `Layer(cfg, W, ctx).run(l, inputs)` equals refmodel.model.block on the same inputs (float64, the
 same contractions in the same order; tests/test_diagnosis.py checks it against block): the taps of
-layer l, keyed by tap name. `inputs` is what conformance/localize.layer_inputs gives: hidden [T, D],
+layer l, keyed by tap name. `inputs` is what conformance/verify/localize.layer_inputs gives: hidden [T, D],
 positions [T], the cache rows before these tokens c_kv [S0, C] and k_pe [S0, R].
 `ctx` carries what a variant may need beyond the math: the open bundle (its stored INT4 tensors), the
 prompt length and position offset (cache-index mistakes), the engine's own taps of this forward (a

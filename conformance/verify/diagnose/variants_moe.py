@@ -1,5 +1,5 @@
 """Known mistakes of the feed-forward half and of the arithmetic as variants of the reference's layer
-(conformance/diagnose/layer.py): the router, the combine, the shared expert, INT4 dequantization, and
+(conformance/verify/diagnose/layer.py): the router, the combine, the shared expert, INT4 dequantization, and
 reduced-precision projections. The attention half is in variants.py.
 
 Legend: T tokens, E experts, K top-k, N out, K_in in (INT4: [N, K_in/8] words, [N, K_in/32] scales).
@@ -10,7 +10,7 @@ import dataclasses
 
 import numpy as np
 
-from conformance.diagnose.layer import Layer
+from conformance.verify.diagnose.layer import Layer
 from kdtr_format.int4 import bf16_round, bf16_to_float32
 from refmodel.model import expert_weights, select_experts, softmax
 
