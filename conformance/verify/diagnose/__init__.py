@@ -21,6 +21,7 @@ from conformance.engines.reference_engine import bundle_weights
 from refmodel.stored import upcast_if_fits
 
 MAX_PLACES = 4                   # failing prompts whose first divergence is recomputed
+MAX_TREES = 1                    # failing prompts whose DDTree replay is recomputed
 NONE = "no known mistake explains it"
 
 
@@ -44,14 +45,16 @@ def prompt_divergences(f, checks, first, cfg) -> list:
     return out
 
 
-def _ddtree_prompts(f, checks) -> list[int]:
-    """Prompts whose replay fails while none of their AR taps or tokens do."""
-    bad = [c for c in checks if c.status == "fail"]
+def _ddtree_prompts(f, checks) -> list[tuple[int, int | None]]:
+    """(prompt, its first failing round or None) for prompts whose golden-tree replay fails while none of
+    their AR taps or tokens do."""
+    bad = [c for c in checks if c.status == "fail" and not c.name.endswith("/long_position")]
     out = []
     for i in prompts_of(f):
         mine = [c for c in bad if c.name.startswith(f"p{i}/")]
         if any(c.name.startswith(f"p{i}/ddtree/") for c in mine) and all(c.kind == "ddtree" for c in mine):
-            out.append(i)
+            rounds = next((c for c in mine if c.name == f"p{i}/ddtree/rounds"), None)
+            out.append((i, None if rounds is None else rounds.metrics.get("matching")))
     return out
 
 
@@ -70,8 +73,8 @@ def diagnose(engine, f, first, checks, out: dict, overrides=(), dtype: str = "fl
         found += got
         refuted.update({k: v or refuted.get(k, False) for k, v in tested.items()})
     tree_h = [h for h in HYPOTHESES if h.tree]
-    for i in _ddtree_prompts(f, checks)[:MAX_PLACES]:
-        got, tested = evaluate_tree(f, cfg, W, i, out, tree_h, overrides, profile)
+    for i, upto in _ddtree_prompts(f, checks)[:MAX_TREES]:
+        got, tested = evaluate_tree(f, cfg, W, i, out, tree_h, overrides, profile, upto)
         found += got
         refuted.update(tested)
     best: dict = {}

@@ -119,7 +119,7 @@ def evaluate_layer(engine, f, cfg, W, place: Place, out: dict, dtype: str, hypot
         return [], {}
     eng = eng_taps[tap]
     ctx = Context(f, place.phase, place.prompt_len, place.pos0, eng_taps)
-    ref_taps = Layer(cfg, W, ctx).run(place.layer, inputs)
+    ref_taps = Layer(cfg, W, ctx).run(place.layer, inputs, tap)
     r_ref = ratio(tap, eng, ref_taps[tap], rule, eng_taps.get("topk_ids"), ref_taps.get("topk_ids"))
     findings, tested = [], {}
     for h in hypotheses:
@@ -128,7 +128,7 @@ def evaluate_layer(engine, f, cfg, W, place: Place, out: dict, dtype: str, hypot
         best = None
         for V in h.variants:
             try:
-                hyp = V(cfg, W, ctx).run(place.layer, inputs)
+                hyp = V(cfg, W, ctx).run(place.layer, inputs, tap)
             except (ValueError, IndexError, KeyError, FloatingPointError):
                 continue                                                  # the variant cannot apply here
             r = ratio(tap, eng, hyp[tap], rule, eng_taps.get("topk_ids"), hyp.get("topk_ids"))

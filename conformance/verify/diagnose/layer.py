@@ -23,6 +23,21 @@ from refmodel.model import (apply_rope, causal_mask, expert_weights, linear, rms
                             sigmoid, silu, softmax, yarn_inv_freq)
 
 
+class _Reached(Exception):
+    """Raised once the tap a run was asked for is computed (Layer.run's `upto`)."""
+
+
+class _Taps(dict):
+    def __init__(self, upto: str | None):
+        super().__init__()
+        self.upto = upto
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        if key == self.upto:
+            raise _Reached
+
+
 @dataclass
 class Context:
     """What a variant may read besides the weights (module docstring)."""
@@ -97,7 +112,9 @@ class Layer:
         kv = self.linear(x, self.weight(p + "kv_a_proj_with_mqa.weight"))  # [T, D] -> [T, C + R]
         c_kv = self.norm(kv[:, :C], self.weight(p + "kv_a_layernorm.weight"), eps, "kv_a")  # [T, C]
         k_pe = self.rope(kv[:, C:], cos, sin, "k")                        # [T, R]
-        taps["q"], taps["kv_latent"], taps["k_pe"] = np.concatenate([q_nope, q_pe], axis=-1), c_kv, k_pe
+        taps["q"] = np.concatenate([q_nope, q_pe], axis=-1)
+        taps["kv_latent"] = c_kv
+        taps["k_pe"] = k_pe
         c_all, k_all = self.cache(c_old, k_old, c_kv, k_pe)               # [S, C], [S, R]
         mask = self.mask(T, c_old.shape[0])                               # [T, S]
         kvb = self.linear(c_all, self.weight(p + "kv_b_proj.weight")).reshape(-1, H, N + U)  # [S, H, N+U]
@@ -138,18 +155,28 @@ class Layer:
         bias = self.weight(p + "gate.e_score_correction_bias")            # [E]
         ids = self.select(scores + bias)                                  # [T, K]
         weights = self.expert_weights(scores, ids, bias)                  # [T, K]
-        taps["router_scores"], taps["topk_ids"], taps["topk_weights"] = scores, ids.astype(np.int64), weights
+        taps["router_scores"] = scores
+        taps["topk_ids"] = ids.astype(np.int64)
+        taps["topk_weights"] = weights
         y = self.combine(p, x, ids, weights)
         return y + self.shared(p, x) if self.cfg.n_shared_experts else y
 
     # ------------------------------------------------------------ the block
-    def run(self, l: int, inputs: dict) -> dict:
+    def run(self, l: int, inputs: dict, upto: str | None = None) -> dict:
+        """The layer's taps; with `upto`, only those computed up to and including that tap."""
+        taps = _Taps(upto)
+        try:
+            self._run(l, inputs, taps)
+        except _Reached:
+            pass
+        return dict(taps)
+
+    def _run(self, l: int, inputs: dict, taps: dict) -> None:
         cfg, p = self.cfg, f"model.layers.{l}."
         h = np.asarray(inputs["hidden"], np.float64)                     # [T, D]
         positions = np.asarray(inputs["positions"], np.int64)
         c_old = np.asarray(inputs["c_kv"], np.float64)                   # [S0, C]
         k_old = np.asarray(inputs["k_pe"], np.float64)                   # [S0, R]
-        taps: dict = {}
         x = self.norm(h, self.weight(p + "input_layernorm.weight"), cfg.rms_norm_eps, "input")
         taps["attn_in"] = x
         a = self.mla(l, x, positions, c_old, k_old, taps)
@@ -161,4 +188,3 @@ class Layer:
         m = self.swiglu(p + "mlp.", x) if l < cfg.first_k_dense_replace else self.moe(l, x, taps)
         taps["mlp_out"] = m
         taps["resid_out"] = h + m
-        return taps

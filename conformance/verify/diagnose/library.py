@@ -66,7 +66,7 @@ HYPOTHESES = (
     _h("kv-write-index", "decode KV rows written at the wrong cache index", ("attn_out",), ("ar",),
        variants=(va.KvEarly, va.KvLate), signatures=(("decode_only", "input_cause"),)),
     _h("kv-compaction", "KV cache not compacted to the accepted path after a DDTree verify", ("rounds",),
-       ("ddtree",), tree=("truncate-only",), signatures=(("ddtree_only", "after_compaction"),)),
+       ("ddtree",), tree=("truncate-only",), signatures=(("ddtree_only", "replay_fails", "after_compaction"),)),
     _h("router-softmax", "router scores by softmax instead of sigmoid", ("router_scores",), PA, ("moe",),
        (vm.RouterSoftmax,)),
     _h("router-bias-in-weights", "the correction bias in the expert weights", ("topk_weights",), PA, ("moe",),
@@ -94,11 +94,11 @@ HYPOTHESES = (
     _h("numerics-tf32", "projections computed in TF32", LINEAR_TAPS, PA, variants=(vm.Tf32Operands,),
        signatures=(("rounding_noise_tf32",),)),
     _h("tree-positions", "DDTree nodes at the wrong positions (by index instead of depth)", ("rounds",),
-       ("ddtree",), tree=("positions-by-index", "positions-all-root"), signatures=(("ddtree_only",),)),
+       ("ddtree",), tree=("positions-by-index", "positions-all-root"), signatures=(("ddtree_only", "replay_fails"),)),
     _h("tree-mask", "wrong DDTree attention mask", ("rounds",), ("ddtree",),
-       tree=("mask-sees-next", "mask-causal"), signatures=(("ddtree_only",),)),
+       tree=("mask-sees-next", "mask-causal"), signatures=(("ddtree_only", "replay_fails"),)),
     _h("tree-tie-order", "DDTree nodes in another order (tie or pop-order rule)", ("trees",), ("ddtree",),
-       signatures=(("same_tree_nodes",),)),
+       signatures=(("ddtree_only", "same_tree_nodes"),)),
 )
 
 BY_ID = {h.id: h for h in HYPOTHESES}

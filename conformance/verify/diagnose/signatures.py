@@ -11,6 +11,7 @@ outputs; the hypothesis library names the sets of facts each mistake is consiste
     input_cause          the first divergence was localised as an input fault (right on every input its
                          taps show)
     ddtree_only          every AR tap and token passes; a DDTree check fails
+    replay_fails         a check of the golden-tree replay (ddtree/) fails, not only the live loop's
     after_compaction     the first failing DDTree round follows a round whose accepted rows were moved in
                          the cache (an accepted path other than the first rows of the tree)
     same_tree_nodes      the engine's own tree holds exactly the golden tree's prefixes, in another order
@@ -57,6 +58,9 @@ def observed(f, checks, div, out: dict) -> dict:
         facts["input_cause"] = "the layer is right on every input its taps show (localised as an input fault)"
     if bad and all(c.kind == "ddtree" for c in bad):
         facts["ddtree_only"] = "every AR tap and token passes; only DDTree checks fail"
+    replay = [c.name for c in bad if "/ddtree/" in c.name]
+    if replay:
+        facts["replay_fails"] = f"the golden-tree replay fails ({replay[0]})"
     comp = _after_compaction(f, bad)
     if comp:
         facts["after_compaction"] = comp

@@ -28,15 +28,22 @@ TREE_VARIANTS = {
 }
 
 
-def replay(cfg, W, f, i: int, variant: str | None = None) -> list[np.ndarray]:
-    """The verify logits [T_r, V] of each golden round, computed as the replay would under `variant`."""
-    p = f"golden/p{i}/"
-    prompt = np.asarray(f[p + "prompt_ids"], np.int64)
-    P, pos0 = len(prompt), position_offset(f, i)
+def prefill(cfg, W, f, i: int) -> tuple[KVCache, int]:
+    """The prompt's cache and first bonus, shared by every variant (none of them acts in the prefill)."""
+    prompt = np.asarray(f[f"golden/p{i}/prompt_ids"], np.int64)
     cache = KVCache(cfg, np.float64)
-    logits, _ = forward(cfg, W, prompt, pos0 + np.arange(P), cache)
-    bonus, start, rounds = int(np.argmax(logits[-1])), P, []
-    for r, golden_start in enumerate(np.asarray(f[p + "ddtree/round_start"])):
+    logits, _ = forward(cfg, W, prompt, position_offset(f, i) + np.arange(len(prompt)), cache)
+    return cache, int(np.argmax(logits[-1]))
+
+
+def replay(cfg, W, f, i: int, start_state, variant: str | None = None, rounds_max: int | None = None) -> list:
+    """The verify logits [T_r, V] of the golden rounds (the first `rounds_max`), computed as the replay
+    would under `variant`, from `start_state` = prefill(...)."""
+    p = f"golden/p{i}/"
+    P, pos0 = len(f[p + "prompt_ids"]), position_offset(f, i)
+    cache, bonus = start_state[0].copy(), start_state[1]
+    start, rounds = P, []
+    for r, golden_start in enumerate(np.asarray(f[p + "ddtree/round_start"])[:rounds_max]):
         if start != golden_start:
             break
         tree = golden_tree(f, p, r)
@@ -89,22 +96,26 @@ def _misses(rounds, eng, margin) -> tuple[int, int, tuple | None]:
     return bad, seen, first
 
 
-def evaluate_tree(f, cfg, W, i: int, out: dict, hypotheses, overrides=(), profile="fp32") -> tuple[list, dict]:
-    """Findings for the DDTree hypotheses at prompt i's replay, and {id: refuted?}."""
+def evaluate_tree(f, cfg, W, i: int, out: dict, hypotheses, overrides=(), profile="fp32",
+                  upto: int | None = None) -> tuple[list, dict]:
+    """Findings for the DDTree hypotheses at prompt i's replay, and {id: refuted?}. `upto`: the first
+    failing round; rounds after it are not recomputed (the mistake must explain the rounds up to it)."""
     if f"p{i}/ddtree/verify_argmax" not in out:
         return [], {}
     rule = resolve_rule(f"p{i}/ddtree/path_logits", manifest_rule(profile_taps(f.metadata, profile).get("ar/logits")),
                         overrides)
     margin = 2 * rule.atol
-    eng = _engine_rounds(f, out, i)
-    ref = replay(cfg, W, f, i)
+    n = None if upto is None else upto + 1
+    eng = _engine_rounds(f, out, i)[:n]
+    state = prefill(cfg, W, f, i)
+    ref = replay(cfg, W, f, i, state, None, n)
     ref_bad, _, ref_first = _misses(ref, eng, margin)
     ref_bad += abs(len(ref) - len(eng))
     findings, tested = [], {}
     for h in hypotheses:
         best = None
         for v in h.tree:
-            rounds = replay(cfg, W, f, i, v)
+            rounds = replay(cfg, W, f, i, state, v, n)
             bad, seen, _ = _misses(rounds, eng, margin)
             bad += abs(len(rounds) - len(eng))
             if best is None or bad < best[0]:
