@@ -15,6 +15,7 @@ import time
 
 from conformance.verify.collect import can_hold_routing, collect
 from conformance.verify.judge import coverage_check, judge
+from conformance.verify.diagnose import diagnose
 from conformance.verify.localize import localize
 from conformance.verify.outputs import InvalidOutputs
 from conformance.precision import PROFILE_OF_DTYPE, holds_routing, profile_taps
@@ -79,14 +80,25 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
                 first = localize(engine, f, first, judged, out, overrides, dtype, profile)
             except Exception as e:  # noqa: BLE001 - localisation is best effort; the verdict stands
                 first.cause = f"not localised: run_layer raised {type(e).__name__}: {e}"
+        t2, diagnosis, why = time.perf_counter(), None, None
+        if any(c.status == "fail" for c in judged):
+            try:
+                diagnosis = diagnose(engine if dump is None else None, f, first, judged, out, overrides, dtype,
+                                     profile)
+            except Exception as e:  # noqa: BLE001 - the diagnosis is best effort, like localize; the verdict stands
+                why = f"the diagnosis could not run: {type(e).__name__}: {e}"
         if require_coverage is not None:
             judged.append(coverage_check(judged, require_coverage))
         info = {"dtype": dtype, "profile": profile,
                 "routing": _routing_info(engine, dump, profile, held, holds_routing(f.metadata, profile)),
                 "engine_seconds": round(t1 - t0, 3),
-                "judge_seconds": round(time.perf_counter() - t1, 3), "prompts": len(prompts_of(f)),
-                "bundle_figures": f.metadata.get("figures", {})}
-        return make_verdict(name, os.fspath(bundle), checks + judged, first, info)
+                "judge_seconds": round(t2 - t1, 3), "diagnosis_seconds": round(time.perf_counter() - t2, 3),
+                "prompts": len(prompts_of(f)), "bundle_figures": f.metadata.get("figures", {})}
+        if why:
+            info["diagnosis_error"] = why
+        v = make_verdict(name, os.fspath(bundle), checks + judged, first, info)
+        v.diagnosis = diagnosis
+        return v
 
 
 def _say_why_unobserved(checks, why: dict) -> None:

@@ -22,7 +22,6 @@ from refmodel.stored import upcast_if_fits
 
 MAX_PLACES = 4                   # failing prompts whose first divergence is recomputed
 MAX_TREES = 1                    # failing prompts whose DDTree replay is recomputed
-NONE = "no known mistake explains it"
 
 
 def prompt_divergences(f, checks, first, cfg) -> list:
@@ -96,16 +95,4 @@ def diagnose(engine, f, first, checks, out: dict, overrides=(), dtype: str = "fl
     return [{k: x[k] for k in ("id", "title", "kind", "score", "evidence")} for x in matched + consistent]
 
 
-def summary_line(findings: list[dict]) -> str:
-    """The one console line under the first divergence."""
-    if not findings:
-        return f"diagnosis: {NONE}"
-    top = findings[0]
-    if top["kind"] == "matched":
-        more = "" if len(findings) == 1 else f" (+{len(findings) - 1} more in the reports)"
-        return f"diagnosis: {top['id']} (matched, score {top['score']:.3g}): {top['evidence']}{more}"
-    ids = ", ".join(x["id"] for x in findings[:4])
-    return f"diagnosis: no recomputed mistake matches; consistent with {ids} ({top['evidence']})"
-
-
-__all__ = ["diagnose", "summary_line", "HYPOTHESES", "BY_ID", "NONE"]
+__all__ = ["diagnose", "HYPOTHESES", "BY_ID"]
