@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from conformance.verify.diagnose.evaluate import Place, evaluate_layer
+from conformance.verify.diagnose.evaluate import Place, evaluate_layer, refuted as _refuted
 from conformance.verify.diagnose.library import BY_ID, HYPOTHESES
 from conformance.verify.diagnose.signatures import observed
 from conformance.verify.diagnose.tree import evaluate_tree
@@ -70,7 +70,7 @@ def diagnose(engine, f, first, checks, out: dict, overrides=(), dtype: str = "fl
             continue
         got, tested = evaluate_layer(engine, f, cfg, W, Place(f, div, overrides, profile), out, dtype, HYPOTHESES)
         found += got
-        refuted.update({k: v or refuted.get(k, False) for k, v in tested.items()})
+        refuted.update({k: _refuted(*r) or refuted.get(k, False) for k, r in tested.items()})
     tree_h = [h for h in HYPOTHESES if h.tree]
     for i, upto in _ddtree_prompts(f, checks)[:MAX_TREES]:
         got, tested = evaluate_tree(f, cfg, W, i, out, tree_h, overrides, profile, upto)
@@ -96,3 +96,22 @@ def diagnose(engine, f, first, checks, out: dict, overrides=(), dtype: str = "fl
 
 
 __all__ = ["diagnose", "HYPOTHESES", "BY_ID"]
+
+
+def closeness(engine, f, out: dict, places, overrides=(), dtype: str = "float32", profile: str = "fp32") -> list:
+    """The honest-engine control (docs/diagnosis.md): the layer hypotheses evaluated at each of `places`
+    ((prompt, phase, layer, tap, step) tuples) whether or not it failed. Returns (place name, id,
+    ratio_hyp, ratio_ref, matched) for every hypothesis recomputed; an honest engine has no match and no
+    hypothesis CLOSER times closer to it than the reference."""
+    from conformance.report.verdict import Divergence
+    from conformance.verify.diagnose.evaluate import matched
+    cfg, W = bundle_weights(f, np.float64)
+    W = upcast_if_fits(W, copies=1)
+    rows = []
+    for i, phase, layer, tap, step in places:
+        name = f"p{i}/{phase}/L{layer}/{tap}"
+        div = Divergence(name, layer, tap, phase, step, None, None, None, None)
+        _, tested = evaluate_layer(engine, f, cfg, W, Place(f, div, overrides, profile), out, dtype, HYPOTHESES)
+        rows += [(name if step is None else f"{name}@{step}", k, rh, rr, matched(rh, rr))
+                 for k, (rh, rr) in tested.items()]
+    return rows

@@ -111,8 +111,8 @@ def acts(h, f, cfg: ModelConfig, place: Place) -> bool:
 
 
 def evaluate_layer(engine, f, cfg, W, place: Place, out: dict, dtype: str, hypotheses) -> tuple[list, dict]:
-    """Findings (dicts, unsorted) for the layer hypotheses predicting `place`, and {id: refuted?} for
-    every hypothesis recomputed there."""
+    """Findings (dicts, unsorted) for the layer hypotheses predicting `place`, and {id: (ratio_hyp,
+    ratio_ref)} for every hypothesis recomputed there (its best variant)."""
     inputs, eng_taps, source = engine_side(engine, f, place, out, dtype)
     tap, rule = place.tap, place.rule
     if tap not in eng_taps:
@@ -137,15 +137,24 @@ def evaluate_layer(engine, f, cfg, W, place: Place, out: dict, dtype: str, hypot
         if best is None:
             continue
         r_hyp, label, value = best
-        matched = r_hyp <= 1.0 < r_ref and r_hyp * CLOSER <= r_ref
-        tested[h.id] = not matched and r_hyp >= r_ref / CLOSER          # refuted: not (much) closer
-        if matched:
+        tested[h.id] = (r_hyp, r_ref)
+        if matched(r_hyp, r_ref):
             score = min(r_ref / max(r_hyp, 1.0 / SCORE_CAP), SCORE_CAP)
             findings.append({"id": h.id, "title": h.title, "kind": "matched", "score": round(score, 3),
                              "evidence": _evidence(place, tap, label, eng, value, ref_taps[tap], r_hyp, r_ref,
                                                    rule, source),
                              "variant": label})
     return findings, tested
+
+
+def matched(r_hyp: float, r_ref: float) -> bool:
+    """The matching rule (module docstring)."""
+    return r_hyp <= 1.0 < r_ref and r_hyp * CLOSER <= r_ref
+
+
+def refuted(r_hyp: float, r_ref: float) -> bool:
+    """Recomputed, and the engine is not CLOSER times closer to the mistake than to the reference."""
+    return not matched(r_hyp, r_ref) and r_hyp * CLOSER > r_ref
 
 
 def _evidence(place, tap, label, eng, hyp, ref, r_hyp, r_ref, rule, source) -> str:
