@@ -90,23 +90,14 @@ def test_honest_engines_pass_and_no_mistake_sits_closer_to_them(small_bundle, va
     """Evaluated at every tap of layers 0 and 1 (prefill and decode step 0) whether or not it failed: no
     hypothesis matches, and none is 4x closer to the engine than the correct reference."""
     from conformance.engines.reference_engine import ReferenceEngine
-    from conformance.verify.diagnose.evaluate import CLOSER
     from conformance.verify.judge import judge
-    from refmodel.model import tap_names
-    from refmodel.config import ModelConfig
     e = ReferenceEngine() if variant == "reference" else HonestEngine(variant)
     with open_kdtr(small_bundle) as f:
         e.load(f)
         out = collect(e, f)
         checks, _ = judge(f, out)
         assert not [c.name for c in checks if c.status == "fail"]
-        cfg = ModelConfig.from_dict(f.metadata["model_config"])
-        places = [(i, ph, l, t, None if ph == "prefill" else 0) for i in prompts_of(f)[:2] for ph in ("prefill", "ar")
-                  for l in (0, 1) for t in tap_names(cfg, l) if ph == "prefill" or t in f.metadata["taps"]["ar"]]
-        rows = closeness(e, f, out, places)
-    assert rows and not [r for r in rows if r[4]]
-    closer = [r for r in rows if r[2] * CLOSER <= r[3]]
-    assert not closer, closer[:5]
+        _no_mistake_closer(closeness(e, f, out, _places(f, prompts_of(f)[:2])))
 
 
 def test_the_reports_carry_the_diagnosis(runs, tmp_path):
@@ -149,3 +140,47 @@ def test_a_run_dump_is_diagnosed_on_its_own_taps(small_int4_bundle, tmp_path):
     v = verify(str(small_int4_bundle), dump=str(dump))
     assert live.diagnosis[0]["id"] == v.diagnosis[0]["id"] == "int4-nibble-order"
     assert "on the engine's own reported inputs" in v.diagnosis[0]["evidence"]
+
+
+def _places(f, prompts, layers=(0, 1)):
+    from refmodel.config import ModelConfig
+    from refmodel.model import tap_names
+    cfg = ModelConfig.from_dict(f.metadata["model_config"])
+    return [(i, ph, l, t, None if ph == "prefill" else 0) for i in prompts for ph in ("prefill", "ar")
+            for l in layers for t in tap_names(cfg, l) if ph == "prefill" or t in f.metadata["taps"]["ar"]]
+
+
+def _no_mistake_closer(rows):
+    from conformance.verify.diagnose.evaluate import CLOSER
+    assert rows and not [r for r in rows if r[4]]
+    closer = [r for r in rows if r[2] * CLOSER <= r[3]]
+    assert not closer, closer[:5]
+
+
+@pytest.mark.parametrize("proof", ["model_tiny.cuda", "model_int4_tiny.cuda", "model_int4_tiny.cuda-plain"])
+def test_the_committed_cuda_proofs_pass_and_no_mistake_sits_closer(proof):
+    """The CUDA engine's committed run dumps (fast and plain W4A16): judged from the dump alone."""
+    from conformance.records import read_dump
+    bundle, dump = f"bundles/{proof.split('.')[0]}.kdtr", f"bundles/proofs/{proof}.kdtr"
+    v = verify(bundle, dump=dump)
+    assert v.verdict == "pass" and v.diagnosis is None, [c.name for c in v.checks if c.status == "fail"][:5]
+    out, dtype = read_dump(dump)
+    with open_kdtr(bundle) as f:
+        _no_mistake_closer(closeness(None, f, out, _places(f, prompts_of(f)[:2]), dtype=dtype))
+
+
+def test_transformers_float32_has_no_mistake_on_the_prompts_it_passes(small_bundle):
+    pytest.importorskip("transformers")
+    import torch
+    from conformance.engines.torch_engine import TorchEngine
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)                                             # tiny ops: see tests/test_torch_engine.py
+    try:
+        e = TorchEngine("float32")
+        with open_kdtr(small_bundle) as f:
+            e.load(f)
+            out = collect(e, f)
+            ordinary = [i for i, o in enumerate(f.metadata["position_offsets"]) if not o]
+            _no_mistake_closer(closeness(e, f, out, _places(f, ordinary[:2])))
+    finally:
+        torch.set_num_threads(threads)

@@ -6,7 +6,8 @@ external engine writes a `.kdtr` run dump with the same names itself (conformanc
 `judge` (conformance/verify/judge.py) compares either against the bundle's goldens; the first numeric failure
 in execution order is the first divergence, and with a live engine that can run one layer alone,
 `localize` (conformance/verify/localize.py) re-runs that layer on golden inputs to tell a local fault from
-inherited error.
+inherited error. A failing verdict is then diagnosed (conformance/verify/diagnose/, docs/diagnosis.md):
+which known mistake, recomputed, the engine's taps agree with.
 """
 from __future__ import annotations
 
