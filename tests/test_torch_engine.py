@@ -61,7 +61,7 @@ def not_passed(v) -> list:
 
 def only_the_long_position_prompt_fails(v, first_tap="q"):
     """transformers' float32 RoPE angles: every failure is the long-position prompt's, starting at the
-    first rotated tap the engine reports (L0/q; L0/k_pe when q is unobservable)."""
+    first rotated tap the engine reports (L0/q; L0/k_pe when q is unobservable), and diagnosed so."""
     i = long_position_prompt(v.bundle)
     failed = [c for c in v.checks if c.status in ("fail", "error")]
     assert v.exit_code == ExitCode.NUMERIC and failed, not_passed(v)[:5]
@@ -69,6 +69,8 @@ def only_the_long_position_prompt_fails(v, first_tap="q"):
     assert v.first_divergence.name == f"p{i}/prefill/L0/{first_tap}", v.first_divergence
     named = next(c for c in failed if c.name == f"p{i}/long_position")
     assert "forms RoPE angles in float32" in named.message
+    top = v.diagnosis[0]                                                # docs/diagnosis.md: recomputed, matched
+    assert (top["id"], top["kind"]) == ("rope-float32-angles", "matched"), v.diagnosis
 
 
 @pytest.mark.parametrize("bundle", BUNDLES)
