@@ -165,6 +165,7 @@ def test_planted_k_rope_bug_is_caught_at_layer0_k_pe(small_bundle, dtype):
     fine = {c.name: c.status for c in v.checks}
     assert all(fine[f"p0/prefill/L0/{t}"] == "pass" for t in ("attn_in", "q", "kv_latent"))
     assert fine["p0/prefill/L0/k_pe"] == "fail"
+    assert (v.diagnosis[0]["id"], v.diagnosis[0]["kind"]) == ("rope-layout", "matched"), v.diagnosis
 
 
 def test_a_faithful_user_port_passes_but_for_float32_rope_angles(small_bundle):

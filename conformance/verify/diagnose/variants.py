@@ -51,6 +51,23 @@ class RopeNeoxQ(RopeNeox):
     label, on = "NeoX rotate-half on q's raw rope dims only (k right)", ("q",)
 
 
+class RopeNeoxConverted(RopeNeox):
+    """An engine that keeps HF's de-interleaved layout and converts its reports back (x = y[argsort(P)])
+    reports a NeoX-on-raw result permuted too: the same mistake seen through that conversion."""
+    label, on = ("NeoX rotate-half on the raw rope dims of q and k, seen through the de-interleaved layout's "
+                 "conversion back"), ("q", "k")
+
+    def rope(self, x, cos, sin, which):
+        if which not in self.on:
+            return Layer.rope(self, x, cos, sin, which)
+        R = x.shape[-1]
+        return neox(x, cos, sin)[..., np.argsort(np.concatenate([np.arange(0, R, 2), np.arange(1, R, 2)]))]
+
+
+class RopeNeoxKConverted(RopeNeoxConverted):
+    label, on = "NeoX rotate-half on k's raw rope dims only, seen through the layout conversion back", ("k",)
+
+
 class RopeDeinterleaved(Layer):
     label = "rotated right but reported de-interleaved ([evens ; odds], HF's layout)"
 
