@@ -40,8 +40,8 @@ def _h(id, title, taps, phases, acts_on=("any",), variants=(), tree=(), signatur
 PA = ("prefill", "ar")
 HYPOTHESES = (
     _h("rope-layout", "RoPE pairs in the wrong layout (NeoX rotate-half on the interleaved dims)", ROPE_TAPS, PA,
-       variants=(va.RopeNeox, va.RopeNeoxK, va.RopeNeoxQ, va.RopeNeoxConverted, va.RopeNeoxKConverted,
-                 va.RopeDeinterleaved)),
+       variants=(va.RopeNeox, va.RopeNeoxK, va.RopeNeoxConverted, va.RopeNeoxKConverted, va.RopeDeinterleaved,
+                 va.RopeNeoxBoth)),   # at q or k_pe a one-tensor variant wins the tie: the first best is kept
     _h("rope-theta", "wrong rope_theta", ROPE_TAPS, PA, variants=(va.Theta, va.Theta1e6)),
     _h("rope-float32-angles", "RoPE angles position x inv_freq formed in float32", ROPE_TAPS, PA,
        ("long-position",), (va.F32AnglesFitted, va.F32Angles),

@@ -37,25 +37,26 @@ def neox(x, cos, sin):
 # ---------------------------------------------------------------- RoPE
 
 class RopeNeox(Layer):
-    label, on = "NeoX rotate-half on the raw interleaved rope dims of q and k", ("q", "k")
+    """One tap shows one tensor's rotation, so each variant rotates one of q and k wrongly; an engine
+    wrong on both shows it first at q (its first rotated tap)."""
+    label, on = "NeoX rotate-half on the raw interleaved rope dims of q", ("q",)
 
     def rope(self, x, cos, sin, which):
         return neox(x, cos, sin) if which in self.on else super().rope(x, cos, sin, which)
 
 
 class RopeNeoxK(RopeNeox):
-    label, on = "NeoX rotate-half on k's raw rope dims only (q right)", ("k",)
+    label, on = "NeoX rotate-half on the raw interleaved rope dims of k", ("k",)
 
 
-class RopeNeoxQ(RopeNeox):
-    label, on = "NeoX rotate-half on q's raw rope dims only (k right)", ("q",)
+class RopeNeoxBoth(RopeNeox):
+    label, on = "NeoX rotate-half on the raw interleaved rope dims of q and k", ("q", "k")
 
 
 class RopeNeoxConverted(RopeNeox):
     """An engine that keeps HF's de-interleaved layout and converts its reports back (x = y[argsort(P)])
     reports a NeoX-on-raw result permuted too: the same mistake seen through that conversion."""
-    label, on = ("NeoX rotate-half on the raw rope dims of q and k, seen through the de-interleaved layout's "
-                 "conversion back"), ("q", "k")
+    label, on = "NeoX rotate-half on q's raw rope dims, seen through the de-interleaved layout's conversion back", ("q",)
 
     def rope(self, x, cos, sin, which):
         if which not in self.on:
@@ -65,7 +66,7 @@ class RopeNeoxConverted(RopeNeox):
 
 
 class RopeNeoxKConverted(RopeNeoxConverted):
-    label, on = "NeoX rotate-half on k's raw rope dims only, seen through the layout conversion back", ("k",)
+    label, on = "NeoX rotate-half on k's raw rope dims, seen through the de-interleaved layout's conversion back", ("k",)
 
 
 class RopeDeinterleaved(Layer):
