@@ -1,7 +1,7 @@
-"""Honest variants: the reference engine computing the same model another correct way (another summation
-order, float64 intermediates, fused or reassociated operations, another split-K), the controls of the
-diagnosis (docs/diagnosis.md): none of them may be diagnosed with a "matched" mistake, and no known
-mistake may sit closer to one of them than the correct reference does.
+"""Honest variants: the reference engine computing the same model another correct way (other summation
+orders: pairwise, reversed, split-K; float64 intermediates; fused or reassociated operations), the
+controls of the diagnosis (docs/diagnosis.md): none of them may be diagnosed with a "matched" mistake,
+and no known mistake may sit closer to one of them than the correct reference does.
 
 Each variant swaps refmodel functions for the length of one engine call, as conformance/engines/
 mistakes.py does for its mistakes; every result is still float32 (float64 where the variant says so,
@@ -21,8 +21,8 @@ from conformance.engines.reference_engine import ReferenceEngine
 F32 = np.float32
 
 
-def _matmul(x, w):
-    return (x @ w.T).astype(x.dtype)                                    # BLAS, blocked summation
+def _pairwise(x, w):
+    return (x[:, None, :] * w[None, :, :]).sum(-1)                      # [T, O, I] -> [T, O]: pairwise sums
 
 
 def _reversed(x, w):
@@ -76,7 +76,7 @@ def _rope_complex(x, cos, sin):
 
 
 SWAPS = {
-    "blas-matmul": {"linear": _matmul},
+    "pairwise-sum": {"linear": _pairwise},
     "reversed-k": {"linear": _reversed},
     "split-k-2": {"linear": _split_k(2)},
     "split-k-7": {"linear": _split_k(7)},
