@@ -184,3 +184,15 @@ def test_transformers_float32_has_no_mistake_on_the_prompts_it_passes(small_bund
             _no_mistake_closer(closeness(e, f, out, _places(f, ordinary[:2])))
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_planted_and_the_hypothesised_tf32_roundings_agree():
+    """Written twice on purpose (the planted mistake must not share the hypothesis's code): bit trick and
+    frexp agree, on random values and on exact ties (the low 13 bits 0x1000: to even)."""
+    from conformance.engines.mistakes import _tf32
+    from conformance.verify.diagnose.variants_moe import tf32_round
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(20000) * 10.0 ** rng.integers(-8, 8, 20000)).astype(np.float32)
+    ties = ((rng.integers(0x00800000, 0x7F000000, 2000, dtype=np.uint32) & ~np.uint32(0x1FFF)) | 0x1000).view(np.float32)
+    for a in (x, ties, -ties):
+        assert np.array_equal(tf32_round(a), _tf32(a).astype(np.float64))

@@ -58,6 +58,7 @@ class EarlyWriteCache(KVCache):
 
 
 def _tf32(x):
+    """TF32 rounding written apart from the hypothesis's (variants_moe.tf32_round; a test checks they agree)."""
     m, e = np.frexp(np.asarray(x, np.float32))                           # x = m * 2^e, |m| in [0.5, 1)
     return np.ldexp(np.rint(np.ldexp(m, 11)), e - 11).astype(np.float32)  # 11 significant bits
 
