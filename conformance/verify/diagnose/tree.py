@@ -36,9 +36,11 @@ def prefill(cfg, W, f, i: int) -> tuple[KVCache, int]:
     return cache, int(np.argmax(logits[-1]))
 
 
-def replay(cfg, W, f, i: int, start_state, variant: str | None = None, rounds_max: int | None = None) -> list:
+def replay(cfg, W, f, i: int, start_state, variant: str | None = None, rounds_max: int | None = None,
+           stop=None) -> list:
     """The verify logits [T_r, V] of the golden rounds (the first `rounds_max`), computed as the replay
-    would under `variant`, from `start_state` = prefill(...)."""
+    would under `variant`, from `start_state` = prefill(...). `stop(r, logits)`: end after round r when
+    true (a variant already refuted there need not be replayed further)."""
     p = f"golden/p{i}/"
     P, pos0 = len(f[p + "prompt_ids"]), position_offset(f, i)
     cache, bonus = start_state[0].copy(), start_state[1]
@@ -67,6 +69,8 @@ def replay(cfg, W, f, i: int, start_state, variant: str | None = None, rounds_ma
             cache.compact(start, np.asarray(acc))
         start += len(acc)
         rounds.append(lg)
+        if stop is not None and stop(r, lg):
+            break
     return rounds
 
 
@@ -111,18 +115,21 @@ def evaluate_tree(f, cfg, W, i: int, out: dict, hypotheses, overrides=(), profil
     ref = replay(cfg, W, f, i, state, None, n)
     ref_bad, _, ref_first = _misses(ref, eng, margin)
     ref_bad += abs(len(ref) - len(eng))
+    def refuted_at(r, lg):                                              # a decisive row the variant gets wrong
+        return r >= len(eng) or _misses([lg], [eng[r]], margin)[0] > 0
+
     findings, tested = [], {}
     for h in hypotheses:
         best = None
         for v in h.tree:
-            rounds = replay(cfg, W, f, i, state, v, n)
+            rounds = replay(cfg, W, f, i, state, v, n, refuted_at)
             bad, seen, _ = _misses(rounds, eng, margin)
-            bad += abs(len(rounds) - len(eng))
+            bad += 0 if bad else abs(len(rounds) - len(eng))
             if best is None or bad < best[0]:
                 best = (bad, seen, v, len(rounds))
         if best is None:
             continue
-        bad, seen, v, n = best
+        bad, seen, v, n_rounds = best
         matched = bad == 0 and ref_bad > 0
         tested[h.id] = not matched
         if matched:
@@ -130,6 +137,7 @@ def evaluate_tree(f, cfg, W, i: int, out: dict, hypotheses, overrides=(), profil
             findings.append({
                 "id": h.id, "title": h.title, "kind": "matched", "score": float(ref_bad + 1), "variant": TREE_VARIANTS[v],
                 "evidence": (f"p{i} DDTree replay: the engine's verify argmax equals the replay with "
-                             f"{TREE_VARIANTS[v]} on all {seen} decisive rows of {n} round{'s' if n != 1 else ''}; "
+                             f"{TREE_VARIANTS[v]} on all {seen} decisive rows of {n_rounds} "
+                             f"round{'s' if n_rounds != 1 else ''}; "
                              f"the correct replay differs on {ref_bad} row{'s' if ref_bad != 1 else ''}{where}")})
     return findings, tested
