@@ -153,7 +153,7 @@ def _places(f, prompts, layers=(0, 1)):
 def _no_mistake_closer(rows):
     from conformance.verify.diagnose.evaluate import CLOSER
     assert rows and not [r for r in rows if r[4]]
-    closer = [r for r in rows if r[2] * CLOSER <= r[3]]
+    closer = [r for r in rows if r[3] > 0 and r[2] * CLOSER <= r[3]]   # (0, 0): no difference to tell
     assert not closer, closer[:5]
 
 
