@@ -116,6 +116,7 @@ def test_bfloat16_passes_the_bf16_profile_and_fails_the_fp32_profile(bundle):
           f"divergence {v32.first_divergence.name}")
     assert v32.exit_code != ExitCode.OK and failed
     assert v32.first_divergence.name == "p0/prefill/L0/attn_in"        # bf16 rounding shows at once
+    assert [(x["id"], x["kind"]) for x in v32.diagnosis][:1] == [("numerics-bf16", "consistent")], v32.diagnosis
     assert v32.info["routing"].startswith("free")                       # the fp32 profile holds nothing
 
 
