@@ -5,7 +5,8 @@
 explains the failure. At the first divergence, and at the first divergence of every other failing prompt,
 the hypotheses predicting that tap are recomputed (evaluate.py); a prompt whose only failures are in its
 DDTree replay gets the DDTree hypotheses (tree.py); then signatures of the whole verdict (signatures.py)
-add "consistent" hypotheses that no recomputation refuted.
+add "consistent" hypotheses that no recomputation refuted. Matches are ranked by place (the first
+divergence's first), then by score; the consistent ones after them.
 """
 from __future__ import annotations
 
@@ -65,22 +66,23 @@ def diagnose(engine, f, first, checks, out: dict, overrides=(), dtype: str = "fl
     cfg, W = bundle_weights(f, np.float64)
     W = upcast_if_fits(W, copies=1)
     found, refuted = [], {}
-    for div in prompt_divergences(f, checks, first, cfg)[:MAX_PLACES]:
+    for n, div in enumerate(prompt_divergences(f, checks, first, cfg)[:MAX_PLACES]):
         if div.layer is None:
             continue
         got, tested = evaluate_layer(engine, f, cfg, W, Place(f, div, overrides, profile), out, dtype, HYPOTHESES)
-        found += got
+        found += [{**x, "place": n} for x in got]
         refuted.update({k: _refuted(*r) or refuted.get(k, False) for k, r in tested.items()})
     tree_h = [h for h in HYPOTHESES if h.tree]
     for i, upto in _ddtree_prompts(f, checks)[:MAX_TREES]:
         got, tested = evaluate_tree(f, cfg, W, i, out, tree_h, overrides, profile, upto)
-        found += got
+        found += [{**x, "place": MAX_PLACES} for x in got]
         refuted.update(tested)
     best: dict = {}
-    for x in found:                                                       # one entry per id: its best
-        if x["id"] not in best or x["score"] > best[x["id"]]["score"]:
+    for x in found:                                                       # one entry per id: its earliest
+        key = (x["place"], -x["score"])                                   # place, there its best score
+        if x["id"] not in best or key < (best[x["id"]]["place"], -best[x["id"]]["score"]):
             best[x["id"]] = x
-    matched = sorted(best.values(), key=lambda x: -x["score"])
+    matched = sorted(best.values(), key=lambda x: (x["place"], -x["score"]))   # the first divergence's first
     facts = observed(f, checks, first, out)
     consistent = []
     for h in HYPOTHESES:
