@@ -61,7 +61,7 @@ def not_passed(v) -> list:
 
 def only_the_long_position_prompt_fails(v, first_tap="q"):
     """transformers' float32 RoPE angles: every failure is the long-position prompt's, starting at the
-    first rotated tap the engine reports (L0/q; L0/k_pe when q is unobservable)."""
+    first rotated tap the engine reports (L0/q; L0/k_pe when q is unobservable), and diagnosed so."""
     i = long_position_prompt(v.bundle)
     failed = [c for c in v.checks if c.status in ("fail", "error")]
     assert v.exit_code == ExitCode.NUMERIC and failed, not_passed(v)[:5]
@@ -69,6 +69,8 @@ def only_the_long_position_prompt_fails(v, first_tap="q"):
     assert v.first_divergence.name == f"p{i}/prefill/L0/{first_tap}", v.first_divergence
     named = next(c for c in failed if c.name == f"p{i}/long_position")
     assert "forms RoPE angles in float32" in named.message
+    top = v.diagnosis[0]                                                # docs/diagnosis.md: recomputed, matched
+    assert (top["id"], top["kind"]) == ("rope-float32-angles", "matched"), v.diagnosis
 
 
 @pytest.mark.parametrize("bundle", BUNDLES)
@@ -114,6 +116,7 @@ def test_bfloat16_passes_the_bf16_profile_and_fails_the_fp32_profile(bundle):
           f"divergence {v32.first_divergence.name}")
     assert v32.exit_code != ExitCode.OK and failed
     assert v32.first_divergence.name == "p0/prefill/L0/attn_in"        # bf16 rounding shows at once
+    assert [(x["id"], x["kind"]) for x in v32.diagnosis][:1] == [("numerics-bf16", "consistent")], v32.diagnosis
     assert v32.info["routing"].startswith("free")                       # the fp32 profile holds nothing
 
 
@@ -163,6 +166,7 @@ def test_planted_k_rope_bug_is_caught_at_layer0_k_pe(small_bundle, dtype):
     fine = {c.name: c.status for c in v.checks}
     assert all(fine[f"p0/prefill/L0/{t}"] == "pass" for t in ("attn_in", "q", "kv_latent"))
     assert fine["p0/prefill/L0/k_pe"] == "fail"
+    assert (v.diagnosis[0]["id"], v.diagnosis[0]["kind"]) == ("rope-layout", "matched"), v.diagnosis
 
 
 def test_a_faithful_user_port_passes_but_for_float32_rope_angles(small_bundle):

@@ -1,1 +1,2 @@
-"""Engines under test: the protocol, the reference, torch and planted-fault engines, and the choice among them."""
+"""Engines under test: the protocol, the reference, torch and planted-fault engines (faults.py; mistakes.py: the
+diagnosis's known mistakes), honest variants of the reference (honest.py), and the choice among them."""

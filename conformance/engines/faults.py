@@ -4,7 +4,8 @@ each kind of bug and points at the right layer and tap.
 Every fault is a real computational fault (wrong weights, a wrong reader, a wrong mask), never an edit
 of a reported value: it propagates through the residual stream, the KV cache and the logits exactly as
 the same bug in a real engine would, and `run_layer` (teacher forcing) carries it too, so the runner's
-local-vs-inherited test sees it.
+local-vs-inherited test sees it. The diagnosis's other known mistakes (docs/diagnosis.md) are planted by
+conformance/engines/mistakes.py, whose PLANTED maps every id to its engine.
 
     scale_tap             o_proj of layer L scaled by (1 + eps)      -> first divergence L{L}/attn_out
                           (eps 1e-4: ~10x the fp32 atol there, yet too small to flip a token or a

@@ -17,6 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from conformance.report.coverage import check_group, coverage_text, skip_reasons, skipped
+from conformance.report.diagnosis import summary_line
 from conformance.exit_codes import ExitCode
 from conformance.report.coverage import coverage_text, skip_reasons, skipped
 from conformance.report.verdict import KINDS, Verdict, counts, error_ratio, fmt_value, metric_summary
@@ -53,6 +54,8 @@ def print_console(v: Verdict, console: Console | None = None, verbose: bool = Fa
             say(f"{c.kind} FAIL {c.name}: {c.message}", "red")
     if echoes:
         say(f"ddtree FAIL {', '.join(echoes)}: the live DDTree stream fails where the replay's does", "red")
+    if v.first_divergence is None and v.diagnosis is not None:          # a DDTree-only failure
+        say(summary_line(v.diagnosis), "bold")
     _live_ddtree(v, say)
     _worst(v, say, None if verbose else WORST)
     names = skipped(v.checks)
@@ -134,6 +137,8 @@ def _divergence(v: Verdict, say) -> None:
         say(f"  cause: {d.cause}", "bold")
     for k, val in (d.evidence or {}).items():
         say(f"  {k}: {val}")
+    if v.diagnosis is not None:
+        say(f"  {summary_line(v.diagnosis)}", "bold")
 
 
 def distinct_values(golden, actual) -> tuple[str, str]:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from conformance.report.console import count_line
 from conformance.report.coverage import coverage_text
+from conformance.report.diagnosis import html_panel
 from conformance.report.verdict import CheckResult, Verdict, error_ratio, fmt_value, metric_summary, write_text
 
 _LAYER_TAP = re.compile(r"^(?P<group>.*?)/?L(?P<layer>\d+)/(?P<tap>[^/]+)$")
@@ -120,6 +121,7 @@ def write_html(v: Verdict, path: str | Path) -> None:
         rows = "".join(f"<tr><th>{e(k.replace('_', ' '))}</th><td>{e(_cell(val))}</td></tr>"
                        for k, val in asdict(d).items() if val is not None)
         out.append(f"<div class='panel'><h2>First divergence: {e(d.name)}</h2><table>{rows}</table></div>")
+    out.append(html_panel(v.diagnosis))
     series = layer_series(v.checks)
     if series:
         out.append("<h2>Per-layer error (above the red line fails)</h2>")

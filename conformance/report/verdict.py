@@ -1,11 +1,9 @@
 """Verdicts and their reports: data classes, the exit code, and two file writers (JSON, JUnit XML; the HTML
-report with its SVG plots is conformance/report/html.py, the console view conformance/report/console.py).
-Every file write is atomic.
+report with its SVG plots is conformance/report/html.py, the console view conformance/report/console.py,
+the diagnosis's parts conformance/report/diagnosis.py). Every file write is atomic.
 
 Exit-code precedence when checks of several kinds fail (docs/conformance.md says why):
-
     integrity (5) > engine error (6) > tokens (3) > ddtree (4) > numeric (1) > coverage (7)
-
 A check with status "error" counts as an engine error, except for kind "integrity" (the bundle).
 """
 from __future__ import annotations
@@ -18,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from conformance.report.diagnosis import junit_properties
 from conformance.exit_codes import ExitCode
 from conformance.report.coverage import coverage, coverage_text
 from kdtr_format.paths import write_atomically
@@ -87,6 +86,7 @@ class Verdict:
     verdict: str                             # "pass", "fail" (a check failed) or "error"
     info: dict = field(default_factory=dict)  # free-form: engine dtype, timings, bundle sha256
     coverage: dict = field(default_factory=dict)  # conformance/report/coverage.py: per group {run, defined}
+    diagnosis: list | None = None            # conformance/verify/diagnose/: at a failing verdict, best first
 
 
 def exit_code_for(checks: list[CheckResult]) -> ExitCode:
@@ -139,7 +139,7 @@ def verdict_dict(v: Verdict) -> dict:
         "exit_name": v.exit_code.name, "engine": v.engine, "bundle": v.bundle,
         "counts": counts(v.checks), "coverage": v.coverage, "info": v.info,
         "first_divergence": asdict(v.first_divergence) if v.first_divergence else None,
-        "checks": [asdict(c) for c in v.checks],
+        "diagnosis": v.diagnosis or [], "checks": [asdict(c) for c in v.checks],
     })
 
 
@@ -183,7 +183,7 @@ def write_junit(v: Verdict, path: str | Path) -> None:
                           skipped=str(n["skip"]))
     props = ET.SubElement(suite, "properties")
     for k, val in (("verdict", v.verdict), ("exit_code", int(v.exit_code)), ("engine", v.engine),
-                   ("bundle", v.bundle), ("coverage", coverage_text(v.coverage))):
+                   ("bundle", v.bundle), ("coverage", coverage_text(v.coverage)), *junit_properties(v.diagnosis)):
         ET.SubElement(props, "property", name=k, value=str(val))
     for c in v.checks:
         case = ET.SubElement(suite, "testcase", classname=f"kdtr.{c.kind}", name=c.name)

@@ -1,1 +1,2 @@
-"""The judge: collect an engine's outputs, validate them, judge taps, tokens and DDTree, localize (`kdtr verify`)."""
+"""The judge: collect an engine's outputs, validate them, judge taps, tokens and DDTree, localize, diagnose
+(`kdtr verify`)."""

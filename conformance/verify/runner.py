@@ -7,7 +7,8 @@ external engine writes a `.kdtr` run dump with the same names itself (conformanc
 in execution order is the first divergence, and with a live engine that can run one layer alone,
 `localize` (conformance/verify/localize.py) re-runs that layer on golden inputs to tell a local fault from
 inherited error. The bundle's config and the chosen profile are resolved once, into a `Run`
-(conformance/verify/context.py), which collection, judge and localizer share.
+(conformance/verify/context.py), which collection, judge and localizer share. A failing verdict is then diagnosed (conformance/verify/diagnose/, docs/diagnosis.md):
+which known mistake, recomputed, the engine's taps agree with.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from conformance.report.verdict import CheckResult, make_verdict
 from conformance.verify.collect import can_hold_routing, collect
 from conformance.verify.context import Run
 from conformance.verify.judge import coverage_check, judge
+from conformance.verify.diagnose import diagnose
 from conformance.verify.localize import localize
 from conformance.verify.outputs import InvalidOutputs
 from conformance.verify.preflight import preflight_localisation
@@ -93,17 +95,28 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
                 first = localize(engine, run, first, judged, out)
             except Exception as e:  # noqa: BLE001 - localisation is best effort; the verdict stands
                 first.cause = f"not localised: run_layer raised {type(e).__name__}: {e}"
+        t2, diagnosis, why = time.perf_counter(), None, None
+        if any(c.status == "fail" for c in judged):
+            try:
+                diagnosis = diagnose(engine if dump is None else None, f, first, judged, out, overrides, dtype,
+                                     run.profile)
+            except Exception as e:  # noqa: BLE001 - the diagnosis is best effort, like localize; the verdict stands
+                why = f"the diagnosis could not run: {type(e).__name__}: {e}"
         if require_coverage is not None:
             judged.append(coverage_check(judged, require_coverage))
         info = {"dtype": dtype, "profile": run.profile,
                 "routing": _routing_info(engine, dump, run.profile, held, run.holds_routing),
                 "localisation": None if dump else (unlocalised or "ready: run_layer answered on golden inputs"),
                 "engine_seconds": round(t1 - t0, 3),
-                "judge_seconds": round(time.perf_counter() - t1, 3), "prompts": len(prompts_of(f)),
-                "bundle_figures": f.metadata.get("figures", {})}
+                "judge_seconds": round(t2 - t1, 3), "diagnosis_seconds": round(time.perf_counter() - t2, 3),
+                "prompts": len(prompts_of(f)), "bundle_figures": f.metadata.get("figures", {})}
         if saved is not None:
             info["save_dump"] = saved
-        return make_verdict(name, os.fspath(bundle), checks + judged, first, info)
+        if why:
+            info["diagnosis_error"] = why
+        v = make_verdict(name, os.fspath(bundle), checks + judged, first, info)
+        v.diagnosis = diagnosis
+        return v
 
 
 def _open_checked(bundle: str, progress=None):
