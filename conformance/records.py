@@ -120,17 +120,20 @@ def dump_routing(path: str) -> str | None:
 
 
 def write_dump(out: dict, path: str, engine_name: str, dtype: str, bundle_command: str = "",
-               engine_info: dict | None = None, routing: str | None = None) -> None:
+               engine_info: dict | None = None, routing: str | None = None, shard: dict | None = None) -> None:
     """A run dump (docs/run-dump.md) of a live engine's outputs: what an external engine writes.
     engine_info: the engine's own provenance (`dump_metadata()`, e.g. the CUDA engine's device and source
     hash), stored under metadata "engine_info". routing: "held" when the run held its routing to the
-    golden expert sets, "free" when its router chose them (metadata "routing")."""
+    golden expert sets, "free" when its router chose them (metadata "routing"). shard: a rank dump's
+    metadata "shard" (conformance/shard_plan.py, docs/run-dump.md §7)."""
 
     meta = {"schema": DUMP_SCHEMA, "engine": engine_name, "dtype": dtype, "bundle_command": bundle_command}
     if routing is not None:
         meta["routing"] = routing
     if engine_info:
         meta["engine_info"] = engine_info
+    if shard is not None:
+        meta["shard"] = shard
     bf16 = lambda v: dtype == "bfloat16" and v.dtype == np.uint16  # noqa: E731 - raw bf16 bit patterns
     write_kdtr(path, ((k, Tensor(np.ascontiguousarray(v), dtype="bfloat16") if bf16(v) else np.ascontiguousarray(v))
                       for k, v in out.items()), meta)

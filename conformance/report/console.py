@@ -92,7 +92,8 @@ def _divergence(v: Verdict, say) -> None:
     if d is None:
         return
     where = (f"layer {d.layer}, tap {d.tap}, {d.phase}" + (f" step {d.step}" if d.step is not None else "")
-             + (f", token position {d.token_position}" if d.token_position is not None else ""))
+             + (f", token position {d.token_position}" if d.token_position is not None else "")
+             + (f", rank(s) {d.ranks}" if d.ranks is not None else ""))
     say(f"first divergence: {d.name} ({where})", "bold red")
     say(f"  worst element {d.worst_index}: golden {fmt_value(d.golden)}, actual {fmt_value(d.actual)}")
     if d.local_error is not None or d.inherited_error is not None:
