@@ -26,6 +26,8 @@ import numpy as np
 from refmodel.config import ModelConfig
 
 SHARD_SCHEMA = "kdtr-shard/1"
+# Planted sharding faults of kdtr's sharded torch engine, for the tests (conformance/engines/torch_sharded.py).
+SHARD_FAULTS = ("no_allreduce", "head_stride", "expert_wrong_rank", "combine_twice", "shared_every_rank")
 SPLITS = ("replicated", "heads", "experts", "rows")
 _AXIS = {"heads": 1, "experts": -1, "rows": 0}
 
@@ -102,6 +104,28 @@ class ShardPlan:
         """The run dump's metadata `shard` for `rank`."""
         return {"schema": SHARD_SCHEMA, "rank": rank, "world_size": self.world_size, "tp": self.tp,
                 "ep": self.ep, "default": "replicated", "records": self.records(cfg, rank)}
+
+
+@dataclass(frozen=True)
+class ShardFault:
+    """A planted sharding fault: its name (SHARD_FAULTS) and where (conformance/engines/torch_sharded.py)."""
+    name: str
+    layer: int | None = None
+    rank: int | None = None
+    expert: int | None = None
+
+    def at(self, name: str, layer: int | None = None) -> bool:
+        return self.name == name and (self.layer is None or layer is None or self.layer == layer)
+
+    def check(self, plan: ShardPlan) -> None:
+        """A fault this plan cannot show is a usage error, never a silent pass."""
+        if self.name not in SHARD_FAULTS:
+            raise ShardError(f"unknown sharding fault {self.name!r}; choose one of {', '.join(SHARD_FAULTS)}")
+        need = {"no_allreduce": ("--tp > 1", plan.tp > 1), "head_stride": ("--tp > 1", plan.tp > 1),
+                "expert_wrong_rank": ("--ep > 1", plan.ep > 1), "combine_twice": ("--ep > 1", plan.ep > 1),
+                "shared_every_rank": ("--tp > 1 with --ep 1", plan.tp > 1 and plan.ep == 1)}[self.name]
+        if not need[1]:
+            raise ShardError(f"fault {self.name} needs {need[0]}")
 
 
 # ---------------------------------------------------------------- reading rank dumps back

@@ -2,26 +2,34 @@
 the bundle through conformance.verify.collect and writing its own rank dump (docs/run-dump.md §7).
 
 `kdtr verify BUNDLE --engine torch --tp N [--ep M]` makes a ShardedTorchEngine; the runner calls its
-`run`, which starts the W rank processes (`python -m conformance.verify.shard_run --rank r ...`, rendezvous
-through a file, no network port), waits for them and leaves `rank{r}.kdtr` in the output folder; the
-runner then judges that folder exactly as `kdtr verify --dump-dir` judges one an external engine wrote
-(conformance/verify/judge_ranks.py), so the two verdicts are the same.
+`run`, which starts the W rank processes, waits for them and leaves `rank{r}.kdtr` in the output folder;
+the runner then judges that folder exactly as `kdtr verify --dump-dir` judges one an external engine
+wrote (conformance/verify/judge_ranks.py), so the two verdicts are the same.
+
+The ranks are forked by one launcher process (`python -m conformance.verify.shard_run JOB`) that imported
+torch once (this process never imports it): a torch import costs seconds of CPU, and W of them on a 2-core
+machine cost more than the run. They meet through a rendezvous file (no network port) and each gives up
+after RANK_TIMEOUT_S in one collective, so a rank that dies never leaves its peers waiting for ever.
 """
 from __future__ import annotations
 
-import argparse
+import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
+from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 
-from conformance.shard_plan import ShardError, ShardPlan
+from conformance.shard_plan import ShardFault, ShardPlan
 
 RANK_TIMEOUT_S = 120        # a collective waiting this long means a rank is gone or out of step
-_ROOT = Path(__file__).resolve().parent.parent   # the repository root the rank processes import from
+LAUNCH_TIMEOUT_S = 3600     # a whole sharded run; far above any bundle's (bench/bench_sharded.py)
+_ROOT = Path(__file__).resolve().parents[2]    # the repository root the launcher imports from
 
 
 class ShardRunError(RuntimeError):
@@ -39,11 +47,10 @@ class ShardedTorchEngine:
     dtype = "float32"
     sharded = True
 
-    def __init__(self, tp: int = 1, ep: int = 1, fault=None, threads: int = 1):
-        from conformance.engines.torch_sharded import check_fault
-
+    def __init__(self, tp: int = 1, ep: int = 1, fault: ShardFault | None = None, threads: int = 1):
         self.plan = ShardPlan(tp, ep)
-        check_fault(fault, self.plan)
+        if fault is not None:
+            fault.check(self.plan)
         self.fault, self.threads = fault, threads
 
     def describe(self) -> str:
@@ -56,99 +63,89 @@ class ShardedTorchEngine:
     def run(self, bundle: str, folder: str) -> float:
         """Start the ranks on `bundle`, each writing rank{r}.kdtr into `folder`; returns the wall seconds.
         Raises ShardRunError when a rank fails (the others are stopped)."""
-        W, t0 = self.plan.world_size, time.perf_counter()
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
-                   OMP_NUM_THREADS=str(self.threads))
+        t0 = time.perf_counter()
+        job = {"bundle": os.fspath(bundle), "folder": os.fspath(folder), "tp": self.plan.tp, "ep": self.plan.ep,
+               "fault": None if self.fault is None else asdict(self.fault), "threads": self.threads}
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
         with tempfile.TemporaryDirectory(prefix="kdtr-ranks-") as tmp:
-            store = os.path.join(tmp, "rendezvous")
-            procs, logs = [], []
-            for r in range(W):
-                log = open(os.path.join(tmp, f"rank{r}.log"), "w+")
-                cmd = [sys.executable, "-m", "conformance.verify.shard_run", "--bundle", os.fspath(bundle), "--out",
-                       os.fspath(folder), "--rank", str(r), "--tp", str(self.plan.tp), "--ep", str(self.plan.ep),
-                       "--store", store, "--threads", str(self.threads)]
-                if self.fault is not None:
-                    cmd += ["--fault", self.fault.name] + [a for k in ("layer", "rank", "expert")
-                                                           if getattr(self.fault, k) is not None
-                                                           for a in (f"--fault-{k}", str(getattr(self.fault, k)))]
-                procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
-                logs.append(log)
+            job["tmp"] = tmp
+            p = subprocess.Popen([sys.executable, "-m", "conformance.verify.shard_run", json.dumps(job)], env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             try:
-                failed = _wait(procs)
-                if failed is not None:
-                    logs[failed].seek(0)
-                    tail = logs[failed].read()[-2000:].strip()
-                    raise ShardRunError(f"rank {failed} of {W} failed (exit {procs[failed].returncode}): {tail}")
+                said, _ = p.communicate(timeout=LAUNCH_TIMEOUT_S)
             finally:
-                for p in procs:                                          # only the processes started here
-                    if p.poll() is None:
-                        p.kill()
-                        p.wait()
-                for log in logs:
-                    log.close()
+                if p.poll() is None:                                     # only the launcher started here
+                    p.kill()
+                    p.wait()
+            if p.returncode:
+                errors = sorted(Path(tmp).glob("rank*.error"))
+                why = errors[0].read_text()[-2000:].strip() if errors else said[-2000:].strip()
+                who = errors[0].stem if errors else "the rank launcher"
+                raise ShardRunError(f"{who} of {self.plan.world_size} failed: {why}")
         return time.perf_counter() - t0
 
 
-def _wait(procs) -> int | None:
-    """Wait for every rank; the first that exits non-zero (its peers then block in a collective) ends
-    the wait. Returns its index, or None when all succeeded."""
-    while True:
-        codes = [p.poll() for p in procs]
-        bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
-        if bad:
-            return bad[0]
-        if all(c == 0 for c in codes):
-            return None
-        time.sleep(0.05)
+def _launch(job: dict) -> int:
+    """The launcher process: import torch once, fork one child per rank (before any torch op, so the fork
+    is safe), wait; when a rank fails, stop the others (the children forked here). Returns the exit code."""
+    import torch  # noqa: F401 - imported once here, inherited by every rank
+
+    from conformance.engines import torch_sharded  # noqa: F401
+    from conformance.verify import collect  # noqa: F401
+
+    plan = ShardPlan(job["tp"], job["ep"])
+    fault = None if job["fault"] is None else ShardFault(**job["fault"])
+    store = os.path.join(job["tmp"], "rendezvous")
+    pids = {}
+    for r in range(plan.world_size):
+        pid = os.fork()
+        if pid == 0:                                                     # the rank
+            code = 0
+            try:
+                _rank(job["bundle"], job["folder"], r, plan, fault, store, job["threads"])
+            except BaseException:  # noqa: BLE001 - everything a rank raises goes to its error file
+                Path(job["tmp"], f"rank{r}.error").write_text(traceback.format_exc())
+                code = 1
+            os._exit(code)
+        pids[pid] = r
+    code = 0
+    while pids:
+        pid, status = os.wait()
+        pids.pop(pid, None)
+        if os.waitstatus_to_exitcode(status) != 0 and code == 0:
+            code = 1
+            for other in pids:                                           # its peers would wait in a collective
+                os.kill(other, signal.SIGKILL)
+    return code
 
 
-def _rank_main(argv=None) -> None:
-    """One rank: join the group, load the shard, drive the bundle, write rank{r}.kdtr."""
-    ap = argparse.ArgumentParser(prog="python -m conformance.verify.shard_run", description=_rank_main.__doc__)
-    ap.add_argument("--bundle", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--ep", type=int, default=1)
-    ap.add_argument("--store", required=True)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--fault")
-    ap.add_argument("--fault-layer", type=int)
-    ap.add_argument("--fault-rank", type=int)
-    ap.add_argument("--fault-expert", type=int)
-    a = ap.parse_args(argv)
-
+def _rank(bundle, folder, rank, plan, fault, store, threads) -> None:
     import torch
     import torch.distributed as dist
 
-    from conformance.verify.collect import collect
+    from conformance.engines.torch_sharded import RankEngine
     from conformance.precision import holds_routing, profile_taps
     from conformance.records import write_dump
-    from conformance.engines.torch_sharded import RankEngine, ShardFault
+    from conformance.verify.collect import collect
     from kdtr_format import open_kdtr
 
-    torch.set_num_threads(a.threads)
-    plan = ShardPlan(a.tp, a.ep)
-    fault = None if a.fault is None else ShardFault(a.fault, a.fault_layer, a.fault_rank, a.fault_expert)
-    dist.init_process_group("gloo", init_method=f"file://{a.store}", rank=a.rank, world_size=plan.world_size,
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=plan.world_size,
                             timeout=timedelta(seconds=RANK_TIMEOUT_S))
     try:
-        with open_kdtr(a.bundle) as f:                                   # its checksums: verified by the runner
-            e = RankEngine(plan, a.rank, fault)
+        with open_kdtr(bundle) as f:                                     # its checksums: verified by the runner
+            e = RankEngine(plan, rank, fault)
             e.load(f)
             hold = holds_routing(f.metadata, "fp32")
             out = collect(e, f, None, hold, profile_taps(f.metadata, "fp32") if hold else None)
             info = {"world_size": plan.world_size, "tp": plan.tp, "ep": plan.ep, "backend": "gloo",
                     "torch": torch.__version__, "fault": None if fault is None else fault.__dict__}
-            write_dump(out, str(rank_file(a.out, a.rank)), "torch", "float32",
+            write_dump(out, str(rank_file(folder, rank)), "torch", "float32",
                        f.metadata.get("provenance", {}).get("command", ""), info,
-                       routing="held" if hold else "free", shard=plan.metadata(e.cfg, a.rank))
+                       routing="held" if hold else "free", shard=plan.metadata(e.cfg, rank))
     finally:
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    try:
-        _rank_main()
-    except ShardError as err:
-        sys.exit(f"kdtr sharded rank: {err}")
+    sys.exit(_launch(json.loads(sys.argv[1])))
