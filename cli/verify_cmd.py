@@ -15,6 +15,8 @@ from conformance.report.console import print_console
 from conformance.precision import PROFILES, ProfileError
 from conformance.report.verdict import PRECEDENCE, write_html, write_json, write_junit
 from conformance.verify.runner import verify
+from conformance.verify.shard_run import ShardedTorchEngine
+from conformance.shard_plan import ShardError
 from conformance.tolerance import load_rules_file
 from cuda_engine.engine import W4A16_MODES
 from kdtr_format.errors import NotARegularFileError
@@ -47,6 +49,17 @@ def _suffixed(path: str | None, bundle: str, many: bool) -> str | None:
 @click.option("--dump", type=click.Path(exists=True, dir_okay=False),
               help="Judge an external engine's run dump (docs/run-dump.md) instead of running an engine (so "
                    "--engine, --dtype, --module and --w4a16 do not apply: a usage error).")
+@click.option("--dump-dir", type=click.Path(exists=True, file_okay=False),
+              help="Judge a sharded run's rank dumps rank0.kdtr .. rank{W-1}.kdtr in this folder, rank by rank "
+                   "(docs/run-dump.md §7); engine options do not apply.")
+@click.option("--tp", type=click.IntRange(min=1),
+              help="--engine torch: run kdtr's sharded PyTorch DeepseekV3 tensor-parallel over this many rank "
+                   "processes (gloo on the CPU), each rank judged through its shard.")
+@click.option("--ep", type=click.IntRange(min=1),
+              help="--engine torch: expert-parallel MoE over this many ranks (with --tp: the same ranks, so "
+                   "--tp and --ep are equal or one of them is 1).")
+@click.option("--save-dump-dir", type=click.Path(file_okay=False),
+              help="With --tp/--ep: keep the rank dumps here (rank{r}.kdtr), to judge again with --dump-dir.")
 @click.option("--rules", type=click.Path(exists=True, dir_okay=False),
               help="Tolerance overrides: TOML/JSON, glob over check names -> rule (docs/conformance.md).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the JSON report here.")
@@ -59,8 +72,8 @@ def _suffixed(path: str | None, bundle: str, many: bool) -> str | None:
                    "least this fraction of the checks the bundle defines; `full` = 1. Default: skipped "
                    "taps are allowed, and reported.")
 @click.option("-v", "--verbose", is_flag=True, help="List every check, not only failures.")
-def verify_cmd(bundles, engine_name, dtype, module_path, w4a16, profile, dump, rules, json_path, junit_path, html_path,
-               save_dump, require_coverage, verbose):
+def verify_cmd(bundles, engine_name, dtype, module_path, w4a16, profile, dump, dump_dir, tp, ep, save_dump_dir, rules,
+               json_path, junit_path, html_path, save_dump, require_coverage, verbose):
     """Verify an engine against golden BUNDLES: every tap of every layer, the AR token stream and
     the DDTree rounds. Exit 0 pass, 1 numeric, 2 usage, 3 tokens, 4 DDTree, 5 invalid/corrupt bundle or
     dump, 6 engine error, 7 coverage below --require-coverage (the most severe wins when several occur:
@@ -77,8 +90,17 @@ def verify_cmd(bundles, engine_name, dtype, module_path, w4a16, profile, dump, r
     check_output(save_dump, "--save-dump")          # a .kdtr needs a regular file (it is seeked)
     if dump and len(bundles) > 1:
         raise click.UsageError("--dump judges one run against one bundle: pass a single BUNDLE")
-    if dump:
-        _refuse_engine_options(engine_name, dtype, module_path, w4a16)
+    if dump and dump_dir:
+        raise click.UsageError("--dump judges one run dump, --dump-dir a sharded run's rank dumps: pass one of them")
+    if dump or dump_dir:
+        _refuse_engine_options(engine_name, dtype, module_path, w4a16, tp, ep)
+    if dump_dir and len(bundles) > 1:
+        raise click.UsageError("--dump-dir judges one run against one bundle: pass a single BUNDLE")
+    sharded = tp is not None or ep is not None
+    if sharded:
+        _check_sharded_options(engine_name, dtype, module_path, save_dump)
+    elif save_dump_dir:
+        raise click.UsageError("--save-dump-dir keeps a sharded run's rank dumps: give --tp or --ep (else --save-dump)")
     for path, what in [(b, "bundle") for b in bundles] + ([(dump, "run dump")] if dump else []):
         try:                                        # a FIFO or device: one line and exit 5, before any run
             check_regular(path, what)
@@ -88,7 +110,13 @@ def verify_cmd(bundles, engine_name, dtype, module_path, w4a16, profile, dump, r
     worst = ExitCode.OK
     for bundle in bundles:
         engine = None
-        if not dump:
+        if sharded:
+            try:
+                engine = ShardedTorchEngine(tp or 1, ep or 1)
+            except ShardError as e:
+                raise click.UsageError(str(e)) from None
+            console.print(f"engine: [bold]torch[/bold] ({escape(engine.describe())})")
+        elif not (dump or dump_dir):
             try:
                 engine, why = pick_engine(engine_name, dtype, module_path, w4a16)
             except EngineOptionError as e:
@@ -110,7 +138,8 @@ def verify_cmd(bundles, engine_name, dtype, module_path, w4a16, profile, dump, r
             try:
                 v = verify(bundle, engine=engine, dump=dump, overrides=overrides, progress=progress,
                            save_dump=_suffixed(save_dump, bundle, len(bundles) > 1), require_coverage=coverage,
-                           profile=profile)
+                           profile=profile, dump_dir=dump_dir,
+                           save_dump_dir=_suffixed(save_dump_dir, bundle, len(bundles) > 1))
             except ProfileError as e:
                 raise click.UsageError(f"{bundle}: {e}") from None
             except OSError as e:        # only the dump write touches the file system after the checks above
@@ -120,6 +149,10 @@ def verify_cmd(bundles, engine_name, dtype, module_path, w4a16, profile, dump, r
         console.print(f"tolerance profile: {v.info.get('profile', '-')}")
         if "routing" in v.info:
             console.print(f"routing: {escape(v.info['routing'])}")
+        if "shard" in v.info:
+            sh = v.info["shard"]
+            console.print(f"ranks: {sh['world_size']} (tp {sh['tp']}, ep {sh['ep']}); replicated records: "
+                          f"{escape(sh['replicated_copies'])}")
         print_console(v, Console(), verbose=verbose)
         many = len(bundles) > 1
         for path, write in ((json_path, write_json), (junit_path, write_junit), (html_path, write_html)):
@@ -132,16 +165,27 @@ def verify_cmd(bundles, engine_name, dtype, module_path, w4a16, profile, dump, r
     sys.exit(int(worst))
 
 
-def _refuse_engine_options(engine_name, dtype, module_path, w4a16) -> None:
-    """With --dump no engine runs: an engine option would be silently ignored (a dump made with --w4a16
-    plain would pass as `--w4a16 fast`), so it is a usage error naming the option."""
+def _refuse_engine_options(engine_name, dtype, module_path, w4a16, tp=None, ep=None) -> None:
+    """With --dump (or --dump-dir) no engine runs: an engine option would be silently ignored (a dump made
+    with --w4a16 plain would pass as `--w4a16 fast`), so it is a usage error naming the option."""
     given = [("--engine", engine_name if engine_name != "auto" else None), ("--dtype", dtype),
-             ("--module", module_path), ("--w4a16", w4a16)]
+             ("--module", module_path), ("--w4a16", w4a16), ("--tp", tp), ("--ep", ep)]
     for option, value in given:
         if value:
-            raise click.UsageError(f"{option} {value} configures an engine that kdtr runs, but --dump judges a run "
-                                   f"already made, as it was made (its metadata engine_info records how): drop "
-                                   f"{option} or drop --dump")
+            raise click.UsageError(f"{option} {value} configures an engine that kdtr runs, but --dump/--dump-dir "
+                                   f"judges a run already made, as it was made (its metadata engine_info records "
+                                   f"how): drop {option} or drop --dump/--dump-dir")
+
+
+def _check_sharded_options(engine_name, dtype, module_path, save_dump) -> None:
+    """--tp/--ep run kdtr's own sharded torch model in float32: other engine options are usage errors."""
+    if engine_name != "torch":
+        raise click.UsageError(f"--tp/--ep shard the torch engine: pass --engine torch (not --engine {engine_name})")
+    if module_path or (dtype and dtype != "float32"):
+        raise click.UsageError("--tp/--ep run kdtr's own sharded PyTorch DeepseekV3 in float32: drop "
+                               + ("--module" if module_path else f"--dtype {dtype}"))
+    if save_dump:
+        raise click.UsageError("a sharded run writes one dump per rank: use --save-dump-dir DIR, not --save-dump")
 
 
 def _coverage_fraction(text: str | None) -> float | None:

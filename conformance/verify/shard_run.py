@@ -26,6 +26,8 @@ from datetime import timedelta
 from pathlib import Path
 
 from conformance.shard_plan import ShardFault, ShardPlan
+from kdtr_format import open_kdtr
+from refmodel.config import ModelConfig
 
 RANK_TIMEOUT_S = 120        # a collective waiting this long means a rank is gone or out of step
 LAUNCH_TIMEOUT_S = 3600     # a whole sharded run; far above any bundle's (bench/bench_sharded.py)
@@ -62,7 +64,10 @@ class ShardedTorchEngine:
 
     def run(self, bundle: str, folder: str) -> float:
         """Start the ranks on `bundle`, each writing rank{r}.kdtr into `folder`; returns the wall seconds.
-        Raises ShardRunError when a rank fails (the others are stopped)."""
+        Raises ShardRunError when a rank fails (the others are stopped), ShardError before any starts when
+        the bundle's model does not divide over the ranks."""
+        with open_kdtr(bundle) as f:
+            self.plan.check(ModelConfig.from_dict(f.metadata["model_config"]))
         t0 = time.perf_counter()
         job = {"bundle": os.fspath(bundle), "folder": os.fspath(folder), "tp": self.plan.tp, "ep": self.plan.ep,
                "fault": None if self.fault is None else asdict(self.fault), "threads": self.threads}
