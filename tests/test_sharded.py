@@ -11,6 +11,8 @@ rank over gloo, on a small shardable bundle made in the session (tests/conftest.
 """
 import shutil
 
+import numpy as np
+
 import pytest
 from click.testing import CliRunner
 
@@ -38,14 +40,22 @@ def summary(v) -> list:
         int(v.exit_code), None if d is None else (d.name, d.layer, d.tap, d.step, d.ranks)]
 
 
+class Runs(dict):
+    """(tp, ep) -> (verdict, rank-dump folder) of a correct run, each made once, when first asked for."""
+
+    def __init__(self, bundle, tmp_path_factory):
+        super().__init__()
+        self.bundle, self.tmp = bundle, tmp_path_factory
+
+    def __missing__(self, plan):
+        folder = self.tmp.mktemp("tp{}ep{}".format(*plan))
+        self[plan] = run(self.bundle, folder, *plan), folder
+        return self[plan]
+
+
 @pytest.fixture(scope="module")
 def passing(shardable_bundle, tmp_path_factory):
-    """{(tp, ep): (verdict, rank-dump folder)} for every plan CI runs."""
-    out = {}
-    for tp, ep in PLANS:
-        folder = tmp_path_factory.mktemp(f"tp{tp}ep{ep}")
-        out[(tp, ep)] = run(shardable_bundle, folder, tp, ep), folder
-    return out
+    return Runs(shardable_bundle, tmp_path_factory)
 
 
 @pytest.mark.parametrize("tp,ep", PLANS)
@@ -110,7 +120,7 @@ def test_a_rank_whose_replicated_copy_differs_diverges_from_the_others(passing, 
     bad = dict(outs[1])
     bad["p1/prefill/L3/attn_out"] = bad["p1/prefill/L3/attn_out"].copy()
     bad["p1/prefill/L3/attn_out"][2, 7] += 1e-2                         # far over its tolerance (~1e-4)
-    write_dump(bad, str(tmp_path / "rank1.kdtr"), "torch", "float32", shard=metas[1])
+    write_dump(bad, str(tmp_path / "rank1.kdtr"), "torch", "float32", routing="free", shard=metas[1])
     v = verify(shardable_bundle, dump_dir=str(tmp_path))
     d = v.first_divergence
     assert v.exit_code == ExitCode.NUMERIC and (d.name, d.ranks) == ("p1/prefill/L3/attn_out", [1])
@@ -122,7 +132,7 @@ def test_a_rank_whose_replicated_copy_differs_diverges_from_the_others(passing, 
 def _rewrite(src, dst, r, change):
     outs, metas, _, _ = read_dump_dir(str(src))
     out, meta = change(dict(outs[r]), dict(metas[r]))
-    write_dump(out, str(dst / f"rank{r}.kdtr"), "torch", "float32", shard=meta)
+    write_dump(out, str(dst / f"rank{r}.kdtr"), "torch", "float32", routing="free", shard=meta)
 
 
 @pytest.mark.parametrize("case,expect", [
@@ -188,3 +198,28 @@ def test_a_model_that_does_not_divide_is_an_engine_error_naming_the_field(small_
     r = CliRunner().invoke(main, ["verify", str(small_int4_bundle), "--engine", "torch", "--tp", "4"])
     assert r.exit_code == ExitCode.ENGINE_ERROR, r.output
     assert "num_attention_heads = 6 does not divide over 4 ranks" in " ".join(r.output.split()), r.output
+
+
+def test_group_gaps_bound_the_group_limited_decision():
+    """Moving every biased score by less than half the row's gap (as for the ungrouped gap: a flip needs an
+    error above half of it, the rule kdtr gen rejects prompts by) never changes a group-limited top-8 set;
+    moving them by more can."""
+    from conformance.gen.goldens import group_gaps
+    from refmodel.model import select_experts
+
+    cfg = PRESETS["shardable"]
+    rng = np.random.default_rng(0)
+    choice = rng.uniform(0, 1, (400, cfg.n_routed_experts))
+    gaps = group_gaps(cfg, choice)
+    sets = np.sort(select_experts(cfg, choice), -1)
+    flipped = 0
+    for scale, may_flip in ((0.4999, False), (3.0, True)):
+        noise = rng.uniform(-1, 1, choice.shape) * gaps[:, None] * scale
+        moved = np.any(np.sort(select_experts(cfg, choice + noise), -1) != sets, axis=-1)
+        assert may_flip or not moved.any(), np.nonzero(moved)[0][:5]
+        flipped += int(moved.sum())
+    assert flipped > 0                                                   # the bound is not vacuous
+    from conformance.metrics import routing_gaps                         # the plain K-th vs (K+1)-th gap
+    plain = routing_gaps(choice, cfg.num_experts_per_tok)                # is no bound here: it flips sets
+    noise = rng.uniform(-1, 1, choice.shape) * plain[:, None] * 0.4999
+    assert np.any(np.sort(select_experts(cfg, choice + noise), -1) != sets)
