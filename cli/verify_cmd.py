@@ -93,7 +93,7 @@ def verify_cmd(bundles, engine_name, dtype, module_path, w4a16, profile, dump, d
     if dump and dump_dir:
         raise click.UsageError("--dump judges one run dump, --dump-dir a sharded run's rank dumps: pass one of them")
     if dump or dump_dir:
-        _refuse_engine_options(engine_name, dtype, module_path, w4a16, tp, ep)
+        _refuse_engine_options(engine_name, dtype, module_path, w4a16, tp, ep, "--dump" if dump else "--dump-dir")
     if dump_dir and len(bundles) > 1:
         raise click.UsageError("--dump-dir judges one run against one bundle: pass a single BUNDLE")
     sharded = tp is not None or ep is not None
@@ -165,16 +165,16 @@ def verify_cmd(bundles, engine_name, dtype, module_path, w4a16, profile, dump, d
     sys.exit(int(worst))
 
 
-def _refuse_engine_options(engine_name, dtype, module_path, w4a16, tp=None, ep=None) -> None:
+def _refuse_engine_options(engine_name, dtype, module_path, w4a16, tp=None, ep=None, flag="--dump") -> None:
     """With --dump (or --dump-dir) no engine runs: an engine option would be silently ignored (a dump made
     with --w4a16 plain would pass as `--w4a16 fast`), so it is a usage error naming the option."""
     given = [("--engine", engine_name if engine_name != "auto" else None), ("--dtype", dtype),
              ("--module", module_path), ("--w4a16", w4a16), ("--tp", tp), ("--ep", ep)]
     for option, value in given:
         if value:
-            raise click.UsageError(f"{option} {value} configures an engine that kdtr runs, but --dump/--dump-dir "
-                                   f"judges a run already made, as it was made (its metadata engine_info records "
-                                   f"how): drop {option} or drop --dump/--dump-dir")
+            raise click.UsageError(f"{option} {value} configures an engine that kdtr runs, but {flag} judges a run "
+                                   f"already made, as it was made (its metadata engine_info records how): drop "
+                                   f"{option} or drop {flag}")
 
 
 def _check_sharded_options(engine_name, dtype, module_path, save_dump) -> None:
