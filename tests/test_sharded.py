@@ -9,6 +9,7 @@ rank over gloo, on a small shardable bundle made in the session (tests/conftest.
 - rank dumps that do not fit together are invalid files (exit 5); options that cannot apply are usage
   errors (exit 2); a model that does not divide over the ranks is an engine error (exit 6) naming the field.
 """
+import json
 import shutil
 
 import numpy as np
@@ -223,3 +224,13 @@ def test_group_gaps_bound_the_group_limited_decision():
     plain = routing_gaps(choice, cfg.num_experts_per_tok)                # is no bound here: it flips sets
     noise = rng.uniform(-1, 1, choice.shape) * plain[:, None] * 0.4999
     assert np.any(np.sort(select_experts(cfg, choice + noise), -1) != sets)
+
+
+def test_cli_dump_dir_over_a_sharded_run(passing, shardable_bundle, tmp_path):
+    _, folder = passing[(2, 1)]
+    report = tmp_path / "r.json"
+    r = CliRunner().invoke(main, ["verify", str(shardable_bundle), "--dump-dir", str(folder), "--json", str(report)])
+    text = " ".join(r.output.split())
+    assert r.exit_code == ExitCode.OK and "ranks: 2 (tp 2, ep 1); replicated records: the same bits on every rank" \
+        in text, r.output
+    assert json.loads(report.read_text())["verdict"] == "pass"
