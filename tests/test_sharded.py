@@ -150,8 +150,9 @@ def test_rank_dumps_that_do_not_fit_are_invalid(passing, shardable_bundle, tmp_p
     elif case == "wrong world size":
         _rewrite(folder, tmp_path, 1, lambda o, m: (o, dict(m, world_size=3)))
     elif case == "heads not tiling":
-        recs = lambda m: {k: (dict(e, start=e["start"] - 1) if k == "L2/q" else e) for k, e in m["records"].items()}  # noqa: E731
-        _rewrite(folder, tmp_path, 1, lambda o, m: (o, dict(m, records=recs(m))))
+        def shifted(m):                                                  # rank 1's heads of L2 start at 7
+            return {k: (dict(e, start=e["start"] - 1) if k == "L2/q" else e) for k, e in m["records"].items()}
+        _rewrite(folder, tmp_path, 1, lambda o, m: (o, dict(m, records=shifted(m))))
     else:
         _rewrite(folder, tmp_path, 1, lambda o, m: (dict(o, **{"p1/prefill/L0/q": o["p1/prefill/L0/q"][:, :4]}), m))
     v = verify(shardable_bundle, dump_dir=str(tmp_path))

@@ -44,7 +44,8 @@ def read_dump_dir(folder: str) -> tuple[list[dict], list[dict], str, str | None]
     ranks = sorted(int(m.group(1)) for p in d.iterdir() if (m := _RANK_FILE.fullmatch(p.name)))
     if not ranks or ranks != list(range(len(ranks))):
         raise BundleSchemaError(f"--dump-dir {folder}: holds rank dumps {['rank%d.kdtr' % r for r in ranks]}; a "
-                                f"sharded run writes rank0.kdtr .. rank{{W-1}}.kdtr, one per rank (docs/run-dump.md §7)")
+                                f"sharded run writes rank0.kdtr .. rank{{W-1}}.kdtr, one per rank "
+                                f"(docs/run-dump.md §7)")
     outs, metas, dtypes, routings = [], [], set(), set()
     for r in ranks:
         path = d / f"rank{r}.kdtr"
@@ -116,7 +117,7 @@ def _merge(f, judged, spans: dict, view: dict, man: dict, overrides) -> list:
         good = sorted(r for ranks, c in seen if c.status == "pass" for r in ranks)
         if name in spans:
             bad = _split_ranks(f, name, view[name], spans[name], man, overrides) or bad
-            note = f"rank(s) {bad}: their shard(s) hold the first values over the bound"
+            note = f"rank(s) {bad}: their shard(s) hold the values over the bound"
         elif good:
             note = (f"rank(s) {bad} diverge from rank(s) {good}: a replicated record, the same on every rank in a "
                     f"correct run")

@@ -120,8 +120,8 @@ def _verify_ranks(f, bundle, name, checks, engine, dump_dir, save_dump_dir, over
         profile = profile or PROFILE_OF_DTYPE.get(dtype, "fp32")
         try:
             judged, first, summary = judge_ranks(f, outs, metas, overrides, dtype, profile)
-        except InvalidOutputs as e:                                      # a bad dump is a bad file (5),
-            kind, label = ("integrity", "dump/structure") if dump_dir else ("numeric", "engine/outputs")  # a bad engine 6
+        except InvalidOutputs as e:                # a bad dump is a bad file (5), a bad engine's outputs an error (6)
+            kind, label = ("integrity", "dump/structure") if dump_dir else ("numeric", "engine/outputs")
             checks.append(CheckResult(label, "error", kind, {"problems": e.problems}, message=str(e)))
             return make_verdict(name, bundle, checks)
         if require_coverage is not None:

@@ -71,7 +71,8 @@ class ShardedTorchEngine:
         t0 = time.perf_counter()
         job = {"bundle": os.fspath(bundle), "folder": os.fspath(folder), "tp": self.plan.tp, "ep": self.plan.ep,
                "fault": None if self.fault is None else asdict(self.fault), "threads": self.threads}
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+        path = [str(_ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))        # the launcher imports this kdtr
         with tempfile.TemporaryDirectory(prefix="kdtr-ranks-") as tmp:
             job["tmp"] = tmp
             p = subprocess.Popen([sys.executable, "-m", "conformance.verify.shard_run", json.dumps(job)], env=env,
