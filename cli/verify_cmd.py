@@ -96,6 +96,8 @@ def verify_cmd(bundles, engine_name, dtype, module_path, w4a16, profile, dump, d
         _refuse_engine_options(engine_name, dtype, module_path, w4a16, tp, ep, "--dump" if dump else "--dump-dir")
     if dump_dir and len(bundles) > 1:
         raise click.UsageError("--dump-dir judges one run against one bundle: pass a single BUNDLE")
+    if dump_dir and (save_dump or save_dump_dir):
+        raise click.UsageError("--dump-dir judges rank dumps already written: drop --save-dump/--save-dump-dir")
     sharded = tp is not None or ep is not None
     if sharded:
         _check_sharded_options(engine_name, dtype, module_path, save_dump)

@@ -191,9 +191,11 @@ def test_sharded_options_that_cannot_apply_are_usage_errors(shardable_bundle, ar
     assert r.exit_code == ExitCode.USAGE and expect in " ".join(r.output.split()), r.output
 
 
-def test_dump_dir_refuses_engine_options(shardable_bundle, tmp_path):
-    r = CliRunner().invoke(main, ["verify", str(shardable_bundle), "--dump-dir", str(tmp_path), "--tp", "2"])
-    assert r.exit_code == ExitCode.USAGE and "drop --tp" in r.output, r.output
+@pytest.mark.parametrize("extra,expect", [(["--tp", "2"], "drop --tp"),
+                                          (["--save-dump-dir", "d"], "drop --save-dump/--save-dump-dir")])
+def test_dump_dir_refuses_engine_options(shardable_bundle, tmp_path, extra, expect):
+    r = CliRunner().invoke(main, ["verify", str(shardable_bundle), "--dump-dir", str(tmp_path)] + extra)
+    assert r.exit_code == ExitCode.USAGE and expect in " ".join(r.output.split()), r.output
 
 
 def test_a_model_that_does_not_divide_is_an_engine_error_naming_the_field(small_int4_bundle):
