@@ -15,7 +15,6 @@ from rich.table import Table
 from rich.text import Text
 
 from cli.outputs import check_output, fail_write
-from conformance.gen.bundle_model import LONG_POSITION_OFFSET
 from conformance.exit_codes import ExitCode
 from conformance.gen.gen import GenError, GenSettings, apply_quant, generate_bundle, model_from_checkpoint, \
     model_from_kdtr, model_from_preset
@@ -91,7 +90,11 @@ class _Bars:
 @click.option("--int4-scope", type=click.Choice(["experts", "mlp"]), default="experts", show_default=True,
               help="INT4 modules: routed experts only (as K2.6 ships) or every MLP.")
 @click.option("--from-checkpoint", "checkpoint", type=click.Path(exists=True, file_okay=False),
-              help="Take the target from an HF-layout checkpoint directory (a drafter is distilled for it).")
+              help="Take the target straight from an HF-layout checkpoint directory (read in place, never copied; "
+                   "a drafter is distilled for it when --distill-steps asks and it fits in memory, else untrained).")
+@click.option("--layers", type=click.IntRange(1), default=None,
+              help="With --from-checkpoint: the first N layers (embedding, layers 0..N-1, final norm, lm_head), "
+                   "the model an engine runs with num_hidden_layers = N. Default: every layer.")
 @click.option("--model", "model_path", type=click.Path(exists=True, dir_okay=False),
               help="Take target and drafter from an existing .kdtr model or bundle.")
 @click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False),
@@ -103,21 +106,22 @@ class _Bars:
 @click.option("--budget", type=click.IntRange(1, 1024), default=32, show_default=True, help="DDTree node budget.")
 @click.option("--distill-steps", type=click.IntRange(0), default=1000, show_default=True,
               help="Drafter distillation steps (0: untrained drafter).")
-@click.option("--long-position", type=click.IntRange(0), default=LONG_POSITION_OFFSET, show_default=True,
+@click.option("--long-position", type=click.IntRange(0), default=None,
               help="First position of the long-position prompt (a random prompt whose cache holds only its own "
-                   "rows); 0: none. docs/golden-bundles.md says why this offset.")
+                   "rows); 0: none. Default: 196608, or the largest that fits the model's max_position_embeddings "
+                   "(recorded in the bundle's metadata long_position). docs/golden-bundles.md says why.")
 @click.option("--bf16-profile", type=bool, default=None, metavar="yes|no",
               help="Derive the bf16 precision profile (default: yes; it reruns every prompt in bf16, which "
                    "the real-shape slice skips for time). A value, not a flag, so the command recorded in "
                    "the bundle reruns as written.")
 @click.option("--routing-near-ties", type=click.Choice(["forbid", "held"]), default=None,
-              help="forbid (the default): redraw a prompt with a routing decision near a tie (within 4x the router tolerance). "
+              help="forbid (the default; held with --from-checkpoint): redraw a prompt with a routing decision near a tie (within 4x the router tolerance). "
                    "held: keep it; the float32 baseline and a live engine run the golden expert sets, and the "
                    "engine's own choice is judged by the near-tie rules (docs/conformance.md, section 3a). "
                    "For real-shape models, where 8th/9th-expert near-ties are common.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Weights, drafter and prompt seed.")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="The bundle to write (atomically).")
-def gen_cmd(preset, quant, int4_scope, checkpoint, model_path, prompts_file, prompt_ids, num_prompts,
+def gen_cmd(preset, quant, int4_scope, checkpoint, layers, model_path, prompts_file, prompt_ids, num_prompts,
             max_new_tokens, budget, distill_steps, long_position, bf16_profile, routing_near_ties, seed, out):
     """Generate a golden bundle: model, prompts, per-layer goldens, AR stream and DDTree rounds.
 
@@ -127,6 +131,8 @@ def gen_cmd(preset, quant, int4_scope, checkpoint, model_path, prompts_file, pro
     """
     if checkpoint and model_path:
         raise click.UsageError("--from-checkpoint and --model both choose the model: pass one")
+    if layers is not None and not checkpoint:
+        raise click.UsageError("--layers truncates a checkpoint: pass it with --from-checkpoint")
     if prompts_file and prompt_ids:
         raise click.UsageError("--prompts and --prompt-ids both give prompts: pass one")
     prompts = _read_prompts(prompts_file) or _parse_prompt_ids(prompt_ids)
@@ -135,7 +141,9 @@ def gen_cmd(preset, quant, int4_scope, checkpoint, model_path, prompts_file, pro
     s = GenSettings(preset=preset, quant=quant, int4_scope=int4_scope, seed=seed, prompts=prompts,
                     num_prompts=num_prompts, max_new_tokens=max_new_tokens, budget=budget,
                     distill_steps=distill_steps, long_position=long_position, command=command,
-                    bf16_profile=bf16_profile is not False, routing_near_ties=routing_near_ties or "forbid")
+                    bf16_profile=bf16_profile is not False, layers=layers,
+                    # a real checkpoint's top-8 of hundreds of experts has near-ties in most prompts: held
+                    routing_near_ties=routing_near_ties or ("held" if checkpoint else "forbid"))
     console = Console(stderr=True)
     cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             TextColumn("{task.fields[info]}"))

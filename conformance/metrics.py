@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from kdtr_format.bf16 import bf16_bits, bf16_to_float32
+
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
 # Sign-magnitude layout per engine dtype: (unsigned view, magnitude mask).
@@ -39,42 +41,11 @@ _BITS = {
 # Rounding into the engine dtype and ULP distance
 # ---------------------------------------------------------------------------------------------
 
-def _round_to_odd_f32(x: np.ndarray) -> np.ndarray:
-    """float64 -> float32 rounded to odd: exact values stay, inexact ones get the lsb forced to 1.
-    Rounding to odd first and then to nearest-even at a precision >= 2 bits narrower is a correct
-    single rounding (no double-rounding error), which is what float64 -> bfloat16 needs."""
-    f = x.astype(np.float32)
-    inexact = np.isfinite(x) & (f.astype(np.float64) != x)
-    bits = f.view(np.uint32).copy()
-    # Rounded away from zero: step one ulp back toward zero (sign-magnitude, so bits - 1).
-    away = inexact & (np.abs(f.astype(np.float64)) > np.abs(x))
-    bits[away] -= 1
-    bits[inexact] |= 1
-    return bits.view(np.float32)
-
-
-def bfloat16_bits(x: np.ndarray) -> np.ndarray:
-    """Round float32 or float64 values to bfloat16 (round to nearest, ties to even).
-    Returns the uint16 bit patterns; NaN becomes the canonical quiet NaN 0x7FC0."""
-    x = np.asarray(x)
-    f = _round_to_odd_f32(x.astype(np.float64)) if x.dtype != np.float32 else x
-    u = f.view(np.uint32).astype(np.uint64)
-    bias = ((u >> 16) & 1) + 0x7FFF                  # ties to even: +0x8000 only when lsb is odd
-    out = ((u + bias) >> 16).astype(np.uint16)
-    out[np.isnan(f)] = 0x7FC0
-    return out
-
-
-def bfloat16_to_float32(bits: np.ndarray) -> np.ndarray:
-    """uint16 bfloat16 bit patterns -> float32 values (exact)."""
-    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
-
-
 def _engine_bits(x: np.ndarray, dtype: str) -> np.ndarray:
     """Values rounded into `dtype`, as unsigned bit patterns. A uint16 array with dtype
     "bfloat16" is taken as raw bf16 bits already (the kdtr_format convention)."""
     if dtype == "bfloat16":
-        return x if x.dtype == np.uint16 else bfloat16_bits(x)
+        return x if x.dtype == np.uint16 else bf16_bits(x)
     return np.asarray(x).astype(dtype).view(_BITS[dtype][0])
 
 
@@ -100,13 +71,13 @@ def ulp_distance(golden: np.ndarray, actual: np.ndarray, dtype: str = "float32")
 
 def _bits_to_float64(bits: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "bfloat16":
-        return bfloat16_to_float32(bits).astype(np.float64)
+        return bf16_to_float32(bits).astype(np.float64)
     return bits.view(dtype).astype(np.float64)
 
 
 def _as_float64(x: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "bfloat16" and x.dtype == np.uint16:
-        return bfloat16_to_float32(x).astype(np.float64)
+        return bf16_to_float32(x).astype(np.float64)
     return x.astype(np.float64)
 
 

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from conformance.metrics import bfloat16_to_float32, tensor_metrics
+from conformance.metrics import tensor_metrics
+from kdtr_format.bf16 import bf16_to_float32
 from kdtr_format.paths import open_regular
 
 MODES = ("elementwise", "aggregate", "exact")
@@ -247,7 +248,7 @@ def _elementwise(golden: np.ndarray, actual: np.ndarray, rule: Rule, dtype: str)
     """(atol needed at the rule's rtol, max of |a-g| / (atol + rtol|g|)) over finite elements."""
     g = np.asarray(golden).astype(np.float64).ravel()
     if dtype == "bfloat16" and np.asarray(actual).dtype == np.uint16:
-        a = bfloat16_to_float32(actual).astype(np.float64).ravel()
+        a = bf16_to_float32(actual).astype(np.float64).ravel()
     else:
         a = np.asarray(actual).astype(np.float64).ravel()
     m = np.isfinite(g) & np.isfinite(a)

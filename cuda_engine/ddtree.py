@@ -168,14 +168,8 @@ class DDTreeState:
 def reserve_w4a16_rows(e, T: int) -> None:
     """The fast W4A16 kernel's split-K workspace for a T-row forward (the verify), reserved before the round
     graph is captured (a capture cannot allocate); the engine itself reserves only for a decode step."""
-    if getattr(e, "w4a16", None) != "fast" or not hasattr(e.ops, "w4a16_need"):
-        return
-    need = [(0, 0)]
-    for l, w in enumerate(e.layers):
-        k4 = e._int4_slots(l)[2]
-        if k4 and "gate_up.mma" in w:
-            need += [e.ops.w4a16_need(w[k], 1, T * k4) for k in ("gate_up.mma", "down.mma")]
-    e.ops.w4a16_reserve(max(p for p, _ in need), max(t for _, t in need))
+    if getattr(e, "w4a16", None) == "fast" and hasattr(e, "_reserve_w4a16"):
+        e._reserve_w4a16(T)
 
 
 def pack_tree_inputs(tree: Tree, root: int, start: int, pos0: int) -> np.ndarray:

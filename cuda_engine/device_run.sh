@@ -50,8 +50,8 @@ step kdtr verify bundles/model_tiny.kdtr --engine cuda --save-dump /tmp/second_r
 step cmp "$OUT_DIR/model_tiny.cuda.kdtr" /tmp/second_run.kdtr
 # the GPU tests (after the proofs, so that a run cut short by its time limit still returns them)
 KDTR_W4A16_ERRORS="$OUT_DIR/w4a16_errors.jsonl" step python3 -m pytest -q -p no:cacheprovider -m cuda \
-    tests/test_cuda_kernels.py tests/test_cuda_w4a16.py tests/test_cuda_engine.py tests/test_cuda_ddtree.py \
-    tests/test_cuda_held_routing.py
+    tests/test_cuda_kernels.py tests/test_cuda_w4a16.py tests/test_cuda_w4a16_grouped.py tests/test_cuda_engine.py \
+    tests/test_cuda_ddtree.py tests/test_cuda_held_routing.py
 if [ "${KDTR_DEVICE_RUN_CORE:-0}" = 1 ]; then
     echo "device_run (core steps only): $([ $failed -eq 0 ] && echo ALL STEPS PASSED || echo SOME STEP FAILED)"
     exit $failed
@@ -68,10 +68,11 @@ step kdtr bench ddtree $COMMITTED --json "$OUT_DIR/bench.ddtree.json"
 # (hazards on shared memory only, ~50x slower), one kernel family at a time: the fast W4A16 kernels (the
 # activation terms staged in shared memory; their split-K tickets and partials are global memory, which
 # racecheck does not see: the bit-identity tests over repeated and graph-replayed runs cover those), the
-# DDTree builder (top-K sort and heap in shared memory) and the attention kernel. Last: the slowest steps.
+# DDTree builder (top-K sort and heap in shared memory), the attention kernel and the grouped MoE path's work list
+# (its scans and placement in shared memory). Last: the slowest steps.
 step timeout 240 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
     python3 -c 'from cli.main import main; main()' verify bundles/model_int4_tiny.kdtr --engine cuda
-for k in w4a16_mma ddtree_ mla_attention_kernel; do
+for k in w4a16_mma ddtree_ mla_attention_kernel moe_group; do
     step timeout 150 compute-sanitizer --tool racecheck --kernel-name kns=$k --error-exitcode 9 \
         python3 -c 'from cli.main import main; main()' verify bundles/model_int4_tiny.kdtr --engine cuda
 done

@@ -282,13 +282,13 @@ def build_tree(ops, logits, V: int, L: int, K: int, N: int, T: int, top_id: DevB
             P2 = 1 << max(V - 1, 1).bit_length()
             ops.fn["ddtree_topk_sort_kernel"].prepared_async_call((L, 1, 1), BLOCK, ops.stream, lg, V, K, P2,
                                                                   top_id.ptr, lp.ptr, shared_size=8 * P2)
-            ops.launches += 1
+            ops.count("ddtree_topk_sort_kernel")
         else:
             ops._launch("ddtree_topk_kernel", (L,), lg, V, K, top_id.ptr, lp.ptr)
     ops.fn["ddtree_heap_kernel"].prepared_async_call((1, 1, 1), WARP, ops.stream, top_id.ptr, lp.ptr, L, K, N, T,
                                                      dmeta.ptr, block_ids.ptr, rec if isinstance(rec, int) else rec.ptr,
                                                      t_meta.ptr, t_ids.ptr, t_pos.ptr, shared_size=_need)
-    ops.launches += 1
+    ops.count("ddtree_heap_kernel")
 
 
 def tree_mask(ops, parents: DevBuf, T: int, target_meta: DevBuf, mask: DevBuf) -> None:

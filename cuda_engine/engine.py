@@ -21,6 +21,7 @@ from cuda_engine.build import engine_source_hash
 from cuda_engine.device import CudaEngineError, DevBuf, device_info, driver
 from cuda_engine.drafter import read_drafter
 from cuda_engine.ops import ATTN_MAX_C, ATTN_MAX_N, ATTN_MAX_Q, ATTN_MAX_R, ATTN_MAX_SPLIT, MOE_MAX_SLOTS, ROUTER_MAX_E, ROUTER_MAX_GROUPS, Ops
+from cuda_engine.ops import w4a16_group_tokens, w4a16_groups_cap
 from cuda_engine.weights import layer_arrays, load_weights
 from refmodel.config import ModelConfig
 from refmodel.model import tap_names, yarn_inv_freq
@@ -107,16 +108,29 @@ class CudaEngine:
         k4 = 0 if n_int4 == 0 else S if n_int4 == (c.n_routed_experts + c.n_shared_experts if K else 1) else K
         return K, S, k4
 
-    def _reserve_w4a16(self) -> None:
-        """The fast kernel's split-K workspace for a decode step, reserved before any graph capture."""
+    def _reserve_w4a16(self, T: int = 1) -> None:
+        """The fast kernel's split-K workspace for a forward of T tokens (a decode step by default), reserved
+        before a graph of that forward is captured (a capture cannot allocate)."""
         if self.w4a16 != "fast":
             return
         need = [(0, 0)]
         for l, w in enumerate(self.layers):
             k4 = self._int4_slots(l)[2]
             if k4:
-                need += [self.ops.w4a16_need(w[k], 1, k4) for k in ("gate_up.mma", "down.mma")]
+                M, Z = self._moe_launch(l, T)
+                need += [self.ops.w4a16_need(w[k], M, Z, digits=T > 1) for k in ("gate_up.mma", "down.mma")]
         self.ops.w4a16_reserve(max(p for p, _ in need), max(t for _, t in need))
+
+    def _moe_launch(self, l: int, T: int) -> tuple[int, int]:
+        """(tokens per z, grid z) of layer l's fast INT4 expert launches in a forward of T tokens: at one token a
+        (token, slot) pair per z (M = 1); from two the grouped path, a group of at most M pairs of one expert
+        per z (the int8 digits entries of ops.W4A16_DIGITS_TOKENS), Z the most groups there can be
+        (ops.w4a16_groups_cap)."""
+        k4 = self._int4_slots(l)[2]
+        if T == 1:
+            return 1, k4
+        M = w4a16_group_tokens(T)
+        return M, w4a16_groups_cap(T * k4, self.n_int4[l], M)
 
     def _alloc_activations(self, T_cap: int, S_cap: int) -> None:
         c, L = self.cfg, self.cfg.num_hidden_layers
@@ -144,6 +158,8 @@ class CudaEngine:
             self.buf[k] = DevBuf(shape, dt)
         self.buf["tickets"] = DevBuf.from_array(np.zeros(T_cap * H, i))   # attention's split merge: zero between launches
         self.buf["dense_slots"] = DevBuf.from_array(np.zeros(T_cap, i))
+        # the grouped MoE path's work list (ops.moe_group): 1 + 3 Z + pairs entries, Z <= pairs <= T_cap S
+        self.buf["groups"] = DevBuf((1 + 4 * T_cap * S,), i)
         self.ops.moe_combine_reserve(T_cap, D)                        # its norm workspace, before any capture
         self.T_cap = T_cap
         self._drop_graph()
@@ -367,11 +383,19 @@ class CudaEngine:
             K, S, slots = 0, 1, b["dense_slots"]
         n_int4 = self.n_int4[l]                 # INT4 experts stacked first: slots [0, k4) run on packed weights
         k4 = self._int4_slots(l)[2]
-        if k4 and self.w4a16 == "fast":         # fused MoE decode path: one launch for gate+up, one for down
-            I = self.int4_width[l]
+        if k4 and self.w4a16 == "fast" and T == 1:   # fused MoE decode path: one launch for gate+up, one for
+            I = self.int4_width[l]                   # down, a (token, slot) pair per z (the int8 digits)
             o.w4a16_mma(xm, D, w["gate_up.mma"], I, b["act"], I, mode=1, slot_ids=slots, T=T, S=S, k0=0, nk=k4)
             o.w4a16_mma(b["act"], I, w["down.mma"], D, b["y_slots"], D, mode=0, slot_ids=slots, T=T, S=S, k0=0,
                         nk=k4, x_by_slot=True)
+        elif k4 and self.w4a16 == "fast":       # T > 1: the pairs grouped by expert (on the device), each touched
+            I = self.int4_width[l]              # expert's weights read once for up to M of its tokens, one launch
+            M, Z = self._moe_launch(l, T)       # each for gate+up and down over every group (the int8 digits)
+            o.moe_group(slots, T, S, 0, k4, 0, n_int4, M, Z, b["groups"])
+            o.w4a16_mma(xm, D, w["gate_up.mma"], I, b["act"], I, M, mode=1, groups=b["groups"], Z=Z, S=S,
+                        digits=True)
+            o.w4a16_mma(b["act"], I, w["down.mma"], D, b["y_slots"], D, M, mode=0, groups=b["groups"], Z=Z, S=S,
+                        x_by_slot=True, digits=True)
         elif k4:
             o.w4a16_gate_up(xm, w["gate_proj.qw"], w["gate_proj.sc"], w["up_proj.qw"], w["up_proj.sc"], slots,
                             b["act"], T, S, 0, k4)                                    # [T S, I]
@@ -418,7 +442,11 @@ class CudaEngine:
         """What a GPU proof records (docs/cuda-engine.md): device, driver, commit, source hash."""
         info = device_info()
         info.update(source_hash=engine_source_hash(), commit=_commit(), fatbin=os.path.basename(str(self.ops.fatbin)),
-                    cuda_graph=self.use_graph, w4a16=self.w4a16 if any(self.n_int4) else None)
+                    cuda_graph=self.use_graph, w4a16=self.w4a16 if any(self.n_int4) else None,
+                    # what this engine launched since it was made (a captured graph's launches once, at capture):
+                    # kernel entries and the fast W4A16 launches' "path:regime" (cuda_engine/ops.py), by count
+                    kernels_ran=dict(sorted(self.ops.ran.items())),
+                    w4a16_regimes=dict(sorted(self.ops.w4a16_regimes.items())))
         return info
 
 

@@ -39,6 +39,22 @@ W4A16_ROWS = {1: {r: f"w4a16_mma_i8_m1_r{r}" for r in (1, 2, 4, 8)},
               16: {2: "w4a16_mma_t3_m16", 4: "w4a16_mma_t3_m16_r4"}}
 W4A16_ROWS_MIN_GROUPS = 16          # a single weight's k splits keep at least this many groups (w4a16_rows_plan)
 W4A16_ROWS_MAX_GROUPS = 64          # the many-row path's k splits at most this many groups (w4a16_rows_plan)
+MOE_GROUP_MAX_E = ROUTER_MAX_E + 1  # kernels/moe.cu, moe_group_kernel: the routed experts and the shared one
+# The grouped MoE path (a forward of T > 1 tokens): a launch runs one entry for all its groups, a group of at
+# most that entry's tokens (a larger one is cut into chunks). The engine's: the int8 digits of up to 4 tokens
+# (W4A16_DIGITS_ROWS, each token's digits and sums exactly the per-pair path's); the bf16 terms' entries of 2,
+# 5, 8 and 16 tokens take groups too (w4a16_group_tokens(T, digits=False); measured against the digits in
+# tests/test_cuda_w4a16_grouped.py)
+W4A16_GROUP_TOKENS = (2, 5, 8, 16)
+W4A16_DIGITS_TOKENS = 4
+W4A16_DIGITS_ROWS = {r: "w4a16_mma_i8_m4" + (f"_r{r}" if r > 1 else "") for r in (1, 2, 4, 8)}
+# The planner's regimes of a w4a16_mma launch (recorded per launch in Ops.w4a16_regimes, named in a run dump's
+# engine_info): w4a16_rows_plan's many-row and single-weight regimes (rows1: 1 row block unsplit at 1-2 tokens;
+# rows: the most row blocks whose one-wave split keeps W4A16_ROWS_MIN_GROUPS; fewest: the family's fewest), the
+# one-wave split of 17-64 tokens and of the bf16 numerics (wave), a row count a test forced (forced); and the
+# path: linear (one weight, M tokens), pairs (one (token, slot) pair per z), grouped (a group of pairs per z)
+W4A16_REGIMES = ("many_rows", "rows1", "rows", "fewest", "wave")
+W4A16_PATHS = ("linear", "pairs", "grouped")
 
 # kernel name -> argument types (struct codes: P pointer, i int32, q int64, f float32, d float64)
 SIGNATURES = {
@@ -56,8 +72,10 @@ SIGNATURES = {
     "w4a16_down_kernel": "PPPPPiiiiiii",
     "moe_combine_kernel": "PPPPiiiPPPPfPP",
     "stream_read_kernel": "PqP",
-    **{name: "PiPP" + "i" * 10 + "PiPPi" for entries in W4A16_ENTRIES.values() for _, name in entries},
-    **{name: "PiPP" + "i" * 10 + "PiPPi" for family in W4A16_ROWS.values() for name in family.values()},
+    **{name: "PiPP" + "i" * 10 + "PiPPiP" for entries in W4A16_ENTRIES.values() for _, name in entries},
+    **{name: "PiPP" + "i" * 10 + "PiPPiP" for family in W4A16_ROWS.values() for name in family.values()},
+    **{name: "PiPP" + "i" * 10 + "PiPPiP" for name in W4A16_DIGITS_ROWS.values()},
+    "moe_group_kernel": "P" + "i" * 8 + "P",
     "argmax_kernel": "PiP",
     "decode_advance_kernel": "PP",
 }
@@ -98,19 +116,41 @@ def w4a16_rows_plan(Nb: int, G: int, Z: int, resident: int, sm_count: int, M: in
     fastest of 1, 2 and 4 row blocks (16 tokens: 2, 4, 8) or within 2% of it on eleven of twelve launches, the
     twelfth 7168 -> 2048 at 16 tokens (2 row blocks, 18.28 us, against 17.77 at 4). The two-wave bound and the
     many-row regime of the bf16 terms were not measured apart."""
+    return w4a16_rows_regime(Nb, G, Z, resident, sm_count, M, rows)[:2]
+
+
+def w4a16_rows_regime(Nb: int, G: int, Z: int, resident: int, sm_count: int, M: int = 1,
+                      rows: tuple[int, ...] = (1, 2, 4, 8)) -> tuple[int, int, str]:
+    """w4a16_rows_plan's (row blocks per block, k splits) and the regime that chose them (W4A16_REGIMES)."""
     most, fewest = max(rows), min(rows)
     top = min(most, 1 << max(0, Nb - 1).bit_length())
     if Z * -(-Nb // most) >= sm_count:
         top = max(top, fewest)
         ks = min(-(-G // W4A16_ROWS_MAX_GROUPS), 2 * resident // (Z * -(-Nb // top)))
-        return top, max(1, min(ks, W4A16_MAX_SPLITS))
+        return top, max(1, min(ks, W4A16_MAX_SPLITS)), "many_rows"
     if M <= 2 and fewest == 1 and w4a16_splits(Nb * Z, G, resident, sm_count) == 1:
-        return 1, 1
+        return 1, 1, "rows1"
     for r in sorted(rows, reverse=True):
         ks = w4a16_splits(-(-Nb // r) * Z, G, resident, sm_count)
         if fewest < r <= top and G // ks >= W4A16_ROWS_MIN_GROUPS:
-            return r, ks
-    return fewest, w4a16_splits(-(-Nb // fewest) * Z, G, resident, sm_count)
+            return r, ks, "rows"
+    return fewest, w4a16_splits(-(-Nb // fewest) * Z, G, resident, sm_count), "fewest"
+
+
+def w4a16_group_tokens(T: int, digits: bool = True) -> int:
+    """The most tokens per group of the grouped MoE path for a forward of T >= 2 tokens: the int8 digits'
+    W4A16_DIGITS_TOKENS, or (digits=False) the bf16-terms entry that holds min(T, 16) (no group exceeds T);
+    a larger group is cut into chunks of that many."""
+    if digits:
+        return W4A16_DIGITS_TOKENS
+    return next(m for m in W4A16_GROUP_TOKENS if m >= min(T, W4A16_GROUP_TOKENS[-1]))
+
+
+def w4a16_groups_cap(P: int, E: int, MT: int) -> int:
+    """The most groups P (token, slot) pairs over E experts make in chunks of at most MT: each group holds a
+    pair, and sum over experts of ceil(c_e / MT) <= sum of (floor(c_e / MT) + 1 where c_e > 0)
+    <= P // MT + min(E, P). The grouped launches' grid z."""
+    return max(1, min(P, min(E, P) + P // MT))
 
 
 def _ptr(x) -> int:
@@ -162,6 +202,12 @@ class Ops:
         self.stream = drv.Stream()
         self.sm_count = driver_device().get_attribute(drv.device_attribute.MULTIPROCESSOR_COUNT)
         self.launches = 0
+        # what ran (a captured graph's launches counted once, at capture): kernel name -> launches, and the
+        # w4a16_mma launches' "path:regime" (W4A16_PATHS, W4A16_REGIMES) -> launches; a run dump's engine_info
+        # records both (CudaEngine.dump_metadata)
+        self.ran: dict[str, int] = {}
+        self.w4a16_regimes: dict[str, int] = {}
+        self._resident: dict[str, int] = {}
         self.capturing = False
         self.debug_sync = os.environ.get("KDTR_CUDA_SYNC") == "1"
         # workspaces (fp32 partials, int32 tickets) by owner, "w4a16_mma" (split-K) and "moe_combine" (the
@@ -179,12 +225,17 @@ class Ops:
             raise CudaEngineError(f"{name}: launch grid {grid} exceeds the device's limits (x <= {GRID_X_MAX}, "
                                   f"y, z <= {GRID_YZ_MAX}): too many rows (tokens x expert slots) for one forward")
         self.fn[name].prepared_async_call(grid, block, self.stream, *args)
-        self.launches += 1
+        self.count(name)
         if self.debug_sync and not self.capturing:
             try:
                 self.stream.synchronize()
             except driver().Error as e:
                 raise CudaEngineError(f"{name} failed (grid {grid}): {e}") from None
+
+    def count(self, name: str) -> None:
+        """One launch of kernel `name` (made here, or by a caller that launched it itself)."""
+        self.launches += 1
+        self.ran[name] = self.ran.get(name, 0) + 1
 
     # ------------------------------------------------------------ elementwise, norms, GEMV
     def embedding(self, ids: DevBuf, table: DevBuf, out, T: int, w_norm: DevBuf, y, eps: float) -> None:
@@ -315,19 +366,27 @@ class Ops:
         return name, next(r for mm, r in W4A16_ROW_BLOCKS.items() if mm >= m)
 
     def w4a16_plan(self, Nb: int, G: int, Z: int, ks: int | None = None, M: int = 1, numerics: str = "fp32",
-                   rows: int | None = None) -> tuple[str, int, int]:
+                   rows: int | None = None, digits: bool = False) -> tuple[str, int, int]:
         """(entry name, blocks along the output, k splits) of one w4a16_mma launch of M <= 64 tokens. Up to 16
         FP32-faithful tokens: the entry and splits by w4a16_rows_plan, or `rows` row blocks per block where
-        given (tests) at their one-wave split; ks, where given, overrides the splits."""
+        given (tests) at their one-wave split; ks, where given, overrides the splits. digits: the int8 digits
+        entries of up to W4A16_DIGITS_TOKENS tokens (the grouped MoE path)."""
+        return self._w4a16_plan(Nb, G, Z, ks, M, numerics, rows, digits)[:3]
+
+    def _w4a16_plan(self, Nb, G, Z, ks, M, numerics, rows, digits=False) -> tuple[str, int, int, str]:
+        """w4a16_plan and the regime that chose it (W4A16_REGIMES, or "forced" for rows=)."""
         name, rpb = self.w4a16_kernel(M, numerics)
+        regime = "wave" if rows is None else "forced"
         # (the residency of the FP32-faithful entry, a family's first, for both numerics: the bf16 numerics run
         # w4a16_splits on their own row blocks, a different launch)
-        resident = self._w4_resident(self.w4a16_kernel(M)[0])
+        resident = self._w4_resident(W4A16_DIGITS_ROWS[1] if digits else self.w4a16_kernel(M)[0])
         cap = next(m for m, _ in W4A16_ENTRIES["fp32"] if m >= M)
-        if numerics == "fp32" and cap in W4A16_ROWS:
-            family = W4A16_ROWS[cap]
+        _need(not digits or (numerics == "fp32" and M <= W4A16_DIGITS_TOKENS), "w4a16_mma",
+              f"the int8 digits entries take at most {W4A16_DIGITS_TOKENS} FP32-faithful tokens, got {M} {numerics}")
+        if numerics == "fp32" and (digits or cap in W4A16_ROWS):
+            family = W4A16_DIGITS_ROWS if digits else W4A16_ROWS[cap]
             if rows is None:
-                rpb, k = w4a16_rows_plan(Nb, G, Z, resident, self.sm_count, M, tuple(family))
+                rpb, k, regime = w4a16_rows_regime(Nb, G, Z, resident, self.sm_count, M, tuple(family))
             else:
                 _need(rows in family, "w4a16_mma", f"rows={rows}: choose one of {sorted(family)}")
                 rpb, k = rows, w4a16_splits(-(-Nb // rows) * Z, G, resident, self.sm_count)
@@ -337,10 +396,15 @@ class Ops:
                   f"{max(W4A16_ROWS)} tokens take a row count (this launch: {M} tokens, numerics {numerics})")
             k = w4a16_splits(-(-Nb // rpb) * Z, G, resident, self.sm_count)
         k = k if ks is None else ks
-        return name, -(-Nb // rpb), max(1, min(int(k), G, W4A16_MAX_SPLITS))
+        return name, -(-Nb // rpb), max(1, min(int(k), G, W4A16_MAX_SPLITS)), regime
 
     def _w4_resident(self, name: str) -> int:
         """Blocks of kernel `name` resident on the whole GPU at once (shared memory and registers per SM)."""
+        if name not in self._resident:
+            self._resident[name] = self._w4_resident_now(name)
+        return self._resident[name]
+
+    def _w4_resident_now(self, name: str) -> int:
         drv, f = driver(), self.fn[name]
         dev = driver_device()
         smem = dev.get_attribute(drv.device_attribute.MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)
@@ -368,12 +432,12 @@ class Ops:
         self._reserve("w4a16_mma", partials, tickets, "Ops.w4a16_reserve(*Ops.w4a16_need(...))")
 
     def w4a16_need(self, packed: DevBuf, M: int = 1, Z: int = 1, ks: int | None = None,
-                   numerics: str = "fp32", rows: int | None = None) -> tuple[int, int]:
+                   numerics: str = "fp32", rows: int | None = None, digits: bool = False) -> tuple[int, int]:
         """(partials floats, tickets) one w4a16_mma launch over `packed` needs."""
         _, Nb, G, _ = packed.shape
         need = (0, 0)
         for m in {min(M, 64), M % 64 or 64}:                   # the launches of <= 64 tokens
-            _, gx, k = self.w4a16_plan(Nb, G, Z, ks, m, numerics, rows)
+            _, gx, k = self.w4a16_plan(Nb, G, Z, ks, m, numerics, rows, digits)
             if k > 1:
                 need = (max(need[0], Z * k * m * Nb * 32), max(need[1], Z * gx))
         return need
@@ -381,14 +445,18 @@ class Ops:
     def w4a16_mma(self, x, x_stride: int, packed: DevBuf, N: int, out, out_stride: int, M: int = 1, *,
                   mode: int = 0, numerics: str = "fp32", slot_ids=None, T: int = 1, S: int = 1, k0: int = 0,
                   nk: int = 1, e_base: int = 0, x_by_slot: bool = False, ks: int | None = None,
-                  rows: int | None = None) -> None:
+                  rows: int | None = None, groups=None, Z: int = 1, digits: bool = False) -> None:
         """The fast W4A16 GEMM (kernels/w4a16_mma.cu) on weights repacked by cuda_engine/w4a16_pack.py.
 
         packed int32 [E, Nb, G, 144]; mode 0: out[t, :N] = W x[t] (N <= 32 Nb); mode 1: the fused SwiGLU
         gate+up, out[t, :N] = silu(Wg x[t]) * (Wu x[t]) (N <= 16 Nb). Without slot_ids: expert 0, M tokens (in
         launches of at most 64). With slot_ids: the MoE decode path, one (token, slot) pair per grid z over
         the slots k0 .. k0+nk-1 of T tokens (M = 1), expert slot_ids[ts] - e_base; x row t, or ts when
-        x_by_slot (the down projection's input is per slot); output row ts. numerics: "fp32" (three bf16
+        x_by_slot (the down projection's input is per slot); output row ts. With groups (moe_group's work
+        list, Z its capacity): the grouped MoE path of a forward over several tokens, group z of at most M
+        pairs per grid z, its pairs' x and output rows as on the slot path (kernels/w4a16_mma.cu), on the int8
+        digits entries of M = W4A16_DIGITS_TOKENS (digits=True, the engine's) or the bf16 terms' of M in
+        W4A16_GROUP_TOKENS. numerics: "fp32" (three bf16
         terms, or one token's eight int8 digits: float32-accurate) or "bf16" (one term: activations rounded to
         bf16). rows: the row blocks per block of an FP32-faithful entry of up to 16 tokens (W4A16_ROWS; tests),
         else by shape."""
@@ -401,21 +469,47 @@ class Ops:
         _need(G <= 65535, "w4a16_mma", f"{G} groups of 32 input columns: at most 65535 (K <= 2097120)")
         _need(x_stride >= 32 * G and x_stride % 2 == 0 and out_stride >= N, "w4a16_mma",
               f"x_stride {x_stride} < K = {32 * G} (or odd), or out_stride {out_stride} < N = {N}")
-        Z = 1
-        if slot_ids is not None:
+        path = "linear"
+        if groups is not None:
+            ok_m = M == W4A16_DIGITS_TOKENS if digits else M in W4A16_GROUP_TOKENS
+            _need(slot_ids is None and numerics == "fp32" and ok_m and Z >= 1 and S >= 1
+                  and groups.dtype == np.int32 and groups.shape[0] >= 1 + 3 * Z, "w4a16_mma",
+                  f"the grouped path takes the FP32-faithful numerics, M = {W4A16_DIGITS_TOKENS} tokens per group "
+                  f"(digits) or one of {W4A16_GROUP_TOKENS} (bf16 terms) (got {M}, digits={digits}), no slot_ids, "
+                  f"and an int32 work list of at least 1 + 3 Z = {1 + 3 * Z} entries (got {groups.dtype} "
+                  f"{groups.shape})")
+            path = "grouped"
+        elif slot_ids is not None:
             _need(M == 1 and 0 <= k0 and nk >= 1 and k0 + nk <= S, "w4a16_mma",
                   f"slots {k0}..{k0 + nk - 1} outside 0..{S - 1} (or M = {M} != 1 on the slot path)")
-            Z = T * nk
+            Z, path = T * nk, "pairs"
         else:
+            Z = 1
             _need(E >= 1 and M >= 1, "w4a16_mma", f"need E >= 1 experts and M >= 1 tokens, got {E}, {M}")
-        self.w4a16_reserve(*self.w4a16_need(packed, M, Z, ks, numerics, rows))
+        _need(groups is not None or not digits, "w4a16_mma", "digits=True is the grouped path's (pass groups)")
+        self.w4a16_reserve(*self.w4a16_need(packed, M, Z, ks, numerics, rows, digits))
         for m0 in range(0, M, 64):
             m = min(64, M - m0)
-            name, gx, k = self.w4a16_plan(Nb, G, Z, ks, m, numerics, rows)
+            name, gx, k, regime = self._w4a16_plan(Nb, G, Z, ks, m, numerics, rows, digits)
             self._launch(name, (gx, k, Z), _ptr(x) + 4 * m0 * x_stride,
                          x_stride, packed.ptr, 0 if slot_ids is None else _ptr(slot_ids), S, k0, nk, e_base,
                          int(x_by_slot), m, N, Nb, G, k, _ptr(out) + 4 * m0 * out_stride, out_stride,
-                         *(b.ptr for b in self._ws["w4a16_mma"]), mode)
+                         *(b.ptr for b in self._ws["w4a16_mma"]), mode, 0 if groups is None else _ptr(groups))
+            key = f"{path}:{regime}"
+            self.w4a16_regimes[key] = self.w4a16_regimes.get(key, 0) + 1
+
+    def moe_group(self, slot_ids, T: int, S: int, k0: int, nk: int, e_base: int, E: int, MT: int, Z: int,
+                  groups: DevBuf) -> None:
+        """The grouped MoE path's work list (kernels/moe.cu, moe_group_kernel) in `groups` (int32, at least
+        1 + 3 Z + T nk entries): the pairs of slots k0 .. k0+nk-1 of T tokens whose expert slot_ids - e_base lies
+        in [0, E), by expert, in chunks of at most MT; Z >= w4a16_groups_cap(T nk, E, MT)."""
+        _need(1 <= E <= MOE_GROUP_MAX_E and 1 <= MT and 0 <= k0 and nk >= 1 and k0 + nk <= S, "moe_group",
+              f"E={E} experts (1..{MOE_GROUP_MAX_E}), MT={MT}, slots {k0}..{k0 + nk - 1} of S={S}")
+        _need(Z >= w4a16_groups_cap(T * nk, E, MT), "moe_group", f"Z={Z} < the most groups "
+              f"{w4a16_groups_cap(T * nk, E, MT)} of {T * nk} pairs")
+        _need(groups.dtype == np.int32 and groups.shape[0] >= 1 + 3 * Z + T * nk, "moe_group",
+              f"work list {groups.dtype} {groups.shape} < 1 + 3 Z + pairs = {1 + 3 * Z + T * nk} int32")
+        self._launch("moe_group_kernel", (1,), _ptr(slot_ids), T, S, k0, nk, e_base, E, MT, Z, groups.ptr)
 
     def stream_read(self, src_ptr: int, nbytes: int, sink: DevBuf) -> None:
         """Read nbytes (a multiple of 16) once: the bandwidth floor of kdtr bench w4a16."""

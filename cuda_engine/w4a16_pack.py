@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kdtr_format.int4 import Int4LayoutError, bf16_bits, scales_as_float, unpack_int4
+from kdtr_format.int4 import Int4LayoutError, scale_bits, scales_as_float, unpack_int4
 
 CHUNK_WORDS = 144
 TILE_K = 32                        # columns per chunk (one mma k-step pair)
@@ -58,7 +58,7 @@ def _pack_rows(u: np.ndarray, scale: np.ndarray) -> np.ndarray:
         for n in range(8):
             rows, cols = WORD_ROW[:, p, n], WORD_COL[:, p, n]           # [lane]
             words[:, :, :, :, p] |= (v[:, :, rows, :, cols] << (4 * n)).transpose(1, 3, 0, 2)
-    bits = bf16_bits(scale).reshape(Nb, ROWS, G)                        # [Nb, row, G] uint16
+    bits = scale_bits(scale).reshape(Nb, ROWS, G)                        # [Nb, row, G] uint16
     sbits = bits[:, SCALE_ROW.reshape(-1), :].transpose(0, 2, 1)        # [Nb, G, 128 = lane x i]
     sbits = sbits.reshape(Nb, G, 8, 4, 4)[:, :, :, 0, :].reshape(Nb, G, 32)  # the 4 lanes of a g read the same
     out = np.empty((Nb, G, CHUNK_WORDS), np.int32)

@@ -10,7 +10,7 @@ import numpy as np
 
 from kdtr_format import open_kdtr
 from refmodel.config import ModelConfig
-from kdtr_format.int4 import bf16_bits, scales_as_float
+from kdtr_format.int4 import scale_bits, scales_as_float
 from refmodel.quant import dequantize_model
 
 
@@ -29,7 +29,7 @@ def read_bundle(f, keep_int4: bool) -> tuple[ModelConfig, dict]:
     out = {}
     for k, v in W.items():
         if k.endswith(".sc"):
-            out[k] = bf16_bits(scales_as_float(np.asarray(f[k])))          # exact: the values are bf16
+            out[k] = scale_bits(scales_as_float(np.asarray(f[k])))          # exact: the values are bf16
         else:
             out[k] = v if k.endswith(".qw") else v.astype(np.float32)
     return cfg, out

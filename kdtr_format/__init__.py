@@ -5,6 +5,7 @@
     with open_kdtr("model.kdtr", verify=True) as f:
         w = f["w"]                       # read-only zero-copy view
 """
+from kdtr_format.bf16 import bf16_bits, bf16_round, bf16_to_float32
 from kdtr_format.errors import (
     AlignmentError, ByteOrderError, ChecksumError, ClosedFileError, DuplicateNameError,
     HeaderChecksumError, HeaderFormatError, HeaderTooLargeError, InvalidBoolError, InvalidDtypeError,
@@ -12,12 +13,12 @@ from kdtr_format.errors import (
     PaddingError, SafetensorsInputError, ShapeMismatchError, TensorNotFoundError, TrailingDataError, TruncatedFileError,
     UnsupportedVersionError)
 from kdtr_format.reader import KdtrFile, TensorInfo, open_kdtr
-from kdtr_format.spec import DTYPES, bfloat16_to_float32, float32_to_bfloat16
+from kdtr_format.spec import DTYPES
 from kdtr_format.writer import Tensor, write_kdtr
 
 __all__ = [
     "write_kdtr", "open_kdtr", "Tensor", "TensorInfo", "KdtrFile", "DTYPES",
-    "bfloat16_to_float32", "float32_to_bfloat16",
+    "bf16_bits", "bf16_round", "bf16_to_float32",
     "KdtrError", "NotAKdtrFileError", "UnsupportedVersionError", "ByteOrderError",
     "HeaderTooLargeError", "TruncatedFileError", "TrailingDataError", "HeaderChecksumError",
     "HeaderFormatError", "MetadataError", "InvalidNameError", "DuplicateNameError",

@@ -104,9 +104,12 @@ class ClosedFileError(KdtrError):
     """The KdtrFile was used after close()."""
 
 
-class Int4LayoutError(KdtrError):
-    """An INT4 pair breaks the pairing rules: int4_shape on a tensor not named `.qw`, a `.qw`
-    without int4_shape or without its `.sc`, or a scale whose shape does not divide the input dim."""
+class Int4LayoutError(KdtrError, ValueError):
+    """INT4 data does not fit the W4A16 layout (docs/int4.md): in a file, int4_shape on a tensor not
+    named `.qw`, a `.qw` without int4_shape or without its `.sc`, or a scale whose shape does not
+    divide the input dim; in kdtr_format.int4's functions, an array of the wrong shape, dtype or value
+    range. One class for both, so `except KdtrError` catches every INT4 failure (also a ValueError:
+    a bad array handed to a function is one)."""
 
 
 class InvalidBoolError(KdtrError):

@@ -17,7 +17,7 @@ Scale convention of `quantize_w4a16` (compressed-tensors' own minmax + group str
 scale_dtype=bfloat16, `calculate_qparams` and `_quantize`), per group of g input columns:
 
     absmax = max(|w|) over the group                        (computed in the working precision P)
-    scale  = bf16_rne(absmax / 7.5)                         (7.5 = (q_max - q_min) / 2 = 15 / 2)
+    scale  = bf16_rne(min(absmax / 7.5, bf16 max))          (7.5 = (q_max - q_min) / 2 = 15 / 2)
     scale  = 2**-7 if scale == 0                             (bf16 eps: an all-zero group, never 0)
     q      = round_half_even(clip(w / scale, -8, 7))         (division in P)
 
@@ -25,14 +25,19 @@ P is float64 for float64 input and float32 for everything else (float16/float32 
 to float32), exactly as compressed-tensors computes in the weight's own dtype. +absmax maps to 7
 (7.5 is clipped); -absmax maps to -8 if bf16 rounding did not raise the scale (-7.5 rounds half to even)
 and to -7 if it did, so a group need not use all 16 codes. `sc` is returned as
-float32 values that are exactly representable in bfloat16 (K2.6 stores bf16 scales); `bf16_bits`
-gives the raw bit pattern to store.
+float32 values that are exactly representable in bfloat16 (K2.6 stores bf16 scales); `scale_bits`
+gives the raw bit pattern to store. bf16_rne is kdtr_format/bf16.py's one rounding, from P in one
+step; the clamp to the bf16 maximum before it is compressed-tensors' `round_to_quantized_type_dtype`
+(clamp, then cast), so a scale saturates where the plain rounding would overflow to inf.
 
 Dequantization is exact: q has 4 significant bits and a bf16 scale 8, so q * scale is exact in
 float32 and float64 (never multiply in bf16: that rounds, as compressed-tensors' own `dequantize`
 does when handed bf16 scales).
 """
 import numpy as np
+
+from kdtr_format.bf16 import bf16_bits, bf16_round, bf16_to_float32, is_bf16
+from kdtr_format.errors import Int4LayoutError
 
 NUM_BITS = 4
 Q_MIN, Q_MAX = -8, 7
@@ -41,33 +46,14 @@ BF16_EPS = 2.0 ** -7        # torch.finfo(torch.bfloat16).eps: compressed-tensor
 BF16_MAX = 3.3895313892515355e38
 
 
-class Int4LayoutError(ValueError):
-    """A weight, packed tensor or scale tensor does not fit the INT4 W4A16 layout."""
-
-
-def bf16_round(x: np.ndarray) -> np.ndarray:
-    """Round float32/float64 values to the nearest bfloat16 (ties to even), returned as float64.
-
-    Direct single rounding from the input precision (no detour through float32), saturating at the
-    bf16 maximum like compressed-tensors' `round_to_quantized_type_dtype` (clamp, then cast)."""
-    x = np.clip(np.asarray(x, dtype=np.float64), -BF16_MAX, BF16_MAX)
-    _, e = np.frexp(x)                                   # x = m * 2**e, 0.5 <= |m| < 1
-    quantum = np.maximum(e - 8, -133)                    # 8 significant bits; bf16 subnormal step 2**-133
-    return np.ldexp(np.rint(np.ldexp(x, -quantum)), quantum)
-
-
-def bf16_bits(x: np.ndarray) -> np.ndarray:
-    """Raw uint16 bfloat16 bit patterns of values that are already bf16-representable."""
-    f32 = np.ascontiguousarray(x, dtype=np.float32)
-    if not np.array_equal(bf16_round(f32), f32.astype(np.float64)):
-        raise Int4LayoutError("bf16_bits: values are not exactly representable in bfloat16; round them "
-                              "with bf16_round first")
-    return (f32.view(np.uint32) >> 16).astype(np.uint16)
-
-
-def bf16_to_float32(bits: np.ndarray) -> np.ndarray:
-    """Exact float32 values of raw uint16 bfloat16 bit patterns."""
-    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+def scale_bits(sc: np.ndarray) -> np.ndarray:
+    """Raw bfloat16 bit patterns (uint16) of scales that are bfloat16 values already (as
+    `quantize_w4a16` returns them): storing them loses nothing, and a scale that is not one is an error."""
+    sc = np.asarray(sc)
+    if not is_bf16(sc):
+        raise Int4LayoutError("INT4 scales stored as bfloat16 must be bfloat16 values already; round them "
+                              "with kdtr_format.bf16.bf16_round first (quantize_w4a16 does)")
+    return bf16_bits(sc)
 
 
 def _check_layout(shape: tuple[int, int], group_size: int) -> None:
@@ -91,7 +77,7 @@ def quantize_w4a16(w: np.ndarray, group_size: int = 32) -> tuple[np.ndarray, np.
     out_dim, in_dim = w.shape
     groups = w.astype(work).reshape(out_dim, in_dim // group_size, group_size)   # [N, K/g, g]
     absmax = np.abs(groups).max(axis=2)                                          # [N, K/g]
-    scale = bf16_round(absmax / work(7.5))                                       # [N, K/g] float64, bf16 values
+    scale = bf16_round(np.minimum(absmax / work(7.5), BF16_MAX))                 # [N, K/g] float32, bf16 values
     scale[scale == 0] = BF16_EPS
     scaled = groups / scale.astype(work)[:, :, None]                             # [N, K/g, g] in P
     q = np.rint(np.clip(scaled, Q_MIN, Q_MAX)).astype(np.int32)                  # ties to even, like torch.round

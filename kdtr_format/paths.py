@@ -106,8 +106,9 @@ def write_atomically(path, write: Callable[[BinaryIO], None], stream_ok: bool = 
     directory, name = os.path.split(target)
     sweep_stale_temps(directory, name)
     with _signals_raise():
-        tmp = _create_temp(directory, name)
+        tmp = _temp_path(directory, name)
         try:
+            _create(tmp)            # in the try: an interruption the moment the file exists still removes it
             with open(tmp, "w+b") as fh:
                 write(fh)
                 fh.flush()
@@ -115,9 +116,10 @@ def write_atomically(path, write: Callable[[BinaryIO], None], stream_ok: bool = 
                     os.fchmod(fh.fileno(), stat.S_IMODE(st.st_mode))   # replacing a file keeps its mode
                 os.fsync(fh.fileno())
             os.replace(tmp, target)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+        except BaseException as e:
+            if not (isinstance(e, FileExistsError) and e.filename == tmp):    # never someone else's file
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
             raise
     fsync_dir(directory)
 
@@ -202,11 +204,20 @@ def fsync_dir(directory: str) -> None:
         os.close(dfd)
 
 
-def _create_temp(directory: str, name: str) -> str:
-    """Create an empty temp file beside the target and return its path."""
-    tmp = os.path.join(directory, f".{name[:_NAME_CHARS]}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
+def _temp_path(directory: str, name: str) -> str:
+    """A temp file name beside the target: the name, this process's id and 32 random bits."""
+    return os.path.join(directory, f".{name[:_NAME_CHARS]}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
+
+
+def _create(tmp: str) -> None:
     # 0o666 minus the umask, like any new file; O_EXCL: never write through someone else's file.
     os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666))
+
+
+def _create_temp(directory: str, name: str) -> str:
+    """Create an empty temp file beside the target and return its path."""
+    tmp = _temp_path(directory, name)
+    _create(tmp)
     return tmp
 
 

@@ -18,6 +18,7 @@ from typing import Iterator, NamedTuple
 import numpy as np
 
 from kdtr_format import spec
+from kdtr_format.bf16 import bf16_to_float32
 from kdtr_format.checks import (
     check_dtype, check_int4_pairs, check_int4_shape, check_name, check_shape, check_zero_size_extent,
     header_digest, scan_json)
@@ -324,7 +325,7 @@ class KdtrFile:
         """The tensor; bfloat16 converted to a new float32 array when to_float32, else a raw view."""
         info = self.info(name)
         if info.dtype == "bfloat16" and to_float32:
-            return spec.bfloat16_to_float32(self[name])
+            return bf16_to_float32(self[name])
         return self[name]
 
     def verify(self, names=None) -> None:

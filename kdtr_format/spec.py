@@ -68,15 +68,3 @@ def align_up(n: int, alignment: int = ALIGNMENT) -> int:
     """Round n up to a multiple of alignment (Python ints: no overflow)."""
     return -(-n // alignment) * alignment
 
-
-def bfloat16_to_float32(bits: np.ndarray) -> np.ndarray:
-    """Raw bfloat16 bit patterns (uint16) -> float32, exact (bfloat16 is the top half of a float32)."""
-    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
-
-
-def float32_to_bfloat16(x: np.ndarray) -> np.ndarray:
-    """float32 -> raw bfloat16 bits (uint16), round to nearest even; NaN stays a (quiet) NaN."""
-    u = np.asarray(x, dtype=np.float32).view(np.uint32)
-    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16               # RNE on the dropped 16 bits
-    nan = (u & 0x7FFFFFFF) > 0x7F800000
-    return np.where(nan, (u >> 16) | 0x0040, rounded).astype(np.uint16)

@@ -307,7 +307,7 @@ def import_checkpoint(ckpt_dir, out_path, progress=None) -> ImportSummary:
     group_size = check_quantization_config(qc, has_int4)
     int4, scope = plan(cfg, found, group_size)
     int4_set = set(int4)
-    total = sum(e.nbytes for e in found.values())
+    total = sum(e.nbytes for e in found.values())   # ImportSummary.bytes_read
     quantization = None
     if scope is not None:
         scale_dtype = KDTR_DTYPE[found[int4[0] + ".weight_scale"].dtype]
@@ -318,28 +318,31 @@ def import_checkpoint(ckpt_dir, out_path, progress=None) -> ImportSummary:
         "quantization": quantization,
         "provenance": _provenance(ckpt_dir, raw_cfg, paths, dropped),
     }
-    done = [0]
-
-    def tensors():
-        for e in sorted(found.values(), key=lambda e: (paths.index(e.path), e.offset)):
-            name = e.key[len(PREFIX):] if e.key.startswith(PREFIX) else e.key
-            module, _, suffix = name.rpartition(".")
-            if module in int4_set and suffix == "weight_shape":
-                pass                                            # recorded as the .qw's int4_shape
-            elif module in int4_set and suffix == "weight_packed":
-                yield module + ".qw", Tensor(_load(e), int4_shape=(e.shape[0], e.shape[1] * 8))
-            elif module in int4_set:
-                yield module + ".sc", Tensor(_load(e), dtype=KDTR_DTYPE[e.dtype])
-            else:
-                yield name, Tensor(_load(e), dtype=KDTR_DTYPE[e.dtype])
-            done[0] += e.nbytes
-            if progress is not None:
-                progress(done[0], total)
-
-    write_kdtr(out_path, tensors(), metadata)
+    write_kdtr(out_path, stored_tensors(found, int4_set, paths, progress), metadata)
     written = len(found) - len(int4)
     return ImportSummary(out_path, len(paths), written, len(int4), written - 2 * len(int4), dropped, total,
                          quantization)
+
+
+def stored_tensors(found: dict[str, StEntry], int4_set: set, paths: list[str], progress=None):
+    """(kdtr name, Tensor) of every entry as a model file stores it, shard by shard in file order: dense
+    tensors in their own dtype, INT4 as `.qw` (int4_shape from weight_shape) and `.sc`; each one memory-mapped
+    only while the writer consumes it. progress(done_bytes, total_bytes) after each."""
+    total, done = sum(e.nbytes for e in found.values()), 0
+    for e in sorted(found.values(), key=lambda e: (paths.index(e.path), e.offset)):
+        name = e.key[len(PREFIX):] if e.key.startswith(PREFIX) else e.key
+        module, _, suffix = name.rpartition(".")
+        if module in int4_set and suffix == "weight_shape":
+            pass                                            # recorded as the .qw's int4_shape
+        elif module in int4_set and suffix == "weight_packed":
+            yield module + ".qw", Tensor(_load(e), int4_shape=(e.shape[0], e.shape[1] * 8))
+        elif module in int4_set:
+            yield module + ".sc", Tensor(_load(e), dtype=KDTR_DTYPE[e.dtype])
+        else:
+            yield name, Tensor(_load(e), dtype=KDTR_DTYPE[e.dtype])
+        done += e.nbytes
+        if progress is not None:
+            progress(done, total)
 
 
 def _provenance(ckpt_dir: str, raw_cfg: dict, paths: list[str], dropped: int) -> dict:

@@ -202,6 +202,18 @@ PRESETS = {
                 norm_topk_prob=True, routed_scaling_factor=2.827, rope_theta=50000.0,
                 rope_scaling=dict(_KIMI_ROPE), max_position_embeddings=262144, rms_norm_eps=1e-5,
                 tie_word_embeddings=False),
+    # Every path the CUDA engine ships, at tiny cost (docs/golden-bundles.md, "The edge bundle"): a hidden size
+    # past one 256-wide combine block and not a multiple of 64 (288 = 9 x 32), expert widths at group edges
+    # (224 = 7 groups of 32, an odd number of 32-row blocks; its down projection allows 7 k-splits), a
+    # vocabulary that is not a multiple of 8 (601), and 8 experts top-4, so a 34-token prefill or a 33-node
+    # tree verify routes many tokens of one forward to one expert.
+    "edge": ModelConfig(vocab_size=601, hidden_size=288, intermediate_size=160, moe_intermediate_size=224,
+                 num_hidden_layers=3, num_attention_heads=4, q_lora_rank=96, kv_lora_rank=64,
+                 qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=8,
+                 num_experts_per_tok=4, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+                 norm_topk_prob=True, routed_scaling_factor=2.827, rope_theta=50000.0,
+                 rope_scaling=dict(_KIMI_ROPE), max_position_embeddings=262144, rms_norm_eps=1e-5,
+                 tie_word_embeddings=False),
     # K2.6's true per-layer shapes and config values, shrunk only where one CPU machine must: 3 layers (the
     # dense first layer and two MoE layers), 32 routed experts (top-8 stays a real choice) and an 8192-token
     # vocabulary. SLICE_OF names the model it slices; docs/golden-bundles.md ("The real-shape slice").

@@ -243,7 +243,7 @@ def distill_drafter(cfg, W, dcfg: DrafterConfig, seed: int, steps: int, progress
                     settings: DistillSettings | None = None) -> dict:
     """Train the drafter from init_drafter(dcfg, seed); returns float64 numpy weights `drafter.*`.
     Deterministic given (cfg, W, dcfg, seed, steps): seeded data, seeded torch, one thread,
-    deterministic algorithms, math libraries pinned to AVX2 (refmodel/pinned.py: the same bits on every
+    deterministic algorithms, math libraries pinned (refmodel/pinned.py: the same bits on every
     x86-64 CPU with AVX2). progress(stage, done, total, loss) is called as work advances."""
     if not is_pinned():
         return run_pinned(distill_drafter, cfg, W, dcfg, seed, steps, progress=progress, settings=settings)

@@ -1,28 +1,57 @@
-"""Run a CPU computation in a child process whose math libraries are pinned to one instruction set, so
-its floating-point results are the same bits on every x86-64 CPU with AVX2 (docs/golden-bundles.md,
-"Regeneration on other CPUs").
+"""Run a CPU computation in a child process whose math libraries are pinned to code paths that give the same
+floating-point bits on every x86-64 CPU with AVX2, Intel or AMD, with or without AVX-512
+(docs/golden-bundles.md, "Regeneration on other CPUs").
 
-Why: torch picks its vector kernels (ATen) and MKL picks its GEMM kernels by the CPU it finds. An
-AVX-512 machine and an AVX2 machine then round differently, and hundreds of optimiser steps turn a
-last-bit difference into a different drafter (measured: 20 distillation steps already give other
-weights when only ATEN_CPU_CAPABILITY or MKL_ENABLE_INSTRUCTIONS changes). MKL's conditional numerical
-reproducibility (MKL_CBWR) and ATen's capability override fix both to the AVX2 code paths; both are read
-once, when the library first runs, so they must be set before torch starts: hence a fresh process.
+Why: each library picks its kernels by the CPU it finds, and hundreds of optimiser steps turn a last-bit
+difference into a different drafter. Three libraries take part in distillation, each pinned here:
+- MKL (torch's float32 GEMM). MKL dispatches by vendor as well as by instruction set: its conditional
+  numerical reproducibility branch AVX2 holds only on Intel CPUs; on any other vendor MKL silently takes its
+  AUTO branch (MKL's own documentation says so). The COMPATIBLE branch (SSE2 without the approximate
+  reciprocals) is the one MKL defines for Intel and Intel-compatible CPUs alike, so it is the pin; it costs
+  about 2x in training time on the `tiny` drafter (0.45 -> 0.95 s a step, measured on this 2-core machine).
+- torch's own vector kernels (ATen): the AVX2 build, on every CPU (ATEN_CPU_CAPABILITY).
+- NumPy (the float64 target runs that make the distillation corpus): NumPy ships AVX-512 versions of exp,
+  log, sin, cos, tanh... that round differently from its AVX2 ones (measured here: the corpus's float64
+  features differ when only NumPy's AVX-512 targets are disabled). They are disabled, so every AVX2 CPU runs
+  the AVX2 targets. Its OpenBLAS runs the Haswell kernels on one thread (a fixed kernel and blocking whatever
+  the core count).
+All are read once, when the library first runs, so they must be set before torch and NumPy start: hence a
+fresh process. The child also dies with its parent, however the parent dies (SIGKILL included).
 """
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import signal
+import threading
 from typing import Any, Callable
+
+import numpy as np
+
+_MARK = "KDTR_PINNED_MATH"
+
+
+def _numpy_avx512_targets() -> str:
+    """NumPy's dispatch targets that need AVX-512 (named X86_V4 and AVX512_* in NumPy 2.x, AVX512F,
+    AVX512_SKX, ... in 1.x), space-separated for NPY_DISABLE_CPU_FEATURES."""
+    try:
+        from numpy._core import _multiarray_umath as umath          # NumPy >= 2
+    except ImportError:                                             # pragma: no cover - NumPy 1.x
+        from numpy.core import _multiarray_umath as umath
+    return " ".join(t for t in umath.__cpu_dispatch__ if t == "X86_V4" or t.startswith("AVX512"))
+
 
 # Read once at library start-up; AVX2 is the newest instruction set every CI-class x86-64 CPU has.
 PINNED_ENV = {
-    "MKL_CBWR": "AVX2,STRICT",          # MKL GEMM: the AVX2 code path, bitwise reproducible
+    "MKL_CBWR": "COMPATIBLE,STRICT",    # MKL GEMM: the one branch MKL keeps the same on every vendor
     "ATEN_CPU_CAPABILITY": "avx2",      # torch's own vectorised kernels: the AVX2 build
-    "OPENBLAS_CORETYPE": "Haswell",     # numpy's OpenBLAS (the corpus' float64 target runs): AVX2 kernels
+    "ONEDNN_MAX_CPU_ISA": "AVX2",       # oneDNN (torch's mkldnn ops), should any run: at most AVX2
+    "NPY_DISABLE_CPU_FEATURES": _numpy_avx512_targets(),   # NumPy's umath loops: the AVX2 targets
+    "OPENBLAS_CORETYPE": "Haswell",     # NumPy's OpenBLAS (float64 corpus runs): the AVX2 kernels ...
+    "OPENBLAS_NUM_THREADS": "1",        #   ... on one thread, whatever the machine's core count
 }
-_MARK = "KDTR_PINNED_MATH"
 
 
 def is_pinned() -> bool:
@@ -30,7 +59,27 @@ def is_pinned() -> bool:
     return os.environ.get(_MARK) == "1"
 
 
-def _child(fn, args, kwargs, queue) -> None:
+def _die_with_parent(parent: int) -> None:
+    """Exit this process when `parent` goes away: the kernel's parent-death signal (Linux), and a watch thread
+    for every other case (the parent-death signal follows the parent thread, and is Linux-only)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)                   # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):                   # pragma: no cover - not Linux
+        pass
+    if os.getppid() != parent:                          # it died before the signal was armed
+        os._exit(1)
+
+    def watch():
+        while os.getppid() == parent:
+            threading.Event().wait(0.5)
+        os._exit(1)                                     # orphaned: nobody reads our result
+    threading.Thread(target=watch, daemon=True, name="kdtr-parent-watch").start()
+
+
+def _child(fn, args, kwargs, queue, parent) -> None:
+    _die_with_parent(parent)
+
     def progress(*p):
         queue.put(("progress", p))
     try:
@@ -41,13 +90,14 @@ def _child(fn, args, kwargs, queue) -> None:
 
 def run_pinned(fn: Callable[..., Any], *args, progress=None, **kwargs) -> Any:
     """fn(*args, progress=..., **kwargs) in a fresh process under PINNED_ENV; progress calls are forwarded
-    to `progress`; fn's result (picklable) is returned and its exception re-raised here."""
+    to `progress`; fn's result (picklable) is returned and its exception re-raised here. The child is
+    killed when this call ends by an exception (Ctrl-C included) and dies on its own if this process dies."""
     ctx = mp.get_context("spawn")                      # a new interpreter: the env applies at library load
     queue = ctx.Queue()
     saved = {k: os.environ.get(k) for k in (*PINNED_ENV, _MARK)}
     os.environ.update(PINNED_ENV, **{_MARK: "1"})
     try:
-        proc = ctx.Process(target=_child, args=(fn, args, kwargs, queue), daemon=True)
+        proc = ctx.Process(target=_child, args=(fn, args, kwargs, queue, os.getpid()), daemon=True)
         proc.start()
     finally:
         for k, v in saved.items():
@@ -55,6 +105,7 @@ def run_pinned(fn: Callable[..., Any], *args, progress=None, **kwargs) -> Any:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+    finished = False
     try:
         while True:
             try:
@@ -68,10 +119,13 @@ def run_pinned(fn: Callable[..., Any], *args, progress=None, **kwargs) -> Any:
                 if progress:
                     progress(*value)
                 continue
+            finished = True                            # the child has nothing left to do but exit
             if kind == "error":
                 raise value
             return value
     finally:
-        proc.join(timeout=10)
-        if proc.is_alive():
+        if finished:
+            proc.join(timeout=10)
+        if proc.is_alive():                            # interrupted (Ctrl-C, an error here) or stuck
             proc.kill()
+            proc.join(timeout=10)

@@ -24,12 +24,38 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from kdtr_format.int4 import bf16_bits, bf16_round, bf16_to_float32, dequantize_w4a16, quantize_w4a16
+from kdtr_format.bf16 import bf16_bits, bf16_to_float32
+from kdtr_format.int4 import dequantize_w4a16, quantize_w4a16, scale_bits
 from refmodel.config import ModelConfig
 from refmodel.quant import is_quantized
 from refmodel.weights import iter_weights
 
 DENSE_STORAGE = ("float32", "bfloat16")
+
+
+class Mapped:
+    """A tensor inside a file (a checkpoint shard), memory-mapped only while one lookup reads it: the pages
+    it touches leave the process when the lookup's map is dropped, so reading a checkpoint tensor by tensor
+    never accumulates the checkpoint in memory. `as_dtype`: widen on load (a float16 tensor read as
+    float32)."""
+
+    def __init__(self, path: str, dtype, shape: tuple, offset: int, as_dtype=None):
+        self.path, self.offset, self.shape = path, int(offset), tuple(int(d) for d in shape)
+        self.file_dtype = np.dtype(dtype)
+        self.dtype = np.dtype(as_dtype) if as_dtype is not None else self.file_dtype
+        self.size = int(np.prod(self.shape, dtype=np.int64))
+        self.nbytes = self.size * self.dtype.itemsize
+
+    def load(self) -> np.ndarray:
+        if self.size == 0:
+            return np.zeros(self.shape, self.dtype)
+        a = np.memmap(self.path, dtype=self.file_dtype, mode="r", offset=self.offset, shape=self.shape)
+        return a if self.dtype == self.file_dtype else a.astype(self.dtype)
+
+
+def _array(a):
+    """The stored array behind a StoredWeights entry (a Mapped one mapped now)."""
+    return a.load() if isinstance(a, Mapped) else a
 
 
 class StoredWeights(MutableMapping):
@@ -40,14 +66,18 @@ class StoredWeights(MutableMapping):
     order:   the dense names in the order dequantize_model would give them (each INT4 weight where its
              .qw is); `stored_tensors` writes them back in the same order.
     transform: applied to each upcast tensor (name, array) -> array, e.g. the bf16 profile's views.
+    watch: called with each name a lookup upcasts (progress through the layers of a forward).
+    Arrays may be `Mapped` (a checkpoint's tensors): mapped per lookup, never held.
     """
 
     def __init__(self, dense: dict, int4: dict, order: list, dtype=np.float64,
-                 transform: Callable | None = None, overrides: dict | None = None):
+                 transform: Callable | None = None, overrides: dict | None = None,
+                 watch: Callable | None = None):
         self._dense, self._int4, self._order = dense, int4, order
         self.dtype = np.dtype(dtype)
         self._transform = transform
         self._overrides = dict(overrides or {})
+        self.watch = watch
 
     # -- construction --
 
@@ -88,11 +118,17 @@ class StoredWeights(MutableMapping):
     def astype(self, dtype) -> "StoredWeights":
         """The same stored tensors computed in another dtype (no copy); overrides are cast too."""
         over = {k: np.asarray(v).astype(dtype) for k, v in self._overrides.items()}
-        return StoredWeights(self._dense, self._int4, self._order, dtype, self._transform, over)
+        return StoredWeights(self._dense, self._int4, self._order, dtype, self._transform, over, self.watch)
 
     def with_transform(self, transform: Callable) -> "StoredWeights":
         """A view whose every tensor is transform(name, upcast array) (the bf16 profile's precision)."""
-        return StoredWeights(self._dense, self._int4, self._order, self.dtype, transform, self._overrides)
+        return StoredWeights(self._dense, self._int4, self._order, self.dtype, transform, self._overrides,
+                             self.watch)
+
+    @property
+    def mapped(self) -> bool:
+        """True when the tensors are read from files per lookup (a checkpoint): never upcast whole."""
+        return any(isinstance(a, Mapped) for a, _ in self._dense.values())
 
     # -- the mapping --
 
@@ -108,14 +144,18 @@ class StoredWeights(MutableMapping):
         return self._finish(name, self._upcast(name, np.asarray(ids)))
 
     def _upcast(self, name: str, ids) -> np.ndarray:
+        if self.watch is not None:
+            self.watch(name)
         if name in self._dense:
             a, bf16 = self._dense[name]
+            a = _array(a)
             a = a if ids is None else a[ids]
             if bf16:
                 return bf16_to_float32(a).astype(self.dtype, copy=False)   # fresh array already
             return np.asarray(a).astype(self.dtype)                         # always a fresh copy
         if name in self._int4:
             qw, sc, shape = self._int4[name]
+            qw, sc = _array(qw), _array(sc)
             # q * scale is exact in float32 (4 x 8 significant bits): the values dequantize_model gives in
             # float64, at half the memory traffic; then widened
             w = dequantize_w4a16(qw, sc, shape, dtype=np.float32)
@@ -171,14 +211,15 @@ class StoredWeights(MutableMapping):
             if n in self._int4:
                 qw, sc, _ = self._int4[n]
                 m = n[: -len(".weight")]
-                yield m + ".qw", qw, None
-                yield m + ".sc", sc, "bfloat16" if np.asarray(sc).dtype == np.uint16 else None
+                yield m + ".qw", _array(qw), None
+                yield m + ".sc", _array(sc), "bfloat16" if sc.dtype == np.uint16 else None
             else:
                 a, bf16 = self._dense[n]
-                yield n, a, "bfloat16" if bf16 else None
+                yield n, _array(a), "bfloat16" if bf16 else None
 
     def stored_bytes(self) -> int:
-        return sum(int(np.asarray(a).nbytes) for _, a, _ in self.stored_items())
+        arrays = [a for a, _ in self._dense.values()] + [x for qw, sc, _ in self._int4.values() for x in (qw, sc)]
+        return sum(int(a.nbytes) for a in arrays)
 
 
 # ---------------------------------------------------------------- generating stored weights
@@ -196,7 +237,7 @@ def generate_stored(cfg: ModelConfig, seed: int, dense: str = "float32", int4_sc
         module = name[: -len(".weight")] if name.endswith(".weight") else None
         if int4_scope is not None and module is not None and is_quantized(module, int4_scope):
             qw, sc = quantize_w4a16(w, group_size)
-            W[module + ".qw"], W[module + ".sc"] = qw, bf16_bits(sc)
+            W[module + ".qw"], W[module + ".sc"] = qw, scale_bits(sc)
         elif dense == "bfloat16":
             W[name] = _bf16_bits_by_rows(w)
             bf16.add(name)
@@ -208,11 +249,11 @@ def generate_stored(cfg: ModelConfig, seed: int, dense: str = "float32", int4_sc
 
 
 def _bf16_bits_by_rows(w: np.ndarray, rows: int = 1024) -> np.ndarray:
-    """bf16_bits(bf16_round(w)) a block of rows at a time: the rounding's float64 temporaries stay small
-    (an 18432 x 7168 dense MLP weight would otherwise need ~5 GB of them)."""
+    """bf16_bits(w) (one rounding from float64) a block of rows at a time: the rounding's temporaries
+    stay small (an 18432 x 7168 dense MLP weight would otherwise need ~5 GB of them)."""
     out = np.empty(w.shape, np.uint16)
     for r in range(0, w.shape[0], rows):
-        out[r:r + rows] = bf16_bits(bf16_round(w[r:r + rows]))
+        out[r:r + rows] = bf16_bits(w[r:r + rows])
     return out
 
 
@@ -236,7 +277,10 @@ def upcast_if_fits(W: StoredWeights, copies: float = 1.5, share: float = 0.6):
     float32 copy of it) fits in `share` of the memory available now (UNKNOWN_MEMORY_BUDGET where the system
     does not say); else W itself, upcast per matmul.
     The values are the same either way (module docstring), so a generator's bytes do not depend on which
-    machine took which path; only its time and memory do."""
+    machine took which path; only its time and memory do. A mapped W (a checkpoint) is never upcast whole:
+    its INT4 experts are dequantized only when a forward routes to them."""
+    if W.mapped:
+        return W
     avail = available_memory()
     budget = share * avail if avail is not None else UNKNOWN_MEMORY_BUDGET
     return dict(W.items()) if copies * W.upcast_nbytes() <= budget else W

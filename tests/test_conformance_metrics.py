@@ -1,13 +1,13 @@
-"""conformance.metrics against independent computations: np.nextafter stepping for ULPs, torch's
-bfloat16 rounding, torch's KL and top-k, and the plain formulas for NMSE, cosine and max_rel."""
+"""conformance.metrics against independent computations: np.nextafter stepping for ULPs, torch's KL and
+top-k, and the plain formulas for NMSE, cosine and max_rel (bfloat16 rounding: tests/test_bf16.py)."""
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conformance.metrics import (bfloat16_bits, bfloat16_to_float32, logits_metrics,
-                                 tensor_metrics, ulp_distance)
+from conformance.metrics import logits_metrics, tensor_metrics, ulp_distance
+from kdtr_format.bf16 import bf16_to_float32
 
 
 def _step(x, n, dtype):
@@ -56,42 +56,13 @@ def test_ulp_float32_simple_cases():
 
 # ------------------------------------------------------------------------------- bfloat16
 
-def _torch_bf16_bits(x32: np.ndarray) -> np.ndarray:
-    return torch.from_numpy(x32).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-
-
-def test_bfloat16_rounding_matches_torch():
-    rng = np.random.default_rng(0)
-    words = rng.integers(0, 2**32, size=20000, dtype=np.uint64).astype(np.uint32)
-    # Exact ties (low half 0x8000) with both even and odd kept lsb, and values next to them.
-    ties = (rng.integers(0, 2**16, size=2000, dtype=np.uint32) << 16) | 0x8000
-    words = np.concatenate([words, ties, ties - 1, ties + 1,
-                            np.array([0x7F7FFFFF, 0xFF7FFFFF, 0x00000001, 0x80000001, 0x7F800000,
-                                      0x00000000, 0x80000000], dtype=np.uint32)])
-    x = words.view(np.float32)
-    x = x[~np.isnan(x)]
-    np.testing.assert_array_equal(bfloat16_bits(x), _torch_bf16_bits(x))
-    assert bfloat16_bits(np.array([np.nan], np.float32))[0] == 0x7FC0
-
-
-def test_bfloat16_from_float64_is_single_rounding():
-    # b0 = 1.0 (even mantissa), b1 = next bf16; the midpoint is a float32. x just above the midpoint
-    # rounds to the midpoint in float32, and rounding that to bf16 (tie -> even) would give b0: wrong.
-    b0, b1 = 1.0, 1.0 + 2.0**-7
-    mid = (b0 + b1) / 2
-    above, below = mid + 2.0**-40, mid - 2.0**-40
-    assert np.float32(above) == np.float32(mid)                  # the double-rounding trap is real
-    bits = bfloat16_bits(np.array([above, below, mid]))
-    np.testing.assert_array_equal(bfloat16_to_float32(bits), np.array([b1, b0, b0], np.float32))
-
-
 def test_ulp_bfloat16_counts_bf16_steps():
     rng = np.random.default_rng(1)
     base = rng.integers(0x0080, 0x7F00, size=500, dtype=np.uint16)    # positive normals
     sign = rng.integers(0, 2, size=500, dtype=np.uint16) << 15
     n = rng.integers(0, 50, size=500).astype(np.uint16)
-    g = bfloat16_to_float32(base | sign)
-    a = bfloat16_to_float32((base + n) | sign)                   # same sign: n bf16 steps apart
+    g = bf16_to_float32(base | sign)
+    a = bf16_to_float32((base + n) | sign)                   # same sign: n bf16 steps apart
     np.testing.assert_array_equal(ulp_distance(g, a, "bfloat16"), n)
     # A float32 error smaller than half a bf16 step is 0 bf16 ULPs but many float32 ULPs.
     g1, a1 = np.float32([1.0]), np.float32([1.0 + 2.0**-10])

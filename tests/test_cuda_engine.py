@@ -5,10 +5,12 @@ import dataclasses
 import numpy as np
 import pytest
 
+from cuda_engine.proofs import is_int4
 from cuda_oracle import committed_bundles, gpu_ops
 from refmodel.config import PRESETS
 
 BUNDLES = committed_bundles()
+INT4_BUNDLES = [b for b in BUNDLES if is_int4(b)]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +41,7 @@ def test_bundle_passes(engine_cls, bundle):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("bundle", [b for b in BUNDLES if "int4" in b])
+@pytest.mark.parametrize("bundle", INT4_BUNDLES)
 def test_int4_bundle_passes_on_dequantized_weights_too(engine_cls, bundle):
     """--w4a16 dense: the INT4 experts dequantized at load and run by the dense kernels."""
     from conformance.verify.runner import verify
@@ -49,7 +51,7 @@ def test_int4_bundle_passes_on_dequantized_weights_too(engine_cls, bundle):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("bundle", [b for b in BUNDLES if "int4" in b])
+@pytest.mark.parametrize("bundle", INT4_BUNDLES)
 def test_int4_bundle_passes_on_the_plain_kernel(engine_cls, bundle):
     """--w4a16 plain: the packed weights as stored (w4a16_plain.cu); the default (fast) is test_bundle_passes."""
     from conformance.verify.runner import verify

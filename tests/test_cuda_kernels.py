@@ -322,13 +322,13 @@ def test_experts(ops, E, I, D, K, T):
 def test_w4a16_experts_against_dequantized(ops, E, I, D, K, T, g):
     """Routed slots on packed INT4 weights, the shared slot dense (e_base = E), as the INT4 bundle runs them.
     Oracle: dequantize_w4a16 + float64 (the exact quantized model); baseline: float32 NumPy on the same."""
-    from kdtr_format.int4 import bf16_bits, dequantize_w4a16, quantize_w4a16
+    from kdtr_format.int4 import dequantize_w4a16, quantize_w4a16, scale_bits
 
     rng = np.random.default_rng(E * I + D)
     packed = {}
     for proj, (o_, i_) in (("gate", (I, D)), ("up", (I, D)), ("down", (D, I))):
         pairs = [quantize_w4a16(rng.standard_normal((o_, i_)) * i_ ** -0.5, g) for _ in range(E)]
-        packed[proj] = (np.stack([q for q, _ in pairs]), np.stack([bf16_bits(sc) for _, sc in pairs]),
+        packed[proj] = (np.stack([q for q, _ in pairs]), np.stack([scale_bits(sc) for _, sc in pairs]),
                         np.stack([dequantize_w4a16(q, sc, (o_, i_)) for q, sc in pairs]))
     Wg_s, Wu_s, Wd_s = rand(rng, 1, I, D, scale=D ** -0.5), rand(rng, 1, I, D, scale=D ** -0.5), \
         rand(rng, 1, D, I, scale=I ** -0.5)                       # the dense shared expert, id E

@@ -63,7 +63,7 @@ def test_w4a16_wrapper_tables_match_the_kernel_entries():
     import re
 
     from cuda_engine.build import KERNEL_DIR
-    from cuda_engine.ops import W4A16_ENTRIES, W4A16_ROW_BLOCKS, W4A16_ROWS
+    from cuda_engine.ops import W4A16_DIGITS_ROWS, W4A16_DIGITS_TOKENS, W4A16_ENTRIES, W4A16_ROW_BLOCKS, W4A16_ROWS
 
     text = (KERNEL_DIR / "w4a16_mma.cu").read_text()
     entry = (r"(w4a16_mma_(i8|t\d)_m(\d+)(?:_r(\d+))?)\(W4A16_ARGS\) \{ w4a16_mma_body<(\d+), (\d), (?:true|false), "
@@ -72,8 +72,9 @@ def test_w4a16_wrapper_tables_match_the_kernel_entries():
     assert len(entries) == len(set(e[0] for e in entries)) > 0
     table = {name: (m, numerics) for numerics, es in W4A16_ENTRIES.items() for m, name in es}
     table.update({name: (m, "fp32") for m, family in W4A16_ROWS.items() for name in family.values()})
+    table.update({name: (W4A16_DIGITS_TOKENS, "fp32") for name in W4A16_DIGITS_ROWS.values()})  # grouped MoE
     assert {e[0] for e in entries} == set(table)
-    rows = {name: r for family in W4A16_ROWS.values() for r, name in family.items()}
+    rows = {name: r for family in (*W4A16_ROWS.values(), W4A16_DIGITS_ROWS) for r, name in family.items()}
     for name, kind, m, r, mt, terms, ws, i8 in entries:
         top, numerics = table[name]
         rpb = int(r) if r else next(rb for t, rb in W4A16_ROW_BLOCKS.items() if t >= int(m))
@@ -160,3 +161,35 @@ def test_combine_slice_matches_the_kernel():
     assert re.search(r"#define WARPS_PER_BLOCK (\d+)", common)[1] == str(WARPS_PER_BLOCK)
     assert re.search(r"#define COMBINE_DSLICE (\w+)", (KERNEL_DIR / "moe.cu").read_text())[1] == "BLOCK_THREADS"
     assert COMBINE_DSLICE == BLOCK[0] == 32 * WARPS_PER_BLOCK
+
+
+def test_grouped_moe_groups_cap_holds_for_every_routing():
+    """The grouped MoE path launches w4a16_groups_cap(P, E, MT) z's and moe_group_kernel writes at most that
+    many groups: every count of P pairs over E experts cut into chunks of MT needs no more (random routings,
+    and the extremes: one expert takes every pair, every pair its own expert, every expert MT + 1 pairs); and
+    the cap is reached (a bound, not a guess). The chunk sizes: the int8 digits' 4 tokens, the bf16 terms'
+    entry for min(T, 16)."""
+    import numpy as np
+
+    from cuda_engine.ops import W4A16_DIGITS_TOKENS, w4a16_group_tokens, w4a16_groups_cap
+
+    def groups(counts, MT):
+        return sum(-(-c // MT) for c in counts if c)
+
+    rng = np.random.default_rng(0)
+    reached = False
+    for _ in range(300):
+        E, MT = int(rng.integers(1, 400)), int(rng.choice([2, 4, 5, 8, 16]))
+        P = int(rng.integers(1, 600))
+        counts = np.bincount(rng.integers(0, E, P), minlength=E)
+        assert groups(counts, MT) <= w4a16_groups_cap(P, E, MT), (P, E, MT)
+    for P, E, MT in ((64, 8, 16), (33, 1, 16), (128, 384, 4), (40, 41, 4)):
+        for counts in ([P] + [0] * (E - 1), [1] * P + [0] * max(0, E - P),
+                       [MT + 1] * (P // (MT + 1)) + [P % (MT + 1)]):
+            if len(counts) <= E or sum(counts) == P:
+                assert groups(counts, MT) <= w4a16_groups_cap(P, max(E, len(counts)), MT)
+                reached |= groups(counts, MT) == w4a16_groups_cap(P, max(E, len(counts)), MT)
+    assert reached
+    terms = [w4a16_group_tokens(T, digits=False) for T in (2, 3, 5, 6, 8, 9, 16, 17, 100)]
+    assert terms == [2, 5, 5, 8, 8, 16, 16, 16, 16]
+    assert w4a16_group_tokens(33) == W4A16_DIGITS_TOKENS == 4

@@ -30,10 +30,10 @@ def dev(a, dtype=None):
 
 
 def quantized(rng, N, K, g=32):
-    from kdtr_format.int4 import bf16_bits, dequantize_w4a16, quantize_w4a16
+    from kdtr_format.int4 import dequantize_w4a16, quantize_w4a16, scale_bits
 
     qw, sc = quantize_w4a16(rng.standard_normal((N, K)) * K ** -0.5, g)
-    return qw, bf16_bits(sc), dequantize_w4a16(qw, sc, (N, K))
+    return qw, scale_bits(sc), dequantize_w4a16(qw, sc, (N, K))
 
 
 def _stats(got, oracle) -> dict:
@@ -187,14 +187,14 @@ def test_int8_digits_path_outlier_on_a_zero_weight_column(ops, log2_outlier):
     four digits (31 bits) a CPU re-creation measured 12-20x the plain kernel's error at 2^12; with eight,
     0.13-0.20x up to 2^30."""
     from cuda_engine.w4a16_pack import pack_linear
-    from kdtr_format.int4 import bf16_bits, dequantize_w4a16, quantize_w4a16
+    from kdtr_format.int4 import dequantize_w4a16, quantize_w4a16, scale_bits
 
     rng = np.random.default_rng(12)
     N, K = 96, 1024
     w = rng.standard_normal((N, K)) * K ** -0.5
     w[:, 0] = 0.0
     qw, sc = quantize_w4a16(w, 32)
-    W, sc = dequantize_w4a16(qw, sc, (N, K)), bf16_bits(sc)
+    W, sc = dequantize_w4a16(qw, sc, (N, K)), scale_bits(sc)
     assert not W[:, 0].any()
     x = rand(rng, 1, K)
     x[0, 0] = 2.0 ** log2_outlier
@@ -344,7 +344,7 @@ def test_bf16_numerics_are_marlins(ops):
     bf16_round(x) (whose x2 and x3 terms are zero), so it is exactly the fast kernel on bf16 activations; and
     farther from the float32 activations' product than the fp32 mode (the three terms matter)."""
     from cuda_engine.w4a16_pack import pack_linear
-    from kdtr_format.int4 import bf16_round
+    from kdtr_format.bf16 import bf16_round
 
     rng = np.random.default_rng(3)
     N, K, M = 512, 2048, 6                                 # (from 5 tokens fp32 mode runs the bf16 terms path)

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kdtr_format import (DTYPES, ChecksumError, HeaderChecksumError, KdtrError, Tensor,
-                         bfloat16_to_float32, float32_to_bfloat16, open_kdtr, write_kdtr)
+                         bf16_bits, bf16_to_float32, open_kdtr, write_kdtr)
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "golden_tiny.kdtr")
 GOLDEN_SHA256 = "c19735547ceca59446804da9563f8f755ddef4e43b963dd8d842415a4a7b7cee"
@@ -106,9 +106,9 @@ def test_metadata_tuples_and_numpy_scalars_become_json(tmp_path):
 
 def test_bfloat16_conversion_round_to_nearest_even():
     x = np.array([1.0, -2.0, 1.00390625, 1.01171875, 3.0e38, np.inf, np.nan], np.float32)
-    bits = float32_to_bfloat16(x)
+    bits = bf16_bits(x)
     assert bits[:6].tolist() == [0x3F80, 0xC000, 0x3F80, 0x3F82, 0x7F62, 0x7F80]  # ties to even
-    assert np.isnan(bfloat16_to_float32(bits[6:])).all()
+    assert np.isnan(bf16_to_float32(bits[6:])).all()
 
 
 # ---- streaming and atomic writes ---------------------------------------------------------------

@@ -57,9 +57,9 @@ def compress_expert(w: torch.Tensor, shape_dtype) -> tuple[dict, np.ndarray]:
             "weight_shape": c["weight_shape"].to(shape_dtype)}, dense
 
 
-def build_checkpoint(root: str, wrapper: bool, shape_dtype) -> dict[str, np.ndarray]:
+def build_checkpoint(root: str, wrapper: bool, shape_dtype, cfg=CFG) -> dict[str, np.ndarray]:
     """Write the checkpoint; return the dequantized weights (HF names) that transformers will run."""
-    model = hf_model(CFG, init_weights(CFG, seed=0), torch.float32)   # non-zero e_score_correction_bias
+    model = hf_model(cfg, init_weights(cfg, seed=0), torch.float32)   # non-zero e_score_correction_bias
     model.save_pretrained(root, max_shard_size="100KB")
     index_path = os.path.join(root, "model.safetensors.index.json")
     shards = sorted(set(json.load(open(index_path))["weight_map"].values()))
@@ -83,7 +83,7 @@ def build_checkpoint(root: str, wrapper: bool, shape_dtype) -> dict[str, np.ndar
         save_file(out, os.path.join(root, shard), metadata={"format": "pt"})
         weight_map.update({k: shard for k in out})
     json.dump({"metadata": {}, "weight_map": weight_map}, open(index_path, "w"))
-    text = dict(hf_config(CFG).to_dict(), quantization_config=QUANT_CONFIG)
+    text = dict(hf_config(cfg).to_dict(), quantization_config=QUANT_CONFIG)
     config = text if not wrapper else {
         "architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
         "text_config": dict(text, model_type="kimi_k2"), "quantization_config": QUANT_CONFIG,

@@ -121,3 +121,21 @@ def test_int4_vs_full_precision_on_tiny(W, scope):
     assert 0 < diff.max() < 0.5 * np.abs(ref).max()
     if scope == "experts":                       # as K2.6 ships; measured: argmax 1.000, greedy [(64, 64), (8, 8)]
         assert argmax_agree >= 0.9 and greedy[0][0] == 64
+
+
+def test_the_int4_functions_raise_the_one_kdtr_error():
+    """kdtr_format.int4's functions and the file checks raise one Int4LayoutError, a KdtrError, so a
+    caller that catches KdtrError (every `kdtr` command does) catches a bad INT4 array too."""
+    import kdtr_format
+    from kdtr_format.int4 import pack_int4, quantize_w4a16, scales_as_float
+
+    assert Int4LayoutError is kdtr_format.Int4LayoutError
+    bad = [(lambda: quantize_w4a16(np.zeros((2, 12))), "multiple of group_size=32 and of 8"),
+           (lambda: pack_int4(np.full((1, 8), 9)), r"values must lie in \[-8, 7\], got \[9, 9\]"),
+           (lambda: unpack_int4(np.zeros((1, 1), np.int64)), "must be 2-D int32"),
+           (lambda: scales_as_float(np.zeros(2, np.int32)), "got int32"),
+           (lambda: dequantize_model({"m.sc": np.zeros((1, 1), np.float32)}), "m.sc has no packed weights")]
+    for call, message in bad:
+        with pytest.raises(kdtr_format.KdtrError, match=message) as e:
+            call()
+        assert type(e.value) is kdtr_format.Int4LayoutError

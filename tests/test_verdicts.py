@@ -18,7 +18,7 @@ from conformance.records import DUMP_SCHEMA
 from conformance.engines.reference_engine import ReferenceEngine
 from conformance.verify.runner import verify
 from conformance.tolerance import parse_rules
-from kdtr_format import Tensor, open_kdtr, write_kdtr
+from kdtr_format import Tensor, bf16_bits, open_kdtr, write_kdtr
 
 
 def where(v) -> str:
@@ -92,8 +92,8 @@ def test_a_dump_in_bfloat16_is_judged_in_bfloat16(small_bundle, dump, tmp_path):
     """The other side of the dtype rule: float records stored as bfloat16 with metadata dtype bfloat16
     are accepted (and judged: the fp32 tolerances fail them, which a rules file would fix)."""
     out, meta = dump
-    bf = {k: Tensor(np.ascontiguousarray((v.view(np.uint32) + 0x8000 >> 16).astype(np.uint16)), dtype="bfloat16")
-          if v.dtype == np.float32 else v for k, v in out.items()}
+    bf = {k: Tensor(np.ascontiguousarray(bf16_bits(v)), dtype="bfloat16") if v.dtype == np.float32 else v
+          for k, v in out.items()}
     v = judged(small_bundle, tmp_path, bf, {**meta, "dtype": "bfloat16"})
     assert v.exit_code not in (ExitCode.INVALID_FILE, ExitCode.ENGINE_ERROR), where(v)
     assert v.info["dtype"] == "bfloat16"

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from cuda_engine.w4a16_pack import CHUNK_WORDS, pack_gate_up, pack_linear
-from kdtr_format.int4 import Int4LayoutError, bf16_bits, bf16_to_float32, dequantize_w4a16, quantize_w4a16
+from kdtr_format.bf16 import bf16_to_float32
+from kdtr_format.int4 import Int4LayoutError, dequantize_w4a16, quantize_w4a16, scale_bits
 
 
 def s8_a_fragment(lane: int, reg: int, byte: int) -> tuple[int, int]:
@@ -99,7 +100,7 @@ def test_pack_linear_reads_back_exactly(N, K, g, path):
 def test_pack_linear_takes_bf16_bits_like_floats():
     rng = np.random.default_rng(5)
     qw, sc = quantize_w4a16(rng.standard_normal((32, 64)), 32)
-    np.testing.assert_array_equal(pack_linear(qw, sc), pack_linear(qw, bf16_bits(sc)))
+    np.testing.assert_array_equal(pack_linear(qw, sc), pack_linear(qw, scale_bits(sc)))
 
 
 @pytest.mark.parametrize("path", ["int8", "bf16"])

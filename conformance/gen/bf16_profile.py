@@ -28,18 +28,13 @@ import numpy as np
 
 from conformance.precision import FP32_KEEP
 from conformance.tolerance import DEFAULT_FLOOR_ULPS, DEFAULT_MULTIPLIER, DerivedTolerance
-from kdtr_format import bfloat16_to_float32, float32_to_bfloat16
+from kdtr_format.bf16 import bf16_round
 from refmodel.stored import StoredWeights
 
 BF16_EPS = 2.0**-7                      # bfloat16 machine epsilon: one ULP at 1.0 (8-bit significand)
 
 
 # ---------------------------------------------------------------- the bf16 reference
-
-def round_bf16(x: np.ndarray) -> np.ndarray:
-    """float -> float32 holding the nearest bfloat16 value (ties to even)."""
-    return bfloat16_to_float32(float32_to_bfloat16(np.asarray(x, np.float32)))
-
 
 def _plain(x):
     """Strip the precision classes (recursively through lists/tuples) so NumPy computes on plain arrays."""
@@ -67,8 +62,8 @@ def _wrap(r, kind):
         return tuple(_wrap(v, kind) for v in r)
     if kind is None or not isinstance(r, (np.ndarray, np.floating)) or np.asarray(r).dtype.kind != "f":
         return r
-    r = np.asarray(r, np.float32)
-    return (round_bf16(r) if kind is Bf16Array else r).view(kind)
+    r = np.asarray(r, np.float32)       # the op's result as float32 computes it, then stored in `kind`
+    return (bf16_round(r) if kind is Bf16Array else r).view(kind)
 
 
 class _Precision(np.ndarray):
@@ -81,7 +76,7 @@ class _Precision(np.ndarray):
             getattr(ufunc, method)(*_plain(inputs), out=plain_out, **kwargs)
             for o, p in zip(out, plain_out):
                 if isinstance(o, Bf16Array) and p.dtype.kind == "f":
-                    p[...] = round_bf16(p)
+                    p[...] = bf16_round(p)
             return out[0] if len(out) == 1 else out
         return _wrap(getattr(ufunc, method)(*_plain(inputs), **kwargs), _kind(inputs))
 
@@ -113,7 +108,7 @@ def _bf16_tensor(k: str, v: np.ndarray) -> np.ndarray:
         return v
     if k.endswith(FP32_KEEP):
         return np.asarray(v, np.float32).view(Fp32Array)
-    return round_bf16(v).view(Bf16Array)
+    return bf16_round(v).view(Bf16Array)
 
 
 def bf16_ulp(magnitude: float) -> float:

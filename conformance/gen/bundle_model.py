@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kdtr_format import bfloat16_to_float32, float32_to_bfloat16, open_kdtr
+from kdtr_format import bf16_round, open_kdtr
 from refmodel.config import PRESETS, SLICE_OF, ModelConfig, slice_shrinkage
 from refmodel.drafter import DrafterConfig, drafter_preset, init_drafter
 from refmodel.quant import dequantize_model, quant_config, quantize_model
@@ -35,7 +35,9 @@ class GenSettings:
     max_new_tokens: int = 64
     budget: int = 32                      # DDTree node budget
     distill_steps: int = 1000
-    long_position: int = LONG_POSITION_OFFSET   # first position of the long-position prompt; 0: no such prompt
+    long_position: int | None = None      # first position of the long-position prompt; 0: no such prompt;
+                                          # None: the default, long_position_default(cfg) (docs/golden-bundles.md)
+    layers: int | None = None             # --from-checkpoint: the first N layers (None: all)
     command: str = ""                     # provenance: the command line that made the bundle
     bf16_profile: bool = True             # derive the bf16 precision profile (a bf16 reference run per prompt)
     routing_near_ties: str = "forbid"     # forbid: reject prompts with near-tie routing; held: judge them
@@ -138,21 +140,6 @@ def _read(f, name: str) -> np.ndarray:
     return np.array(f.get(name), dtype=np.float32)
 
 
-def model_from_checkpoint(path: str, s: GenSettings, progress=None) -> Model:
-    """An HF-layout checkpoint (bf16/fp16/fp32, compressed-tensors INT4 experts), via `kdtr import`."""
-    import os
-    import tempfile
-
-    from refmodel.checkpoint import import_checkpoint
-
-    with tempfile.TemporaryDirectory() as d:
-        tmp = os.path.join(d, "model.kdtr")
-        import_checkpoint(path, tmp)
-        m = model_from_kdtr(tmp, s, progress)
-    m.meta["source"] = {"checkpoint": os.path.basename(os.path.abspath(path))}
-    return m
-
-
 def default_drafter(cfg: ModelConfig) -> DrafterConfig:
     """The tiny drafter for the tiny target; otherwise a one-layer drafter sized from the target."""
     if cfg == PRESETS["tiny"]:
@@ -167,9 +154,10 @@ def default_drafter(cfg: ModelConfig) -> DrafterConfig:
 
 
 def _bf16_round(W: dict) -> dict:
-    """Round to bfloat16 (RNE), kept as float32. The drafter ships bf16, as real drafters do: it halves
-    the bundle's largest part and only moves its proposals, never the target's goldens."""
-    return {k: bfloat16_to_float32(float32_to_bfloat16(v.astype(np.float32))) for k, v in W.items()}
+    """Round to bfloat16 (RNE, once from the values' own precision), kept as float32. The drafter ships
+    bf16, as real drafters do: it halves the bundle's largest part and only moves its proposals, never
+    the target's goldens."""
+    return {k: bf16_round(v) for k, v in W.items()}
 
 
 TORCH_NEEDED = ("distilling the drafter needs torch, which is not installed here: pip install torch==2.13.0 "

@@ -25,21 +25,25 @@ from typing import Callable
 import numpy as np
 
 # The CLI, the tests and conformance.gen.bf16_profile take the model sources and golden runs from here too.
-from conformance.gen.bundle_model import (GenError, GenSettings, Model, _f32, apply_quant, as_stored,  # noqa: F401
-                                      default_drafter, model_from_checkpoint, model_from_kdtr,
-                                      model_from_preset, quant_of)
+from conformance.gen.bundle_model import (LONG_POSITION_OFFSET, GenError, GenSettings, Model, _f32,  # noqa: F401
+                                          apply_quant, as_stored, default_drafter, model_from_kdtr,
+                                          model_from_preset, quant_of)
 from conformance.gen.goldens import (AR_TAPS, LONG_NEW_TOKENS, MAX_REDRAWS, PromptGoldens,  # noqa: F401
-                                 baseline_errors, check_decisive, check_prompt, decisive_atols,
+                                 long_position_default, long_position_extent, baseline_errors, check_decisive, check_prompt, decisive_atols,
                                  golden_for_prompt, long_prompt, manifest, random_prompt,
                                  routing_near_tie_count, run_reference)
 from conformance.gen.bf16_profile import bf16_profile
+from conformance.gen.from_checkpoint import model_from_checkpoint  # noqa: F401 - the CLI takes it from here
 from conformance.records import BUNDLE_SCHEMA, offsets, ragged
 from kdtr_format import Tensor, write_kdtr
+from kdtr_format.bf16 import bf16_bits, is_bf16
 from refmodel.config import PRESETS  # noqa: F401 - tests pick the preset config through this module
 from refmodel.model import tap_names
 from refmodel.stored import StoredWeights, upcast_if_fits
 
-ROUTING_NEAR_TIES = ("forbid", "held")   # kdtr gen --routing-near-ties (docs/conformance.md, section 3a)
+ROUTING_NEAR_TIES = ("forbid", "held")
+LONG_POSITION_RULE = ("default: min(196608, max_position_embeddings - (prompt length + stream length + block "
+                      "size)), 0 (none) when not positive; --long-position P: P, which must fit")   # kdtr gen --routing-near-ties (docs/conformance.md, section 3a)
 
 
 # ---------------------------------------------------------------- the bundle's records
@@ -104,10 +108,9 @@ def _weight_tensors(W):
 
 
 def _bf16_bits(x: np.ndarray) -> np.ndarray:
-    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    if np.any(bits & 0xFFFF):
+    if not is_bf16(x):
         raise GenError("bfloat16 tensors (INT4 scales, drafter) must be exactly bfloat16-representable")
-    return (bits >> 16).astype(np.uint16)
+    return bf16_bits(x)
 
 
 def figures(pgs: list[PromptGoldens], L: int) -> dict:
@@ -170,16 +173,26 @@ def plan_prompts(m: Model, s: GenSettings) -> list[Slot]:
     else:
         slots = [Slot(random_prompt(m.cfg, s.seed, i, 0), lambda d, i=i: random_prompt(m.cfg, s.seed, i, d),
                       s.max_new_tokens, 0) for i in range(s.num_prompts)]
-    if s.long_position:
+    pos0, _ = long_position(m, s)
+    if pos0:
         n = min(LONG_NEW_TOKENS, s.max_new_tokens)
-        last = s.long_position + len(long_prompt(m.cfg, s.seed, 0)) + n + m.dcfg.block_size
-        if s.long_position < 0 or last > m.cfg.max_position_embeddings:
-            raise GenError(f"--long-position {s.long_position}: the long-position prompt's positions must lie in "
-                           f"[0, max_position_embeddings = {m.cfg.max_position_embeddings}) up to its last tree "
-                           f"row ({last}); pass a smaller offset, or 0 for no long-position prompt")
-        slots.append(Slot(long_prompt(m.cfg, s.seed, 0), lambda d: long_prompt(m.cfg, s.seed, d), n,
-                          s.long_position))
+        slots.append(Slot(long_prompt(m.cfg, s.seed, 0), lambda d: long_prompt(m.cfg, s.seed, d), n, pos0))
     return slots
+
+
+def long_position(m: Model, s: GenSettings) -> tuple[int, str]:
+    """(the long-position prompt's first position, how it was chosen): --long-position as given, which must
+    fit the model's context, else long_position_default."""
+    n = min(LONG_NEW_TOKENS, s.max_new_tokens)
+    if s.long_position is None:
+        return long_position_default(m.cfg, n, m.dcfg.block_size, LONG_POSITION_OFFSET), "default"
+    last = s.long_position + long_position_extent(n, m.dcfg.block_size)
+    if s.long_position < 0 or (s.long_position and last > m.cfg.max_position_embeddings):
+        raise GenError(f"--long-position {s.long_position}: the long-position prompt's positions must lie in "
+                       f"[0, max_position_embeddings = {m.cfg.max_position_embeddings}) up to its last tree "
+                       f"row ({last}); pass a smaller offset, 0 for no long-position prompt, or leave the option "
+                       f"out for the largest that fits")
+    return s.long_position, "--long-position"
 
 
 def decisive_goldens(m: Model, W64: dict, s: GenSettings, slots: list[Slot], progress=None):
@@ -224,7 +237,9 @@ class _GoldenRuns:
         self.W32 = _f32(W64)                 # one float32 copy (a view computed per access when W64 is stored)
 
     def jobs(self, n: int) -> int:
-        if n < 2 or not isinstance(self.W64, dict) or "fork" not in multiprocessing.get_all_start_methods():
+        # a plain dict is shared copy-on-write; a mapped checkpoint is read by each worker from the files
+        shared = isinstance(self.W64, dict) or getattr(self.W64, "mapped", False)
+        if n < 2 or not shared or "fork" not in multiprocessing.get_all_start_methods():
             return 1
         return max(1, min(n, (os.cpu_count() or 1) // CORES_PER_JOB))
 
@@ -272,6 +287,9 @@ def _golden_job(item: tuple) -> PromptGoldens:
     # plain streams, never through it.
     sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
     m, W64, W32, budget, held = _FORKED
+    for W in (W64, W32):                     # a mapped model's layer bar reports to the parent's display
+        if getattr(W, "watch", None) is not None:
+            W.watch = None
     i, prompt, n, pos0 = item
     return golden_for_prompt(m, W64, prompt, n, budget, pos0, None, hold_routing=held, W32=W32)
 
@@ -312,6 +330,7 @@ def generate_bundle(m: Model, s: GenSettings, out: str, progress=None) -> dict:
                  "prefill_final": ["final_hidden", "logits"], "ar": list(AR_TAPS)},
         "prompts": len(pgs), "max_new_tokens": s.max_new_tokens,
         "position_offsets": [int(pg.pos0) for pg in pgs],
+        "long_position": dict(zip(("offset", "chosen_by"), long_position(m, s)), rule=LONG_POSITION_RULE),
         "tolerances": man,
         "figures": fig,
         "provenance": {"generator": f"kdtr {_version()}", "command": s.command, "seed": s.seed,

@@ -278,6 +278,20 @@ def long_prompt(cfg: ModelConfig, seed: int, draw: int) -> np.ndarray:
     return rng.integers(0, mask_token_id(cfg), size=LONG_PROMPT_LENGTH).astype(np.int64)
 
 
+def long_position_extent(n: int, block_size: int) -> int:
+    """Positions the long-position prompt spans past its first: its tokens, its n-token stream and the
+    deepest DDTree row a round can verify (a block)."""
+    return LONG_PROMPT_LENGTH + n + block_size
+
+
+def long_position_default(cfg: ModelConfig, n: int, block_size: int, offset: int) -> int:
+    """The default first position of the long-position prompt: `offset` (1.5 x 2^17, why:
+    docs/golden-bundles.md), or where the model's context is shorter, the largest first position whose
+    prompt, stream and tree rows still lie below max_position_embeddings (the probe grows with the
+    position). 0, no long-position prompt, when even that is not past position 0."""
+    return max(0, min(offset, cfg.max_position_embeddings - long_position_extent(n, block_size)))
+
+
 def check_prompt(cfg: ModelConfig, prompt) -> np.ndarray:
     if not isinstance(prompt, (list, tuple, np.ndarray)) or not all(
             isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt) or len(prompt) == 0:

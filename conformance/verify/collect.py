@@ -9,7 +9,7 @@ import numpy as np
 from conformance.verify.near_ties import near_tie_rows
 from conformance.verify.outputs import LIVE
 from conformance.records import golden_tree, offsets, position_offset, prompts_of, ragged
-from kdtr_format import bfloat16_to_float32
+from kdtr_format import bf16_to_float32
 from refmodel.config import ModelConfig
 from refmodel.ddtree import compile_tree, walk
 
@@ -17,7 +17,7 @@ from refmodel.ddtree import compile_tree, walk
 def _values(logits, dtype: str) -> np.ndarray:
     """Logits as numbers to take an argmax of: a bfloat16 engine returns raw uint16 bit patterns."""
     a = np.asarray(logits)
-    return bfloat16_to_float32(a) if dtype == "bfloat16" and a.dtype == np.uint16 else a
+    return bf16_to_float32(a) if dtype == "bfloat16" and a.dtype == np.uint16 else a
 
 
 def can_hold_routing(engine) -> bool:

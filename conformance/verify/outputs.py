@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from conformance.records import numeric_keys, prompts_of
-from kdtr_format import bfloat16_to_float32
+from kdtr_format import bf16_to_float32
 from refmodel.config import ModelConfig
 
 # The records every run reports for every prompt (names relative to p{i}/). Everything else is optional:
@@ -74,7 +74,7 @@ def widened(out: dict, dtype: str) -> dict:
     for k, v in out.items():
         a = np.asarray(v)
         if dtype == "bfloat16" and a.dtype == np.uint16:
-            a = bfloat16_to_float32(a)
+            a = bf16_to_float32(a)
         elif a.dtype == np.float16:
             a = a.astype(np.float32)
         wide[k] = a

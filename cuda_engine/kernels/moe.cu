@@ -42,12 +42,24 @@
 //                          block of a token to finish (a ticket per token, tickets [T]: zero before the launch,
 //                          left zero by that block) adds them in block order and writes y_norm for the row.
 //                          Deterministic: no float atomics.
-// Limits: E <= ROUTER_MAX_E, n_group <= ROUTER_MAX_GROUPS, S <= MOE_MAX_SLOTS (shared-memory arrays).
+//   moe_group_kernel:      the grouped MoE path's work list (a forward of T > 1 tokens on the fast W4A16 kernel,
+//                          kernels/w4a16_mma.cu): the (token, slot) pairs ts = t S + k, k in k0 .. k0+nk-1,
+//                          grouped by expert e = slot_ids[ts] - e_base in [0, E): experts ascending, each
+//                          expert's pairs in ascending ts, cut into chunks of at most MT (the launch entry's
+//                          tokens). Writes groups[0] = n groups, groups[1 + 3 z ..] = (e + e_base, first pair
+//                          p, count m) for z < n, and the pairs (their ts, in group order) at groups[1 + 3 Z +
+//                          p ..]; Z is the grid z of the launches that read it (n <= Z: ops.w4a16_groups_cap).
+//                          Deterministic: integer counts, exclusive scans in thread order, then one warp places
+//                          the pairs in ts order (a round of 32 ranks equal experts with __match_any_sync), a
+//                          stable counting sort. Launch grid (1), block BLOCK_THREADS.
+// Limits: E <= ROUTER_MAX_E, n_group <= ROUTER_MAX_GROUPS, S <= MOE_MAX_SLOTS (shared-memory arrays);
+// moe_group_kernel: E <= MOE_GROUP_MAX_E (the routed experts and the shared one).
 #include "common.cuh"
 
 #define ROUTER_MAX_E 1024
 #define ROUTER_MAX_GROUPS 64
 #define MOE_MAX_SLOTS 64
+#define MOE_GROUP_MAX_E (ROUTER_MAX_E + 1)
 
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
 router_kernel(const float* __restrict__ x, const float* __restrict__ gate, int D, const float* __restrict__ bias,
@@ -274,5 +286,60 @@ moe_combine_kernel(const float* __restrict__ y, const int* __restrict__ slot_ids
             const int dd = d0 + u * BLOCK_THREADS;
             if (dd < D) y_norm[row + dd] = wn[u] * (hn[u] * inv);
         }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
+moe_group_kernel(const int* __restrict__ slot_ids, int T, int S, int k0, int nk, int e_base, int E, int MT, int Z,
+                 int* __restrict__ groups) {
+    constexpr int PER = (MOE_GROUP_MAX_E + BLOCK_THREADS - 1) / BLOCK_THREADS;   // experts per thread
+    __shared__ int cnt[MOE_GROUP_MAX_E], off[MOE_GROUP_MAX_E];
+    __shared__ int wsum[2][WARPS_PER_BLOCK];
+    const int P = T * nk, lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    auto pair_ts = [&](int p) { return (p / nk) * S + k0 + p % nk; };
+    for (int i = threadIdx.x; i < E; i += blockDim.x) cnt[i] = 0;
+    __syncthreads();
+    for (int p = threadIdx.x; p < P; p += blockDim.x) {
+        const int e = slot_ids[pair_ts(p)] - e_base;
+        if (0 <= e && e < E) atomicAdd(&cnt[e], 1);            // (ids outside the range: not this launch's)
+    }
+    __syncthreads();
+    // thread i owns experts PER i .. PER i + PER - 1: its pairs and groups, then exclusive scans in thread order
+    const int e0 = threadIdx.x * PER;
+    int sp = 0, sg = 0;
+    for (int j = 0; j < PER && e0 + j < E; ++j) sp += cnt[e0 + j], sg += (cnt[e0 + j] + MT - 1) / MT;
+    int ip = sp, ig = sg;                                       // inclusive scans within the warp
+    for (int d = 1; d < WARP_SIZE; d <<= 1) {
+        const int a = __shfl_up_sync(0xffffffffu, ip, d), b = __shfl_up_sync(0xffffffffu, ig, d);
+        if (lane >= d) ip += a, ig += b;
+    }
+    if (lane == WARP_SIZE - 1) wsum[0][warp] = ip, wsum[1][warp] = ig;
+    __syncthreads();
+    for (int w = 0; w < warp; ++w) ip += wsum[0][w], ig += wsum[1][w];
+    if (threadIdx.x == blockDim.x - 1) groups[0] = ig;         // every group
+    int p = ip - sp, gq = ig - sg;                             // this thread's first pair and group
+    for (int j = 0; j < PER && e0 + j < E; ++j) {
+        const int e = e0 + j;
+        off[e] = p;
+        for (int c = 0; c < cnt[e] && gq < Z; c += MT, ++gq) {
+            int* gz = groups + 1 + 3 * gq;
+            gz[0] = e + e_base, gz[1] = p + c, gz[2] = min(MT, cnt[e] - c);
+        }
+        p += cnt[e];
+    }
+    __syncthreads();
+    if (warp != 0) return;
+    int* pairs = groups + 1 + 3 * Z;
+    for (int p0 = 0; p0 < P; p0 += WARP_SIZE) {                // the pairs in ts order, 32 at a time
+        const int pp = p0 + lane, ts = pp < P ? pair_ts(pp) : 0, id = pp < P ? slot_ids[ts] - e_base : -1;
+        const int e = 0 <= id && id < E ? id : -1;
+        const unsigned same = __match_any_sync(0xffffffffu, e);
+        const int rank = __popc(same & ((1u << lane) - 1u)), o = e >= 0 ? off[e] : 0;
+        __syncwarp();
+        if (e >= 0) {
+            pairs[o + rank] = ts;
+            if (rank == __popc(same) - 1) off[e] = o + __popc(same);   // the last of its expert moves it on
+        }
+        __syncwarp();
     }
 }

@@ -56,6 +56,14 @@
 // blockIdx.z: with slot_ids, (token, slot) pair z of the MoE decode path (M = 1): expert
 // slot_ids[ts] - e_base, x row t (x_by_slot = 0, the gate+up input) or ts (x_by_slot = 1, the down input),
 // output row ts; without slot_ids z = 0, expert 0, x rows = the M tokens.
+// With groups (the grouped MoE path of a forward over several tokens; bf16-terms entries only, slot_ids null):
+// z is group z of moe_group_kernel's work list (kernels/moe.cu): groups[0] = the number of groups (z past it
+// returns at once), groups[1 + 3 z ..] = (expert + e_base, first pair p, count m <= M), the pairs ts (ts = t S
+// + slot) at groups[1 + 3 gridDim.z + p ..]. The z's m tokens are its pairs: token j's x row is ts_j / S (the
+// gate+up input, x_by_slot = 0) or ts_j (the down input), its output row ts_j. The only change to the body is
+// this indirection: token j's x row and output row are read from zrows[][j] (shared memory) instead of being
+// xrow + j and orow + j; M is then the group's count, and the split-K partials keep the launch's M as their
+// stride per z.
 // Limits: M <= 64 tokens per launch, K a multiple of 32 (G = K / 32 <= 65535), g a multiple of 32.
 #include "common.cuh"
 #include <cuda_bf16.h>
@@ -134,7 +142,7 @@ struct W4Config {
     // the widest token count must still stage one batch of every warp (U WS groups) per segment
     static_assert(I8 ? W4A16_XS_WORDS / GW >= U * WS : ((W4A16_XS_WORDS / MT - 16) / (4 * TW)) >= U * WS,
                   "activation staging too small");
-    static_assert(!I8 || (TCOL && MT == 1), "int8 digits: the 8 digit columns of one token");
+    static_assert(!I8 || TCOL, "int8 digits: the 8 digit columns of a token are one column tile");
 };
 
 template <int MT, int TERMS, bool TCOL, int WS, int U, bool I8>
@@ -142,7 +150,7 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
                                                const int* __restrict__ slot_ids, int S, int k0, int nk, int e_base,
                                                int x_by_slot, int M, int N, int Nb, int G, int ks,
                                                float* __restrict__ out, int out_stride, float* __restrict__ partials,
-                                               int* __restrict__ tickets, int mode) {
+                                               int* __restrict__ tickets, int mode, const int* __restrict__ groups) {
     using C = W4Config<MT, TERMS, TCOL, WS, U, I8>;
     constexpr int CT = C::CT, RPB = C::RPB, TW = C::TW, TC = C::TC, COLS = C::COLS, GW = C::GW;
     __shared__ __align__(16) unsigned xs[W4A16_XS_WORDS];
@@ -165,8 +173,30 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
         xrow = x_by_slot ? ts : t;
         orow = ts;
     }
-    const float* xb = x + (size_t)xrow * x_stride;
-    float* ob = out + (size_t)orow * out_stride;
+    const int Mz = M;                                           // the launch's tokens per z: the partials' stride
+    // token tok's x row and output row (zrows[0][tok], zrows[1][tok]); the one-token entries (the decode path,
+    // never grouped) keep xrow and orow
+    constexpr bool ONE = MT == 1;
+    __shared__ int zrows[2][MT];
+    if constexpr (!ONE) {
+        if (groups != nullptr) {                               // the grouped MoE path: z is a group of pairs
+            if (z >= groups[0]) return;                        // past the work list (block-uniform)
+            const int* gz = groups + 1 + 3 * z;
+            e = gz[0] - e_base;
+            M = gz[2];
+            const int* pairs = groups + 1 + 3 * gridDim.z + gz[1];
+            for (int tok = threadIdx.x; tok < M; tok += blockDim.x) {
+                const int ts = pairs[tok];
+                zrows[0][tok] = x_by_slot ? ts : ts / S;
+                zrows[1][tok] = ts;
+            }
+        } else {
+            for (int tok = threadIdx.x; tok < MT; tok += blockDim.x) zrows[0][tok] = xrow + tok, zrows[1][tok] = orow + tok;
+        }
+        __syncthreads();
+    }
+    auto xrow_of = [&](int tok) -> const float* { return x + (size_t)(ONE ? xrow + tok : zrows[0][tok]) * x_stride; };
+    auto orow_of = [&](int tok) -> float* { return out + (size_t)(ONE ? orow + tok : zrows[1][tok]) * out_stride; };
     // the split's groups (32-bit: the wrapper keeps G <= 65535, so ky G fits)
     const int g0 = (int)((unsigned)(ky * G) / (unsigned)ks), g1 = (int)((unsigned)((ky + 1) * G) / (unsigned)ks);
     const int n = g1 - g0;
@@ -196,7 +226,7 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
 
     // x's quad (tok, unit): unit = 8 i + 4 r + cc is columns 32 i + 16 r + 4 cc .. + 3 of group i of the split
     auto quad = [&](int tok, int unit) -> float4 {
-        const float* p = xb + (size_t)tok * x_stride + (size_t)(g0 + (unit >> 3)) * 32 + 16 * ((unit >> 2) & 1) + 4 * (unit & 3);
+        const float* p = xrow_of(tok) + (size_t)(g0 + (unit >> 3)) * 32 + 16 * ((unit >> 2) & 1) + 4 * (unit & 3);
         const float2 lo = __ldg(reinterpret_cast<const float2*>(p)), hi = __ldg(reinterpret_cast<const float2*>(p + 2));
         return make_float4(lo.x, lo.y, hi.x, hi.y);
     };
@@ -208,8 +238,8 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
     // I8: when the split's digits (GW words a group) and its x (32 words a group) fit xs together, the exponent
     // pass also keeps x in xs, past the digits, and the staging converts it from there: x is read from L2 once,
     // one round trip less per block (then the split is one segment: n <= W4A16_XS_WORDS / (GW + 32) < seg)
-    const bool one_read = I8 && (GW + 32) * n <= W4A16_XS_WORDS;
-    static_assert(!I8 || W4A16_XS_WORDS / (GW + 32) < W4A16_XS_WORDS / GW / (U * WS) * (U * WS),
+    const bool one_read = I8 && MT == 1 && (GW + 32) * n <= W4A16_XS_WORDS;
+    static_assert(!I8 || MT > 1 || W4A16_XS_WORDS / (GW + 32) < W4A16_XS_WORDS / GW / (U * WS) * (U * WS),
                   "one_read must imply a single staging segment (the staging reads xraw from the split's start)");
     float4* xraw = reinterpret_cast<float4*>(xs + GW * n);     // quad u at xraw[u]
     if constexpr (I8) {                                         // each token's largest |x| over the whole split
@@ -289,7 +319,7 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
             if constexpr (I8) {
 #pragma unroll
                 for (int tok = 0; tok < MT; ++tok)
-                    for (int u0 = threadIdx.x; u0 < units; u0 += XR * (int)blockDim.x) {
+                    for (int u0 = threadIdx.x; tok < M && u0 < units; u0 += XR * (int)blockDim.x) {
                         float4 xv[XR];
 #pragma unroll
                         for (int k = 0; k < XR; ++k)
@@ -318,7 +348,7 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
                               dg[4 * h + 2] = __byte_perm(hi01, hi23, 0x5410), dg[4 * h + 3] = __byte_perm(hi01, hi23, 0x7632);
                           }
                           const int i = u >> 3, r = (u >> 2) & 1, cc = u & 3;
-                          const int base = (i * CT * 4 + cc) * COLS;
+                          const int base = ((i * CT + tok) * 4 + cc) * COLS;   // token tok: column tile tok
 #pragma unroll
                           for (int d = 0; d < 8; ++d) xs[2 * (base + d) + r] = dg[d];
                         }
@@ -372,6 +402,7 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
                 const uint2* xf = reinterpret_cast<const uint2*>(xs) + i * (GW / 2);
 #pragma unroll
                 for (int nt = 0; nt < CT; ++nt) {
+                    if (nt >= M) break;                        // tile nt is token nt: none past the z's M
                     const uint2 v = xf[xoff[nt]];
 #pragma unroll
                     for (int mt = 0; mt < 2; ++mt) {
@@ -439,7 +470,7 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
     // threads of the block. Thread entry (rb, r = q and lane): rows r16 = lane / 4 + 8 (q / 2) of both m-tiles
     // (mode 1: the gate and the up sum of one output), column 8 nt + 2 (lane % 4) + q % 2.
     const int Nb32 = Nb * 32;
-    float* part = partials + ((size_t)z * ks + ky) * M * Nb32;
+    float* part = partials + ((size_t)z * ks + ky) * Mz * Nb32;
     auto emit = [&](int rbk, int r16, int tok, float v0, float v1) {    // block row r16 of both m-tiles
         const int bb = bx * RPB + rbk;
         if (bb >= Nb || tok >= M) return;
@@ -447,10 +478,10 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
             part[(size_t)tok * Nb32 + bb * 32 + r16] = v0;
             part[(size_t)tok * Nb32 + bb * 32 + 16 + r16] = v1;
         } else if (mode == 0) {
-            if (bb * 32 + r16 < N) ob[(size_t)tok * out_stride + bb * 32 + r16] = v0;
-            if (bb * 32 + 16 + r16 < N) ob[(size_t)tok * out_stride + bb * 32 + 16 + r16] = v1;
+            if (bb * 32 + r16 < N) orow_of(tok)[bb * 32 + r16] = v0;
+            if (bb * 32 + 16 + r16 < N) orow_of(tok)[bb * 32 + 16 + r16] = v1;
         } else if (bb * 16 + r16 < N) {
-            ob[(size_t)tok * out_stride + bb * 16 + r16] = silu(v0) * v1;
+            orow_of(tok)[bb * 16 + r16] = silu(v0) * v1;
         }
     };
 #pragma unroll
@@ -508,21 +539,21 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
     __syncthreads();
     if (!is_last) return;
     __threadfence();
-    const float* p0 = partials + (size_t)z * ks * M * Nb32;
-    const size_t pstride = (size_t)M * Nb32;
+    const float* p0 = partials + (size_t)z * ks * Mz * Nb32;
+    const size_t pstride = (size_t)Mz * Nb32;
     const int rows = RPB * 32;
     if (mode == 0) {
         for (int idx = threadIdx.x; idx < M * rows; idx += blockDim.x) {
             const int tok = idx / rows, nn = bx * rows + idx % rows;
             if (nn >= N) continue;
-            ob[(size_t)tok * out_stride + nn] = split_sum(p0 + (size_t)tok * Nb32 + nn, pstride, ks);
+            orow_of(tok)[nn] = split_sum(p0 + (size_t)tok * Nb32 + nn, pstride, ks);
         }
     } else {
         for (int idx = threadIdx.x; idx < M * rows / 2; idx += blockDim.x) {
             const int tok = idx / (rows / 2), jj = idx % (rows / 2), bl = bx * RPB + jj / 16, j = jj % 16;
             if (bl >= Nb || bl * 16 + j >= N) continue;
             const float* pr = p0 + (size_t)tok * Nb32 + bl * 32 + j;
-            ob[(size_t)tok * out_stride + bl * 16 + j] = silu(split_sum(pr, pstride, ks)) * split_sum(pr + 16, pstride, ks);
+            orow_of(tok)[bl * 16 + j] = silu(split_sum(pr, pstride, ks)) * split_sum(pr + 16, pstride, ks);
         }
     }
     if (threadIdx.x == 0) tickets[z * gridDim.x + bx] = 0;    // ready for the next launch (graph replays)
@@ -531,9 +562,9 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
 #define W4A16_ARGS                                                                                               \
     const float *__restrict__ x, int x_stride, const int *__restrict__ wq, const int *__restrict__ slot_ids, int S, \
         int k0, int nk, int e_base, int x_by_slot, int M, int N, int Nb, int G, int ks, float *__restrict__ out,   \
-        int out_stride, float *__restrict__ partials, int *__restrict__ tickets, int mode
+        int out_stride, float *__restrict__ partials, int *__restrict__ tickets, int mode, const int *__restrict__ groups
 #define W4A16_PASS x, x_stride, wq, slot_ids, S, k0, nk, e_base, x_by_slot, M, N, Nb, G, ks, out, out_stride, partials, \
-                   tickets, mode
+                   tickets, mode, groups
 
 // One entry per (numerics, most tokens per launch); template <MT, TERMS, TCOL, WS, U, I8>. FP32-faithful:
 // w4a16_mma_i8_m1_r<R> (the 8 int8 digits of one token as columns; TERMS does not apply), then
@@ -550,6 +581,14 @@ extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 3)
 w4a16_mma_i8_m1_r4(W4A16_ARGS) { w4a16_mma_body<1, 1, true, 2, 2, true>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 3)
 w4a16_mma_i8_m1_r8(W4A16_ARGS) { w4a16_mma_body<1, 1, true, 1, 2, true>(W4A16_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
+w4a16_mma_i8_m4(W4A16_ARGS) { w4a16_mma_body<4, 1, true, 8, 2, true>(W4A16_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
+w4a16_mma_i8_m4_r2(W4A16_ARGS) { w4a16_mma_body<4, 1, true, 4, 2, true>(W4A16_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
+w4a16_mma_i8_m4_r4(W4A16_ARGS) { w4a16_mma_body<4, 1, true, 2, 2, true>(W4A16_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
+w4a16_mma_i8_m4_r8(W4A16_ARGS) { w4a16_mma_body<4, 1, true, 1, 2, true>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
 w4a16_mma_t3_m2(W4A16_ARGS) { w4a16_mma_body<2, 3, true, 8, 4, false>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)

@@ -1,0 +1,97 @@
+"""The pinned-math worker dies with the process that started it, however that process dies: a running
+`kdtr gen` killed with SIGKILL or SIGTERM leaves no process behind (refmodel/pinned.py)."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _children() -> dict[int, list[int]]:
+    """ppid -> child pids, from /proc."""
+    tree: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:                                   # exited while we looked
+                continue
+            tree.setdefault(int(fields[1]), []).append(int(d.name))
+    return tree
+
+
+def _descendants(pid: int) -> list[int]:
+    tree, out, todo = _children(), [], [pid]
+    while todo:
+        for c in tree.get(todo.pop(), []):
+            out.append(c); todo.append(c)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"                                        # a zombie computes nothing and holds no memory
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:120]
+    except OSError:
+        return "?"
+
+
+def _cpu_seconds(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")     # utime + stime
+
+
+def _pinned(pid: int) -> bool:
+    try:
+        return b"KDTR_PINNED_MATH=1" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process tree from /proc (Linux)")
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_no_process_outlives_a_killed_gen(tmp_path, sig):
+    out = tmp_path / "b.kdtr"
+    gen = subprocess.Popen([sys.executable, "-m", "cli.main", "gen", "--preset", "tiny", "--num-prompts", "1",
+                            "--max-new-tokens", "8", "--distill-steps", "1000", "--out", str(out)],
+                           cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        # wait until the distillation worker computes (killed while it still starts, it dies of the closed
+        # start-up pipe anyway and proves nothing)
+        while not any(_pinned(p) and _cpu_seconds(p) > 3 for p in _descendants(gen.pid)):
+            assert gen.poll() is None, f"kdtr gen exited with {gen.returncode} before its worker started"
+            assert time.monotonic() < deadline, "no pinned worker within 120 s"
+            time.sleep(0.2)
+        tree = _descendants(gen.pid)
+        print(f"\nprocess tree of kdtr gen {gen.pid} before {sig.name}:",
+              *(f"  {p} {'pinned ' if _pinned(p) else ''}{_cmdline(p)}" for p in tree), sep="\n")
+        os.kill(gen.pid, sig)
+        gen.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in tree) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = [f"{p} {_cmdline(p)}" for p in tree if _alive(p)]
+        assert not left, f"10 s after {sig.name} of kdtr gen these still run: {left}"
+        assert not out.exists()
+    finally:
+        if gen.poll() is None:
+            gen.kill()
