@@ -20,6 +20,8 @@ from conformance.report.html import write_html
 from conformance.report.verdict import PRECEDENCE, write_json, write_junit
 from conformance.rules_file import load_rules_file
 from conformance.verify.runner import verify
+from conformance.shard_plan import ShardError
+from conformance.verify.shard_run import ShardedTorchEngine
 from cuda_engine.engine import W4A16_MODES
 from kdtr_format.errors import NotARegularFileError
 from kdtr_format.paths import check_regular, same_file
@@ -46,6 +48,17 @@ from kdtr_format.paths import check_regular, same_file
 @click.option("--dump", type=InputPath(dir_okay=False),
               help="Judge an external engine's run dump (docs/run-dump.md) instead of running an engine (so "
                    "--engine, --dtype, --module and --w4a16 do not apply: a usage error).")
+@click.option("--dump-dir", type=InputPath(file_okay=False),
+              help="Judge a sharded run's rank dumps rank0.kdtr .. rank{W-1}.kdtr in this folder, rank by rank "
+                   "(docs/run-dump.md §7); engine options do not apply.")
+@click.option("--tp", type=click.IntRange(min=1),
+              help="--engine torch: run kdtr's sharded PyTorch DeepseekV3 tensor-parallel over this many rank "
+                   "processes (gloo on the CPU), each rank judged through its shard.")
+@click.option("--ep", type=click.IntRange(min=1),
+              help="--engine torch: expert-parallel MoE over this many ranks (with --tp: the same ranks, so "
+                   "--tp and --ep are equal or one of them is 1).")
+@click.option("--save-dump-dir", type=click.Path(file_okay=False),
+              help="With --tp/--ep: keep the rank dumps here (rank{r}.kdtr), to judge again with --dump-dir.")
 @click.option("--rules", type=InputPath(dir_okay=False),
               help="Tolerance overrides: TOML/JSON, glob over check names -> rule (docs/conformance.md).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True),
@@ -63,8 +76,8 @@ from kdtr_format.paths import check_regular, same_file
                    "least this fraction of the checks the bundle defines; `full` = 1. Default: skipped "
                    "taps are allowed, and reported.")
 @click.option("-v", "--verbose", is_flag=True, help="List every check, not only failures.")
-def verify_cmd(bundles, engine_name, dtype, module_path, w4a16, profile, dump, rules, json_path, junit_path, html_path,
-               save_dump, require_coverage, verbose):
+def verify_cmd(bundles, engine_name, dtype, module_path, w4a16, profile, dump, dump_dir, tp, ep, save_dump_dir, rules,
+               json_path, junit_path, html_path, save_dump, require_coverage, verbose):
     """Verify an engine against golden BUNDLES: every tap of every layer, the AR token stream and
     the DDTree rounds. Exit 0 pass, 1 numeric, 2 usage (or a report not written), 3 tokens, 4 DDTree,
     5 invalid/corrupt bundle or dump, 6 engine error, 7 coverage below --require-coverage, 130
@@ -83,10 +96,22 @@ def verify_cmd(bundles, engine_name, dtype, module_path, w4a16, profile, dump, r
     check_output(save_dump, "--save-dump")          # a .kdtr needs a regular file (it is seeked)
     if dump and len(bundles) > 1:
         raise click.UsageError("--dump judges one run against one bundle: pass a single BUNDLE")
-    if dump:
-        _refuse_engine_options(engine_name, dtype, module_path, w4a16)
+    if dump and dump_dir:
+        raise click.UsageError("--dump judges one run dump, --dump-dir a sharded run's rank dumps: pass one of them")
+    if dump or dump_dir:
+        _refuse_engine_options(engine_name, dtype, module_path, w4a16, tp, ep, "--dump" if dump else "--dump-dir")
+    if dump_dir and len(bundles) > 1:
+        raise click.UsageError("--dump-dir judges one run against one bundle: pass a single BUNDLE")
+    if dump_dir and (save_dump or save_dump_dir):
+        raise click.UsageError("--dump-dir judges rank dumps already written: drop --save-dump/--save-dump-dir")
+    sharded = tp is not None or ep is not None
+    if sharded:
+        _check_sharded_options(engine_name, dtype, module_path, save_dump)
+    elif save_dump_dir:
+        raise click.UsageError("--save-dump-dir keeps a sharded run's rank dumps: give --tp or --ep (else --save-dump)")
     to_stdout = _stdout_report(reports, len(bundles))
     paths = {hint: per_bundle(path, list(bundles)) for hint, path in (*reports.items(), ("--save-dump", save_dump))}
+    rank_dirs = per_bundle(save_dump_dir, list(bundles))
     _refuse_repeats(bundles)
     refuse_overwriting([(hint, p) for hint, ps in paths.items() for p in dict.fromkeys(ps)],
                        [("bundle", b) for b in bundles] + [("run dump", dump), ("rules file", rules)])
@@ -100,7 +125,13 @@ def verify_cmd(bundles, engine_name, dtype, module_path, w4a16, profile, dump, r
     worst = ExitCode.OK
     for k, bundle in enumerate(bundles):
         engine = None
-        if not dump:
+        if sharded:
+            try:
+                engine = ShardedTorchEngine(tp or 1, ep or 1)
+            except ShardError as e:
+                raise click.UsageError(str(e)) from None
+            console.print(f"engine: [bold]torch[/bold] ({escape(engine.describe())})")
+        elif not (dump or dump_dir):
             try:
                 engine, why = pick_engine(engine_name, dtype, module_path, w4a16)
             except EngineOptionError as e:
@@ -113,12 +144,17 @@ def verify_cmd(bundles, engine_name, dtype, module_path, w4a16, profile, dump, r
             try:
                 v = verify(bundle, engine=engine, dump=dump, overrides=overrides, progress=progress,
                            save_dump=paths["--save-dump"][k], require_coverage=coverage, profile=profile,
-                           announce=lambda line: console.print(escape(line), soft_wrap=True))
+                           announce=lambda line: console.print(escape(line), soft_wrap=True), dump_dir=dump_dir,
+                           save_dump_dir=rank_dirs[k])
             except ProfileError as e:
                 raise click.UsageError(f"{bundle}: {e}") from None
         console.print(f"tolerance profile: {v.info.get('profile', '-')}")
         if "routing" in v.info:
             console.print(f"routing: {escape(v.info['routing'])}")
+        if "shard" in v.info:
+            sh = v.info["shard"]
+            console.print(f"ranks: {sh['world_size']} (tp {sh['tp']}, ep {sh['ep']}); replicated records: "
+                          f"{escape(sh['replicated_copies'])}")
         print_console(v, verdicts, verbose=verbose, verdict=False)
         failed = _write_reports(v, {h: ps[k] for h, ps in paths.items()}, console)
         print_verdict(v, verdicts, failed)
@@ -190,16 +226,27 @@ def _bars(console, bundle: str):
         yield progress
 
 
-def _refuse_engine_options(engine_name, dtype, module_path, w4a16) -> None:
-    """With --dump no engine runs: an engine option would be silently ignored (a dump made with --w4a16
-    plain would pass as `--w4a16 fast`), so it is a usage error naming the option."""
+def _refuse_engine_options(engine_name, dtype, module_path, w4a16, tp=None, ep=None, flag="--dump") -> None:
+    """With --dump (or --dump-dir) no engine runs: an engine option would be silently ignored (a dump made
+    with --w4a16 plain would pass as `--w4a16 fast`), so it is a usage error naming the option."""
     given = [("--engine", engine_name if engine_name != "auto" else None), ("--dtype", dtype),
-             ("--module", module_path), ("--w4a16", w4a16)]
+             ("--module", module_path), ("--w4a16", w4a16), ("--tp", tp), ("--ep", ep)]
     for option, value in given:
         if value:
-            raise click.UsageError(f"{option} {value} configures an engine that kdtr runs, but --dump judges a run "
+            raise click.UsageError(f"{option} {value} configures an engine that kdtr runs, but {flag} judges a run "
                                    f"already made, as it was made (its metadata engine_info records how): drop "
-                                   f"{option} or drop --dump")
+                                   f"{option} or drop {flag}")
+
+
+def _check_sharded_options(engine_name, dtype, module_path, save_dump) -> None:
+    """--tp/--ep run kdtr's own sharded torch model in float32: other engine options are usage errors."""
+    if engine_name != "torch":
+        raise click.UsageError(f"--tp/--ep shard the torch engine: pass --engine torch (not --engine {engine_name})")
+    if module_path or (dtype and dtype != "float32"):
+        raise click.UsageError("--tp/--ep run kdtr's own sharded PyTorch DeepseekV3 in float32: drop "
+                               + ("--module" if module_path else f"--dtype {dtype}"))
+    if save_dump:
+        raise click.UsageError("a sharded run writes one dump per rank: use --save-dump-dir DIR, not --save-dump")
 
 
 def _coverage_fraction(text: str | None) -> float | None:

@@ -188,11 +188,13 @@ def dump_made_from_other(path: str, f) -> str | None:
 
 
 def write_dump(out: dict, path: str, engine_name: str, dtype: str, bundle_command: str = "",
-               engine_info: dict | None = None, routing: str | None = None, bundle_sha256: str | None = None) -> None:
+               engine_info: dict | None = None, routing: str | None = None, bundle_sha256: str | None = None,
+               shard: dict | None = None) -> None:
     """A run dump (docs/run-dump.md) of a live engine's outputs: what an external engine writes.
     engine_info: the engine's own provenance (`dump_metadata()`, e.g. the CUDA engine's device and source
     hash), stored under metadata "engine_info". routing: "held" when the run held its routing to the
-    golden expert sets, "free" when its router chose them (metadata "routing")."""
+    golden expert sets, "free" when its router chose them (metadata "routing"). shard: a rank dump's
+    metadata "shard" (conformance/shard_plan.py, docs/run-dump.md §7)."""
 
     meta = {"schema": DUMP_SCHEMA, "engine": engine_name, "dtype": dtype, "bundle_command": bundle_command}
     if bundle_sha256 is not None:                         # the bundle it was made from (dump_made_from_other)
@@ -201,6 +203,8 @@ def write_dump(out: dict, path: str, engine_name: str, dtype: str, bundle_comman
         meta["routing"] = routing
     if engine_info:
         meta["engine_info"] = engine_info
+    if shard is not None:
+        meta["shard"] = shard
     bf16 = lambda v: dtype == "bfloat16" and v.dtype == np.uint16  # noqa: E731 - raw bf16 bit patterns
     write_kdtr(path, ((k, Tensor(np.ascontiguousarray(v), dtype="bfloat16") if bf16(v) else np.ascontiguousarray(v))
                       for k, v in out.items()), meta)

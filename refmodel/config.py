@@ -183,6 +183,17 @@ PRESETS = {
                  norm_topk_prob=True, routed_scaling_factor=2.827, rope_theta=50000.0,
                  rope_scaling=dict(_KIMI_ROPE), max_position_embeddings=262144, rms_norm_eps=1e-5,
                  tie_word_embeddings=False),
+    # The golden model made shardable (docs/golden-bundles.md, "The shardable bundle"): tiny's widths, with
+    # 16 heads and 32 routed experts, top-8 of group-limited routing (8 groups of 4, the best 4 groups
+    # compete, as DeepSeek-V3 routes 256 experts), so heads, experts, groups and every width divide over
+    # 2, 4 and 8 ranks.
+    "shardable": ModelConfig(vocab_size=400, hidden_size=192, intermediate_size=384, moe_intermediate_size=32,
+                 num_hidden_layers=6, num_attention_heads=16, q_lora_rank=96, kv_lora_rank=64,
+                 qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=32,
+                 num_experts_per_tok=8, n_shared_experts=1, first_k_dense_replace=1, n_group=8, topk_group=4,
+                 norm_topk_prob=True, routed_scaling_factor=2.827, rope_theta=50000.0,
+                 rope_scaling=dict(_KIMI_ROPE), max_position_embeddings=262144, rms_norm_eps=1e-5,
+                 tie_word_embeddings=False),
     # Real Kimi K2.6 text model (docs/model.md §1). Used for real-shape slices; never allocated whole.
     "k26": ModelConfig(vocab_size=163840, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
                 num_hidden_layers=61, num_attention_heads=64, q_lora_rank=1536, kv_lora_rank=512,

@@ -44,6 +44,11 @@ DRAFTER_PRESETS = {
                  num_key_value_heads=2, head_dim=48, intermediate_size=1024, block_size=16,
                  mask_token_id=399, target_layer_ids=[1, 3, 5], num_target_layers=6,
                  rms_norm_eps=1e-6, rope_theta=10000.0, block_pos_embed=True),
+    # The shardable model's: tiny's drafter (same hidden size, vocabulary and layer count).
+    "shardable": dict(hidden_size=192, vocab_size=400, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=48, intermediate_size=1024, block_size=16,
+                      mask_token_id=399, target_layer_ids=[1, 3, 5], num_target_layers=6,
+                      rms_norm_eps=1e-6, rope_theta=10000.0, block_pos_embed=True),
     # The edge bundle's drafter: the target's odd widths (hidden 288) through the drafter's kernels too.
     "edge": dict(hidden_size=288, vocab_size=601, num_hidden_layers=1, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=48, intermediate_size=288, block_size=16,

@@ -30,6 +30,17 @@ def _make(tmp_path_factory, quant: str):
 
 
 @pytest.fixture(scope="session")
+def shardable_bundle(tmp_path_factory):
+    """A small golden bundle of the shardable preset (16 heads, 32 INT4 experts top-8 in 8 groups), no bf16
+    profile: what the sharded-engine tests run TP and EP on (path)."""
+    s = GenSettings(preset="shardable", quant="int4", num_prompts=2, max_new_tokens=8, distill_steps=0, seed=0,
+                    bf16_profile=False, command="test fixture (shardable, int4)")
+    out = tmp_path_factory.mktemp("bundle_shardable") / "small_shardable.kdtr"
+    generate_bundle(apply_quant(model_from_preset(s), s), s, str(out))
+    return out
+
+
+@pytest.fixture(scope="session")
 def small_bundle(tmp_path_factory):
     """A small FP32 golden bundle (path)."""
     return _make(tmp_path_factory, "fp32")

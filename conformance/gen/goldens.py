@@ -32,14 +32,33 @@ LONG_NEW_TOKENS = 16    # its greedy stream: 3-4 DDTree rounds at long positions
 
 def routing_gap(cfg, W: dict, taps: dict) -> float:
     """Smallest gap, over the forward's rows and MoE layers, between the K-th and (K+1)-th biased
-    choice score: how far the routing decision is from a tie (the bias is exact; the scores are not)."""
+    choice score: how far the routing decision is from a tie (the bias is exact; the scores are not).
+    With groups (n_group > 1), group_gaps: the group choice too, and the experts among the kept groups."""
     gaps = [np.inf]
     for l in range(cfg.first_k_dense_replace, cfg.num_hidden_layers):
         choice = taps[f"L{l}/router_scores"] + W[f"model.layers.{l}.mlp.gate.e_score_correction_bias"]  # [T, E]
-        g = routing_gaps(choice, cfg.num_experts_per_tok)
+        g = group_gaps(cfg, choice) if cfg.n_group > 1 else routing_gaps(choice, cfg.num_experts_per_tok)
         if g is not None:
             gaps.append(float(np.min(g)))
     return min(gaps)
+
+
+def group_gaps(cfg, choice: np.ndarray) -> np.ndarray:
+    """[T]: a group-limited decision's distance from a tie, in score units: the smaller of the topk_group-th
+    minus (topk_group+1)-th group score (the sum of a group's top 2) halved, since a flip there moves two
+    scores on each side, and the K-th minus (K+1)-th score among the kept groups' experts."""
+    T, E, G = choice.shape[0], cfg.n_routed_experts, cfg.n_group
+    grouped = np.asarray(choice, np.float64).reshape(T, G, E // G)                       # [T, G, E/G]
+    group = np.sort(np.sort(grouped, axis=-1)[..., -2:].sum(-1), axis=-1)[:, ::-1]      # [T, G] descending
+    gaps = [np.full(T, np.inf)]
+    if cfg.topk_group < G:
+        gaps.append((group[:, cfg.topk_group - 1] - group[:, cfg.topk_group]) / 2)
+    kept = np.argsort(-np.sort(grouped, axis=-1)[..., -2:].sum(-1), axis=-1, kind="stable")[:, :cfg.topk_group]
+    inside = np.take_along_axis(grouped, kept[:, :, None], axis=1).reshape(T, -1)       # [T, topk_group E/G]
+    within = routing_gaps(inside, cfg.num_experts_per_tok)
+    if within is not None:
+        gaps.append(within)
+    return np.min(np.stack(gaps), axis=0)
 
 
 def run_reference(cfg, W: dict, prompt, n: int, tokens=None, ar_taps=AR_TAPS, pos0: int = 0,

@@ -117,6 +117,7 @@ def _divergence(v: Verdict, say) -> None:
     if d is None:
         return
     where = ", ".join(x for x in (None if d.layer is None else f"layer {d.layer}", f"tap {d.tap}", d.phase) if x)
+    where += f", rank(s) {d.ranks}" if getattr(d, "ranks", None) is not None else ""
     say(f"first divergence: {d.name} ({where})", "bold red")
     first = [f"decode step {d.step}" if d.step is not None and d.step >= 0 else
              "the prefill's last row" if d.step == -1 else None,

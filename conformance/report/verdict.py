@@ -60,7 +60,8 @@ class Divergence:
     sub-tolerance errors of earlier layers added up), "input" (within tolerance on both: what differs is
     an input no tap shows, such as positions, the cache rows read or the embedding), or None; `evidence`
     says what the cause rests on. The local check uses the same end-to-end tolerance, so a local fault
-    smaller than it is not labelled local."""
+    smaller than it is not labelled local. `ranks`: in a sharded run (conformance/verify/judge_ranks.py), the
+    ranks whose shard or copy of the record diverges first; None for a run of one process."""
     name: str                                # the check name, e.g. golden/p0/prefill/L3/q
     layer: int | None
     tap: str
@@ -74,6 +75,7 @@ class Divergence:
     inherited_error: dict | None = None
     cause: str | None = None
     evidence: dict | None = None
+    ranks: list | None = None
 
 
 @dataclass

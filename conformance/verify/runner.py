@@ -13,16 +13,18 @@ which known mistake, recomputed, the engine's taps agree with.
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 
 from conformance.engines.protocol import check_engine
-from conformance.precision import PROFILE_OF_DTYPE
+from conformance.precision import PROFILE_OF_DTYPE, holds_routing
 from conformance.records import check_schema, dump_made_from_other, dump_routing, prompts_of, read_dump, write_dump
 from conformance.report.verdict import CheckResult, make_verdict
 from conformance.verify.collect import can_hold_routing, collect
 from conformance.verify.context import Run
 from conformance.verify.judge import coverage_check, judge
 from conformance.verify.diagnose import diagnose
+from conformance.verify.judge_ranks import judge_ranks, read_dump_dir
 from conformance.verify.localize import localize
 from conformance.verify.outputs import InvalidOutputs
 from conformance.verify.preflight import preflight_localisation
@@ -31,16 +33,19 @@ from kdtr_format import KdtrError, open_kdtr
 
 def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), progress=None,
            save_dump: str | None = None, require_coverage: float | None = None, profile: str | None = None,
-           announce=None):
+           announce=None, dump_dir: str | None = None, save_dump_dir: str | None = None):
     """Judge `engine` (live) or `dump` (a run dump) against `bundle`; returns a report.Verdict.
     `require_coverage` (0..1): add a coverage check that fails (exit 7) when a group of checks ran
     less than that fraction of the checks the bundle defines (conformance/report/coverage.py).
     `profile`: the precision profile to judge with (fp32 or bf16, conformance/precision.py); None = the
     one of the engine's (or the dump's) dtype. Raises ProfileError when the bundle lacks it.
     `announce(line)`: told before the run, in one line, when localisation will not work and why
-    (conformance/verify/preflight.py)."""
+    (conformance/verify/preflight.py).
+    `dump_dir`: judge a sharded run's rank dumps instead (rank{r}.kdtr, conformance/verify/judge_ranks.py);
+    a sharded engine (conformance/engines/shard_run.py) writes them, into `save_dump_dir` when given, and
+    is judged the same way."""
     t0 = time.perf_counter()
-    name = "dump" if dump else str(getattr(engine, "name", "engine"))
+    name = "dump" if dump or dump_dir else str(getattr(engine, "name", "engine"))
     try:
         f = _open_checked(bundle, progress)
     except KdtrError as e:
@@ -48,6 +53,9 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
     with f:
         checks = [CheckResult("bundle/integrity", "pass", "integrity",
                               {"tensors": len(f.names), "checksums": "verified"})]
+        if dump_dir is not None or getattr(engine, "sharded", False):
+            return _verify_ranks(f, bundle, name, checks, engine, dump_dir, save_dump_dir, overrides,
+                                 require_coverage, profile, t0)
         other = dump_made_from_other(dump, f) if dump else None
         if other:
             checks.append(CheckResult("dump/bundle", "error", "integrity", message=f"{dump}: {other}"))
@@ -145,6 +153,42 @@ def _save_dump(f, out: dict, path: str, engine, name: str, dtype: str, held: boo
     except OSError as e:
         return {"path": path, "error": e.strerror or str(e)}
     return {"path": path}
+
+
+def _verify_ranks(f, bundle, name, checks, engine, dump_dir, save_dump_dir, overrides, require_coverage, profile, t0):
+    """A sharded run: the rank dumps of `dump_dir`, or those the sharded engine writes now (into
+    `save_dump_dir`, else a temporary folder), judged rank by rank; no localisation (no layer runs alone)."""
+    with tempfile.TemporaryDirectory(prefix="kdtr-rank-dumps-") as tmp:
+        folder = dump_dir
+        if engine is not None:
+            folder = save_dump_dir or tmp
+            os.makedirs(folder, exist_ok=True)
+            try:
+                engine.run(os.fspath(bundle), folder)
+            except Exception as e:  # noqa: BLE001 - any failure of a rank is the engine's error
+                checks.append(CheckResult("engine/run", "error", "numeric", message=f"{type(e).__name__}: {e}"))
+                return make_verdict(name, bundle, checks)
+        t1 = time.perf_counter()
+        try:
+            outs, metas, dtype, _ = read_dump_dir(folder)
+        except KdtrError as e:
+            checks.append(CheckResult("dump/integrity", "error", "integrity", message=f"{folder}: {e}"))
+            return make_verdict(name, bundle, checks)
+        profile = profile or PROFILE_OF_DTYPE.get(dtype, "fp32")
+        try:
+            judged, first, summary = judge_ranks(f, outs, metas, overrides, dtype, profile)
+        except InvalidOutputs as e:                # a bad dump is a bad file (5), a bad engine's outputs an error (6)
+            kind, label = ("integrity", "dump/structure") if dump_dir else ("numeric", "engine/outputs")
+            checks.append(CheckResult(label, "error", kind, {"problems": e.problems}, message=str(e)))
+            return make_verdict(name, bundle, checks)
+        if require_coverage is not None:
+            judged.append(coverage_check(judged, require_coverage))
+        info = {"dtype": dtype, "profile": profile, "shard": summary,
+                "routing": _routing_info(None, os.path.join(folder, "rank0.kdtr"), profile, False,
+                                         holds_routing(f.metadata, profile)),
+                "engine_seconds": round(t1 - t0, 3), "judge_seconds": round(time.perf_counter() - t1, 3),
+                "prompts": len(prompts_of(f)), "bundle_figures": f.metadata.get("figures", {})}
+        return make_verdict(name, os.fspath(bundle), checks + judged, first, info)
 
 
 def _say_why_unobserved(checks, why: dict) -> None:
