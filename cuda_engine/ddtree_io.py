@@ -26,7 +26,7 @@ def pack_tree_inputs(tree: Tree, root: int, start: int, pos0: int) -> np.ndarray
 
 
 def unpack_tree(rec: np.ndarray, T: int) -> tuple[Tree, np.ndarray]:
-    """(the device builder's tree, the verify argmax [T]) from the rec block [1 + 5T] (kernels/drafter.cu).
+    """(the device builder's tree, the verify argmax [T]) from the rec block [1 + 5T] (kernels/ddtree.cu).
     The tree carries no visibility matrix (the device builds the mask from the parents) and no scores."""
     n = int(rec[0])
     if n != T - 1:

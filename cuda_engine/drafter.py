@@ -12,7 +12,7 @@ shapes:
 
 The block rows' K/V never enter the cache (refmodel: "block rows never are"), so after a call the cache
 holds exactly the committed positions. Row offsets and positions live in a small device block (`meta`,
-kernels/drafter.cu), rewritten by the host before each call.
+kernels/drafter_meta.cuh), rewritten by the host before each call.
 
 Legend: B block rows, C new context rows, S cached rows, D hidden, F = len(target_layer_ids) D, H query
 heads, G kv heads, Dh head dim, I MLP width, V vocab.
@@ -27,7 +27,7 @@ from kdtr_format import open_kdtr
 from refmodel import drafter as refmodel_drafter
 from refmodel.drafter import DrafterConfig, drafter_shapes
 
-# kernels/drafter.cu: name -> argument types (struct codes as cuda_engine/ops.py)
+# kernels/drafter.cu and kernels/ddtree.cu: name -> argument types (struct codes as cuda_engine/ops.py)
 DRAFTER_SIGNATURES = {
     "drafter_gather_kernel": "PqiPiPP",
     "drafter_embed_kernel": "PPPPi",
@@ -42,7 +42,7 @@ DRAFTER_SIGNATURES = {
     "ddtree_compact_kernel": "PPPPiii",
     "ddtree_walk_kernel": "PiPi",
 }
-TOPK_SORT_MAX = 4096              # kernels/drafter.cu: the bitonic top-K up to this vocabulary
+TOPK_SORT_MAX = 4096              # kernels/ddtree.cu: the bitonic top-K up to this vocabulary
 WARP = (32, 1, 1)
 S_CAP0 = 512                      # first drafter-cache capacity (rows); grows x2
 
@@ -65,7 +65,7 @@ def read_drafter(bundle) -> tuple[DrafterConfig, dict, dict] | None:
 
 
 def prepare_kernels(ops) -> None:
-    """Prepare kernels/drafter.cu's functions in the engine's module (once per Ops)."""
+    """Prepare kernels/drafter.cu's and kernels/ddtree.cu's functions in the engine's module (once per Ops)."""
     for name, sig in DRAFTER_SIGNATURES.items():
         if name not in ops.fn:
             f = ops.module.get_function(name)
@@ -111,7 +111,7 @@ class CudaDrafter:
         half = Dh // 2
         self.inv_freq = up(dcfg.rope_theta ** (-np.arange(half, dtype=np.float64) / half), np.float64)
         self.layer_ids = up(np.asarray(dcfg.target_layer_ids, np.int32))
-        # meta (kernels/drafter.cu), the block ids, a round's context rows: one host->device copy per round
+        # meta (kernels/drafter_meta.cuh), the block ids, a round's context rows: one host->device copy per round
         self.inp = DevBuf.from_array(np.zeros(8 + 2 * B, np.int32))
         self.meta = self.inp
         self.ids = DevBuf((B,), np.int32, self.inp.ptr + 8 * 4, self.inp)
@@ -269,7 +269,7 @@ HEAP_SMEM_MAX = 48 * 1024          # the default dynamic shared-memory limit per
 
 def build_tree(ops, logits, V: int, L: int, K: int, N: int, T: int, top_id: DevBuf, lp: DevBuf, dmeta: DevBuf,
                block_ids: DevBuf, rec, t_meta: DevBuf, t_ids: DevBuf, t_pos: DevBuf, topk: bool = True) -> None:
-    """The device builder (kernels/drafter.cu): per-depth top-K and log-probs of logits [L, V] (skipped with
+    """The device builder (kernels/ddtree.cu): per-depth top-K and log-probs of logits [L, V] (skipped with
     topk=False: top_id/lp hold them already), then the best-first search for N nodes into rec
     [1 + 4T] (n, ids, parents, depths, ranks) and the target's verify inputs."""
     prepare_kernels(ops)
@@ -293,7 +293,7 @@ def build_tree(ops, logits, V: int, L: int, K: int, N: int, T: int, top_id: DevB
 
 
 def tree_mask(ops, parents: DevBuf, T: int, target_meta: DevBuf, mask: DevBuf) -> None:
-    """The verify's additive mask rows [T, mask.shape[1]] from the tree's parents (kernels/drafter.cu)."""
+    """The verify's additive mask rows [T, mask.shape[1]] from the tree's parents (kernels/ddtree.cu)."""
     prepare_kernels(ops)
     ops._launch("tree_mask_kernel", (T,), parents.ptr, T, target_meta.ptr, mask.ptr, mask.shape[1])
 

@@ -47,7 +47,7 @@
 // bookkeeping), U chunks per batch, two batches in flight: the one it computes and the next. The block
 // splits x into its digits or bf16 terms once and stages them in shared memory in fragment order (W4A16_XS_WORDS,
 // segment by segment when the columns do not fit), while the weight stream is already in flight; the 8 / WS row
-// blocks share that work (up to 5 FP32-faithful tokens: ops.w4a16_rows_plan picks WS per launch shape). At one
+// blocks share that work (up to 5 FP32-faithful tokens: w4a16_plan.w4a16_rows_plan picks WS per launch shape). At one
 // token the exponent pass reads x, and when the split's digits and x fit xs together it keeps x there for the
 // staging (x read from L2 once, not twice). With ks > 1
 // each block writes fp32 partials [z, ky, M, Nb * 32]; the last block of a column range to finish (a ticket
@@ -572,7 +572,7 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
 // row block: the staged x of more tokens holds fewer groups); bf16 activations: w4a16_mma_t1_m<MT>. Up to 16
 // tokens a family of entries covers R = 8 / WS row blocks per block (one token: 1, 2, 4, 8; the bf16 terms:
 // 1, 2, 4, at 16 tokens 2, 4; the family's first entry has no _r suffix), chosen per launch shape by
-// ops.w4a16_rows_plan: more rows share one block's staged x, fewer blocks to fill the GPU.
+// w4a16_plan.w4a16_rows_plan: more rows share one block's staged x, fewer blocks to fill the GPU.
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 3)
 w4a16_mma_i8_m1_r1(W4A16_ARGS) { w4a16_mma_body<1, 1, true, 8, 2, true>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 3)
