@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from cli.main import main
-from conformance.tolerance import load_rules_file, parse_rules
+from conformance.rules_file import load_rules_file, parse_rules
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUNDLE = os.path.join(ROOT, "bundles", "model_int4_tiny.kdtr")
