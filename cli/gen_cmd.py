@@ -73,7 +73,7 @@ def _canonical_command(ctx: click.Context) -> str:
 
 
 @click.command("gen")
-@click.option("--preset", type=click.Choice(sorted(PRESETS)), default="tiny", show_default=True,
+@click.option("--preset", metavar="[" + "|".join(sorted(PRESETS)) + "]", default="tiny", show_default=True,
               help="Model preset (refmodel.config.PRESETS): tiny (the committed bundles' target), k26-slice "
                    "(K2.6's true layer shapes, 3 layers), k26 (the full model: listed, refused: too large).")
 @click.option("--quant", type=click.Choice(["fp32", "int4"]), default=None,

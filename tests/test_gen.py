@@ -85,7 +85,7 @@ def test_undecisive_prompt_is_rejected(monkeypatch, tmp_path):
     (["--prompt-ids", "1;;2"], "'1;;2': an empty id or prompt"),
     (["--prompt-ids", "1,2,"], "'1,2,': an empty id or prompt"),
     (["--prompt-ids", "1;-2"], "'-2' is not a token id"),
-    (["--preset", "huge"], "'huge' is not one of " + ", ".join(repr(p) for p in sorted(PRESETS))),
+    (["--preset", "huge"], f"unknown preset 'huge'; choose one of {sorted(PRESETS)}"),
     (["--prompt-ids", "399"], "prompt token 399 is outside [0, 399)"),
     (["--preset", "k26"], "cannot be generated whole"),
     (["--long-position", "262140"], "--long-position 262140: the long-position prompt's positions must lie in "
