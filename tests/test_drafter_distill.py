@@ -150,7 +150,7 @@ def test_the_committed_bundles_corpus_stays_1280_streams():
     """The committed drafter was distilled on 1280 streams: its command must still get exactly those."""
     from refmodel.distill import corpus_size
     steps = _manifest_distill_steps()
-    assert steps == [1000], steps
+    assert steps and set(steps) == {1000}, steps            # every distilled committed bundle: 1000 steps
     import dataclasses
     assert corpus_size(dataclasses.replace(DistillSettings(), steps=steps[0])) == 1280 == DistillSettings().sequences
 

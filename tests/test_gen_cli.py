@@ -5,6 +5,7 @@ import os
 from click.testing import CliRunner
 
 from cli.main import main
+from refmodel.config import PRESETS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -12,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_gen_help_lists_the_presets_and_explains_max_new_tokens():
     r = CliRunner().invoke(main, ["gen", "--help"], env={"COLUMNS": "200"})
     assert r.exit_code == 0
-    assert "[k26|k26-slice|tiny]" in r.output
+    assert "[" + "|".join(sorted(PRESETS)) + "]" in r.output
     assert "--max-new-tokens INTEGER RANGE Greedy tokens generated per prompt" in " ".join(r.output.split())
 
 

@@ -50,7 +50,7 @@ def estimate_bundle_bytes(s: GenSettings, model_path: str | None = None, checkpo
         weights += _drafter_bytes(cfg, s.preset)
     lengths = [len(p) for p in s.prompts] if s.prompts else [prompt_length(i) for i in range(s.num_prompts)]
     runs = [(T, s.max_new_tokens) for T in lengths]
-    if s.long_position:
+    if s.long_position is None or s.long_position:          # None: the default position, which exists when it fits
         runs.append((LONG_PROMPT_LENGTH, min(LONG_NEW_TOKENS, s.max_new_tokens)))
     goldens = sum(_golden_bytes(cfg, T, n, s.budget) for T, n in runs)
     records = len(runs) * (3 + len(DDTREE_RECORDS) + len(_tap_widths(cfg, 0)) * cfg.num_hidden_layers * 2 + 3)
