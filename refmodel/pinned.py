@@ -26,6 +26,7 @@ import os
 import queue as queue_mod
 import signal
 import threading
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -72,7 +73,7 @@ def _die_with_parent(parent: int) -> None:
 
     def watch():
         while os.getppid() == parent:
-            threading.Event().wait(0.5)
+            time.sleep(0.5)
         os._exit(1)                                     # orphaned: nobody reads our result
     threading.Thread(target=watch, daemon=True, name="kdtr-parent-watch").start()
 
