@@ -14,7 +14,7 @@ import pytest
 
 from kdtr_format import ChecksumError, FileChangedError, TruncatedFileError, open_kdtr, write_kdtr
 from kdtr_format.extents import CHUNK
-from tests.format_sparse import with_sparse_tensor
+from format_sparse import with_sparse_tensor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.format_sparse import with_sparse_tensor
+from format_sparse import with_sparse_tensor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUNDLE = os.path.join(ROOT, "bundles", "model_int4_tiny.kdtr")
