@@ -25,11 +25,15 @@ def distill_cmd(model: str, steps: int, seed: int, out: str | None) -> None:
         click.echo(f"error: kdtr distill needs torch ({e}); pip install torch==2.13.0 first", err=True)
         sys.exit(int(ExitCode.USAGE))
     from kdtr_format import KdtrError
+    from refmodel.pinned import WorkerDied
 
     check_output(out or model, "--out")
     try:
         with stage_progress(make_console(stderr=True)) as progress:
             info = distill_model_file(model, out or model, seed, steps, progress)
+    except WorkerDied as e:     # the worker was killed (from outside, out of memory)
+        click.echo(f"error: {e}", err=True)
+        sys.exit(int(ExitCode.INTERRUPTED))
     except (KdtrError, ValueError) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(int(ExitCode.INVALID_FILE))

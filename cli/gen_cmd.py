@@ -24,6 +24,7 @@ from conformance.gen.size import estimate_bundle_bytes
 from kdtr_format.paths import free_bytes, open_regular
 from refmodel.checkpoint import CheckpointError
 from refmodel.config import PRESETS
+from refmodel.pinned import WorkerDied
 
 
 def _parse_prompt_ids(text: str | None) -> list | None:
@@ -159,6 +160,9 @@ def gen_cmd(preset, quant, int4_scope, checkpoint, layers, model_path, prompts_f
     except (GenError, KdtrError, CheckpointError) as e:
         console.print(f"[red]kdtr gen: {escape(str(e))}[/red]", soft_wrap=True)
         sys.exit(ExitCode.INVALID_FILE if isinstance(e, KdtrError) else ExitCode.USAGE)
+    except WorkerDied as e:   # the distillation's worker was killed (from outside, out of memory)
+        console.print(f"[red]kdtr gen: {escape(str(e))}[/red]", soft_wrap=True)
+        sys.exit(ExitCode.INTERRUPTED)
     except OSError as e:   # writing the bundle failed (disk full, directory gone): the environment, not the input
         fail_write(e, "kdtr gen")
     table = Table(title=Text(f"bundle {out}"))   # Text: a path is printed as itself, never as markup

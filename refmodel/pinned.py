@@ -89,6 +89,25 @@ def _child(fn, args, kwargs, queue, parent) -> None:
         queue.put(("error", e))
 
 
+class WorkerDied(RuntimeError):
+    """The pinned worker ended without a result: killed by a signal (from outside, or by the kernel's
+    out-of-memory killer) or exited on its own. `signal` is the signal number, None for an exit."""
+
+    def __init__(self, exitcode: int | None):
+        self.signal = -exitcode if exitcode is not None and exitcode < 0 else None
+        if self.signal is not None:
+            try:
+                name = signal.Signals(self.signal).name
+            except ValueError:
+                name = f"signal {self.signal}"
+            how = (f"was killed by {name}" + (" (from outside, or by the out-of-memory killer: see `dmesg`)"
+                                              if self.signal == signal.SIGKILL else ""))
+        else:
+            how = f"exited with code {exitcode}"
+        super().__init__(f"the pinned-math worker process (the distillation) {how} before returning a "
+                         f"result; nothing was written: run the command again")
+
+
 def run_pinned(fn: Callable[..., Any], *args, progress=None, **kwargs) -> Any:
     """fn(*args, progress=..., **kwargs) in a fresh process under PINNED_ENV; progress calls are forwarded
     to `progress`; fn's result (picklable) is returned and its exception re-raised here. The child is
@@ -113,8 +132,7 @@ def run_pinned(fn: Callable[..., Any], *args, progress=None, **kwargs) -> Any:
                 kind, value = queue.get(timeout=1.0)
             except queue_mod.Empty:
                 if not proc.is_alive():                # died without a word (killed, out of memory)
-                    raise RuntimeError(f"the pinned-math worker process exited with code {proc.exitcode} "
-                                       "before returning a result") from None
+                    raise WorkerDied(proc.exitcode) from None
                 continue
             if kind == "progress":
                 if progress:

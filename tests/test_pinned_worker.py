@@ -95,3 +95,30 @@ def test_no_process_outlives_a_killed_gen(tmp_path, sig):
     finally:
         if gen.poll() is None:
             gen.kill()
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process tree from /proc (Linux)")
+def test_a_worker_killed_from_outside_ends_gen_with_one_line(tmp_path):
+    """The other way round: the worker is killed (from outside, or by the out-of-memory killer) and kdtr gen
+    says so in one line naming the signal, exit 130 as for any run stopped from outside, no traceback, no
+    bundle written."""
+    out = tmp_path / "b.kdtr"
+    gen = subprocess.Popen([sys.executable, "-m", "cli.main", "gen", "--preset", "tiny", "--num-prompts", "1",
+                            "--max-new-tokens", "8", "--distill-steps", "1000", "--out", str(out)],
+                           cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (workers := [p for p in _descendants(gen.pid) if _pinned(p) and _cpu_seconds(p) > 3]):
+            assert gen.poll() is None, f"kdtr gen exited with {gen.returncode} before its worker started"
+            assert time.monotonic() < deadline, "no pinned worker within 120 s"
+            time.sleep(0.2)
+        os.kill(workers[0], signal.SIGKILL)
+        stdout, stderr = gen.communicate(timeout=60)
+        assert gen.returncode == 130, (gen.returncode, stderr[-2000:])
+        assert "Traceback" not in stdout + stderr, stderr[-2000:]
+        assert "killed by SIGKILL" in " ".join((stdout + stderr).split()), stderr[-2000:]
+        assert not out.exists()
+    finally:
+        if gen.poll() is None:
+            gen.kill()
