@@ -144,22 +144,65 @@ def corpus_size(s: DistillSettings) -> int:
     return max(s.batch_gen, min(s.sequences, math.ceil(want / s.batch_gen) * s.batch_gen))
 
 
-def make_corpus(cfg, W, dcfg: DrafterConfig, seed: int, s: DistillSettings, progress=None):
+def make_corpus(cfg, W, dcfg: DrafterConfig, seed: int, s: DistillSettings, progress=None, workers: int | None = None):
     """Token ids [N, T], fused features [N, T, F] and prompt lengths [N] of the target's greedy
     continuations of random prompts (the mask token never appears in a prompt). Streams are generated
-    `batch_gen` at a time, each batch with its own random prompt length."""
+    `batch_gen` at a time, each batch with its own random prompt length. Every batch's prompts are drawn
+    first, in order, from one generator; the batches are then independent single-threaded NumPy runs, done by
+    `workers` forked processes (default: one per CPU this process may use, at most 4), so the corpus is the
+    same bits whatever the worker count (tests/test_drafter_distill.py)."""
     rng = np.random.Generator(np.random.PCG64(seed))
-    ids, feats, plens = [], [], []
     N = corpus_size(s)                  # a prefix of the full corpus: the same draws, batch by batch
+    jobs = []
     for b in range(0, N, s.batch_gen):
         n = min(s.batch_gen, N - b)
         P = int(rng.integers(s.prompt_len[0], s.prompt_len[1] + 1))
-        prompts = rng.integers(0, cfg.vocab_size - 1, size=(n, P))
-        seq, hiddens = batched_greedy(cfg, W, prompts, s.seq_len + 1 - P)  # [n, T+1]: last token unfed
-        ids.append(seq[:, :-1]); feats.append(target_features(dcfg, hiddens)); plens += [P] * n
+        jobs.append((P, rng.integers(0, cfg.vocab_size - 1, size=(n, P))))
+    ids, feats, plens, done = [], [], [], 0
+    for (P, prompts), (seq, f) in zip(jobs, _map_batches(cfg, W, dcfg, s, jobs, workers)):
+        ids.append(seq[:, :-1]); feats.append(f); plens += [P] * len(prompts)
+        done += len(prompts)
         if progress:
-            progress("corpus", b + n, N, None)
+            progress("corpus", done, N, None)
     return np.concatenate(ids), np.concatenate(feats), np.array(plens)  # [N, T], [N, T, F], [N]
+
+
+def _corpus_batch(cfg, W, dcfg, s, job):
+    P, prompts = job
+    seq, hiddens = batched_greedy(cfg, W, prompts, s.seq_len + 1 - P)  # [n, T+1]: last token unfed
+    return seq, target_features(dcfg, hiddens)
+
+
+_FORKED = None      # (cfg, W, dcfg, s) of the corpus being made, inherited by the forked batch workers
+
+
+def _forked_batch(job):
+    return _corpus_batch(*_FORKED, job)
+
+
+def _forked_init(parent: int) -> None:
+    from refmodel.pinned import die_with_parent
+    die_with_parent(parent)
+
+
+def _map_batches(cfg, W, dcfg, s, jobs, workers):
+    """The batches' results in order: here, or in forked processes (fork: no re-import, the same loaded
+    libraries and pinned environment as this process; each batch single-threaded as here)."""
+    import multiprocessing as mp
+    import os
+    if workers is None:
+        workers = min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    workers = max(1, min(workers, len(jobs)))
+    if workers == 1 or "fork" not in mp.get_all_start_methods():
+        yield from (_corpus_batch(cfg, W, dcfg, s, j) for j in jobs)
+        return
+    global _FORKED
+    _FORKED = (cfg, W, dcfg, s)
+    try:
+        with mp.get_context("fork").Pool(workers, initializer=_forked_init, initargs=(os.getpid(),)) as pool:
+            yield from pool.imap(_forked_batch, jobs)
+    finally:
+        _FORKED = None
 
 
 # ----------------------------------------------------------------------------------------------------

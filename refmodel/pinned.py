@@ -60,7 +60,7 @@ def is_pinned() -> bool:
     return os.environ.get(_MARK) == "1"
 
 
-def _die_with_parent(parent: int) -> None:
+def die_with_parent(parent: int) -> None:
     """Exit this process when `parent` goes away: the kernel's parent-death signal (Linux), and a watch thread
     for every other case (the parent-death signal follows the parent thread, and is Linux-only)."""
     try:
@@ -79,7 +79,7 @@ def _die_with_parent(parent: int) -> None:
 
 
 def _child(fn, args, kwargs, queue, parent) -> None:
-    _die_with_parent(parent)
+    die_with_parent(parent)
 
     def progress(*p):
         queue.put(("progress", p))

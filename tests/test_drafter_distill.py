@@ -178,3 +178,22 @@ def test_a_smaller_corpus_is_a_prefix_of_the_full_one():
     assert len(a[0]) == 16 and len(b[0]) == 8 and seen[-1] == (8, 8)
     for x, y in zip(a, b):
         assert np.array_equal(x[:8], y)
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_the_corpus_is_the_same_bits_made_by_several_processes(workers):
+    """make_corpus hands its batches to forked processes (one per CPU by default): the prompts are drawn in
+    order before any batch runs, and each batch is one single-threaded NumPy run, so the corpus does not
+    depend on how many processes made it, nor on the order they finish in."""
+    import dataclasses
+
+    from refmodel.distill import make_corpus
+    W = init_weights(MICRO, 0)
+    s = dataclasses.replace(SMALL, sequences=40, steps=100)               # 10 batches of 4 (batch_gen)
+    seen = []
+    one = make_corpus(MICRO, W, MICRO_DRAFTER, 5, s, workers=1)
+    many = make_corpus(MICRO, W, MICRO_DRAFTER, 5, s, lambda stage, done, total, _: seen.append(done),
+                       workers=workers)
+    assert len(one[0]) == 40 and seen == sorted(seen) and seen[-1] == 40
+    for x, y in zip(one, many):
+        assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
