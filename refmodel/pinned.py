@@ -117,7 +117,9 @@ def run_pinned(fn: Callable[..., Any], *args, progress=None, **kwargs) -> Any:
     saved = {k: os.environ.get(k) for k in (*PINNED_ENV, _MARK)}
     os.environ.update(PINNED_ENV, **{_MARK: "1"})
     try:
-        proc = ctx.Process(target=_child, args=(fn, args, kwargs, queue, os.getpid()), daemon=True)
+        # not a daemon: it forks helpers of its own (refmodel/distill.py make_corpus), which daemons may not;
+        # it dies with this process all the same (die_with_parent), and the finally below kills it early
+        proc = ctx.Process(target=_child, args=(fn, args, kwargs, queue, os.getpid()), daemon=False)
         proc.start()
     finally:
         for k, v in saved.items():
