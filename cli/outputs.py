@@ -11,9 +11,8 @@ import click
 from rich.console import Console
 
 from conformance.exit_codes import ExitCode
-from kdtr_format.paths import OutputPathError, check_output_path, free_bytes, same_file
-
-STDOUT = "-"       # a report path meaning standard output
+from conformance.report.files import STDOUT, write_error
+from kdtr_format.paths import check_output_path, free_bytes, same_file
 
 
 def check_output(path: str | None, hint: str, stream_ok: bool = False) -> None:
@@ -95,14 +94,6 @@ def fail_write(err: OSError, prefix: str = "error") -> None:
     """Writing an output failed (disk full, a device refused, permission): one line, exit 2."""
     click.echo(f"{prefix}: {write_error(err)}", err=True)
     sys.exit(int(ExitCode.USAGE))
-
-
-def write_error(err: OSError, path: str | None = None) -> str:
-    """One line for a failed write, naming the file."""
-    if isinstance(err, OutputPathError):
-        return str(err)
-    name = err.filename or path
-    return f"cannot write {name}: {err.strerror or err}" if name else f"cannot write: {err}"
 
 
 def make_console(stderr: bool = False) -> Console:

@@ -1,30 +1,18 @@
 """`kdtr verify`: judge an engine (or an external engine's run dump) against golden bundles."""
 from __future__ import annotations
 
-import contextlib
 import sys
 
 import click
-from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.text import Text
 
 from cli.inputs import InputPath
-from cli.outputs import (STDOUT, check_output, make_console, per_bundle, refuse_overwriting, write_error,
-                         writes_stdout)
-from conformance.engines.engine_choice import ENGINES, EngineOptionError, EngineUnavailable, pick_engine
-from conformance.exit_codes import ExitCode
-from conformance.precision import PROFILES, ProfileError
-from conformance.report.console import print_console, print_verdict
-from conformance.report.html import write_html
-from conformance.report.verdict import PRECEDENCE, write_json, write_junit
+from cli.outputs import check_output, make_console, per_bundle, refuse_overwriting, writes_stdout
+from conformance.engines.engine_choice import ENGINES
+from conformance.precision import PROFILES
 from conformance.rules_file import load_rules_file
-from conformance.verify.runner import verify
-from conformance.shard_plan import ShardError
-from conformance.verify.shard_run import ShardedTorchEngine
+from conformance.verify.bundles import Request, RequestError, verify_bundles
 from cuda_engine.engine import W4A16_MODES
-from kdtr_format.errors import NotARegularFileError
-from kdtr_format.paths import check_regular, same_file
+from kdtr_format.paths import same_file
 
 
 @click.command("verify")
@@ -104,94 +92,26 @@ def verify_cmd(bundles, engine_name, dtype, module_path, w4a16, profile, dump, d
         raise click.UsageError("--dump-dir judges one run against one bundle: pass a single BUNDLE")
     if dump_dir and (save_dump or save_dump_dir):
         raise click.UsageError("--dump-dir judges rank dumps already written: drop --save-dump/--save-dump-dir")
-    sharded = tp is not None or ep is not None
-    if sharded:
+    if tp is not None or ep is not None:
         _check_sharded_options(engine_name, dtype, module_path, save_dump)
     elif save_dump_dir:
         raise click.UsageError("--save-dump-dir keeps a sharded run's rank dumps: give --tp or --ep (else --save-dump)")
     to_stdout = _stdout_report(reports, len(bundles))
     paths = {hint: per_bundle(path, list(bundles)) for hint, path in (*reports.items(), ("--save-dump", save_dump))}
-    rank_dirs = per_bundle(save_dump_dir, list(bundles))
     _refuse_repeats(bundles)
     refuse_overwriting([(hint, p) for hint, ps in paths.items() for p in dict.fromkeys(ps)],
                        [("bundle", b) for b in bundles] + [("run dump", dump), ("rules file", rules)])
-    for path, what in [(b, "bundle") for b in bundles] + ([(dump, "run dump")] if dump else []):
-        try:                                        # a FIFO or device: one line and exit 5, before any run
-            check_regular(path, what)
-        except (NotARegularFileError, OSError) as e:
-            make_console(stderr=True).print(f"kdtr verify: {e}", markup=False, highlight=False, soft_wrap=True)
-            sys.exit(ExitCode.INVALID_FILE)
-    verdicts = make_console(stderr=to_stdout)      # the console's own lines: stdout, unless a report takes it
-    worst = ExitCode.OK
-    for k, bundle in enumerate(bundles):
-        engine = None
-        if sharded:
-            try:
-                engine = ShardedTorchEngine(tp or 1, ep or 1)
-            except ShardError as e:
-                raise click.UsageError(str(e)) from None
-            console.print(f"engine: [bold]torch[/bold] ({escape(engine.describe())})")
-        elif not (dump or dump_dir):
-            try:
-                engine, why = pick_engine(engine_name, dtype, module_path, w4a16)
-            except EngineOptionError as e:
-                raise click.UsageError(str(e)) from None
-            except EngineUnavailable as e:
-                console.print(f"[red]kdtr verify: {escape(str(e))}[/red]", soft_wrap=True)
-                sys.exit(ExitCode.ENGINE_ERROR)
-            console.print(f"engine: [bold]{escape(engine.name)}[/bold] ({escape(why)})")
-        with _bars(console, bundle) as progress:
-            try:
-                v = verify(bundle, engine=engine, dump=dump, overrides=overrides, progress=progress,
-                           save_dump=paths["--save-dump"][k], require_coverage=coverage, profile=profile,
-                           announce=lambda line: console.print(escape(line), soft_wrap=True), dump_dir=dump_dir,
-                           save_dump_dir=rank_dirs[k])
-            except ProfileError as e:
-                raise click.UsageError(f"{bundle}: {e}") from None
-        console.print(f"tolerance profile: {v.info.get('profile', '-')}")
-        if "routing" in v.info:
-            console.print(f"routing: {escape(v.info['routing'])}")
-        if "shard" in v.info:
-            sh = v.info["shard"]
-            console.print(f"ranks: {sh['world_size']} (tp {sh['tp']}, ep {sh['ep']}); replicated records: "
-                          f"{escape(sh['replicated_copies'])}")
-        print_console(v, verdicts, verbose=verbose, verdict=False)
-        failed = _write_reports(v, {h: ps[k] for h, ps in paths.items()}, console)
-        print_verdict(v, verdicts, failed)
-        worst = max(worst, ExitCode.USAGE if failed and v.exit_code == ExitCode.OK else v.exit_code, key=_severity)
+    request = Request(bundles=list(bundles), save_dump_dirs=per_bundle(save_dump_dir, list(bundles)),
+                      outputs={"json": paths["--json"], "junit": paths["--junit"], "html": paths["--html"],
+                               "save_dump": paths["--save-dump"]},
+                      engine=engine_name, dtype=dtype, module=module_path, w4a16=w4a16, tp=tp, ep=ep, dump=dump,
+                      dump_dir=dump_dir, overrides=overrides, profile=profile, require_coverage=coverage,
+                      verbose=verbose)
+    try:        # the console's own lines (the verdicts): stdout, unless a report takes it
+        worst = verify_bundles(request, console, make_console(stderr=to_stdout))
+    except RequestError as e:
+        raise click.UsageError(str(e)) from None
     sys.exit(int(worst))
-
-
-REPORTS = (("--json", "JSON report", write_json), ("--junit", "JUnit report", write_junit),
-           ("--html", "HTML report", write_html))
-
-
-def _write_reports(v, paths: dict, console) -> list[str]:
-    """Write every report asked for, each on its own: one that fails (a full disk) is named with why, and
-    the others are still written. Returns the paths not written (the run dump's included)."""
-    failed = []
-    saved = v.info.get("save_dump")
-    if paths["--save-dump"] and saved is None:
-        console.print(Text(f"run dump not written to {paths['--save-dump']}: the run stopped before the engine's "
-                           f"outputs were complete (see above)", style="yellow"), soft_wrap=True)
-    elif saved is not None and "error" in saved:
-        failed.append(saved["path"])
-        console.print(Text(f"run dump NOT written: cannot write {saved['path']}: {saved['error']}", style="bold red"),
-                      soft_wrap=True)
-    elif saved is not None:
-        console.print(Text(f"run dump: {saved['path']}"), soft_wrap=True)
-    for hint, label, write in REPORTS:
-        path = paths[hint]
-        if path is None:
-            continue
-        try:
-            write(v, "/dev/stdout" if path == STDOUT else path)
-        except OSError as e:       # e.g. a full disk: named, and the next report is still tried
-            failed.append(path)
-            console.print(Text(f"{label} NOT written: {write_error(e, path)}", style="bold red"), soft_wrap=True)
-            continue
-        console.print(Text(f"{label}: {'stdout' if path == STDOUT else path}"), soft_wrap=True)
-    return failed
 
 
 def _stdout_report(reports: dict, n_bundles: int) -> bool:
@@ -210,20 +130,6 @@ def _refuse_repeats(bundles) -> None:
         for b0 in bundles[:i]:
             if same_file(b, b0):
                 raise click.UsageError(f"BUNDLE {b} is given twice (also as {b0}): its reports would have one name")
-
-
-@contextlib.contextmanager
-def _bars(console, bundle: str):
-    """A progress(stage, done, total, info) callback drawing a transient bar per stage (terminals only)."""
-    cols = (TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*cols, console=console, transient=True) as bar:
-        task = {}
-
-        def progress(stage, done, total, _info):
-            if stage not in task:
-                task[stage] = bar.add_task(f"{bundle}: {stage}", total=total)
-            bar.update(task[stage], completed=done)
-        yield progress
 
 
 def _refuse_engine_options(engine_name, dtype, module_path, w4a16, tp=None, ep=None, flag="--dump") -> None:
@@ -264,9 +170,3 @@ def _coverage_fraction(text: str | None) -> float | None:
                                  param_hint="--require-coverage")
     return x
 
-
-def _severity(code: ExitCode) -> int:
-    """PRECEDENCE, then USAGE (a report not written) below every failure of the run, then OK."""
-    if code in PRECEDENCE:
-        return len(PRECEDENCE) - PRECEDENCE.index(code) + 1
-    return 1 if code == ExitCode.USAGE else 0

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-import cli.verify_cmd
+import conformance.verify.bundles
 from cli.main import main
 from conformance.exit_codes import ExitCode
 from conformance.report.verdict import CheckResult, make_verdict
@@ -199,7 +199,7 @@ def stub_verify(monkeypatch):
     def fake(bundle, **kw):
         calls.append(bundle)
         return make_verdict("stub", bundle, [CheckResult("bundle/integrity", "pass", "integrity")])
-    monkeypatch.setattr(cli.verify_cmd, "verify", fake)
+    monkeypatch.setattr(conformance.verify.bundles, "verify", fake)
     return calls
 
 
