@@ -181,8 +181,11 @@ def _forked_batch(job):
 
 
 def _forked_init(parent: int) -> None:
+    import signal
+
     from refmodel.pinned import die_with_parent
-    die_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the whole process group: the worker that
+    die_with_parent(parent)                        # forked us handles it and ends the pool (no traceback here)
 
 
 def _map_batches(cfg, W, dcfg, s, jobs, workers):
