@@ -193,3 +193,26 @@ def test_grouped_moe_groups_cap_holds_for_every_routing():
     terms = [w4a16_group_tokens(T, digits=False) for T in (2, 3, 5, 6, 8, 9, 16, 17, 100)]
     assert terms == [2, 5, 5, 8, 8, 16, 16, 16, 16]
     assert w4a16_group_tokens(33) == W4A16_DIGITS_TOKENS == 4
+
+
+def test_kernels_check_exits_with_the_named_codes(monkeypatch):
+    """A kernel over a limit or one that does not compile is the engine's fault (6); no nvcc means the check
+    cannot run here (2): the codes every other command gives these meanings (conformance/exit_codes.py)."""
+    import cli.kernels_cmd
+    from conformance.exit_codes import ExitCode
+    from cuda_engine.build import NvccNotFound
+
+    def run(result):
+        def fake(archs):
+            if isinstance(result, Exception):
+                raise result
+            return result
+        monkeypatch.setattr(cli.kernels_cmd, "check_kernels", fake)
+        return CliRunner().invoke(main, ["kernels", "check", "--arch", "sm_120"])
+
+    row = KernelUsage("sm_120", "f.cu", "k", registers=32, smem=99 * 1024 + 4, threads=256)
+    assert run(([row], row.problems())).exit_code == ExitCode.ENGINE_ERROR
+    assert run(BuildError("nvcc failed (exit 1)")).exit_code == ExitCode.ENGINE_ERROR
+    r = run(NvccNotFound("nvcc not found on PATH"))
+    assert r.exit_code == ExitCode.USAGE and "kdtr kernels check: nvcc not found on PATH" in r.output
+    assert run(([KernelUsage("sm_120", "f.cu", "k", registers=32, threads=256)], [])).exit_code == ExitCode.OK
