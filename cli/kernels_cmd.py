@@ -5,7 +5,8 @@ import sys
 
 import click
 
-from cuda_engine.build import ARCHS, BuildError
+from conformance.exit_codes import ExitCode
+from cuda_engine.build import ARCHS, BuildError, NvccNotFound
 from cuda_engine.check import check_kernels
 
 
@@ -18,14 +19,15 @@ def kernels_cmd() -> None:
 @click.option("--arch", "archs", multiple=True, type=click.Choice(list(ARCHS)),
               help="Architecture(s) to build for (repeatable); default: all of " + ", ".join(ARCHS) + ".")
 def check_cmd(archs) -> None:
-    """Build every kernel with nvcc and print registers, spills and shared memory per kernel. Exit 1 on any
-    spill or any sm_120 limit exceeded (99 KB shared memory per block, 64 K registers per block), 2 when nvcc
-    is missing or a kernel does not compile."""
+    """Build every kernel with nvcc and print registers, spills and shared memory per kernel. Exit 0 when
+    every kernel builds within the limits; 6 (engine error) on any spill, any sm_120 limit exceeded (99 KB
+    shared memory per block, 64 K registers per block) or a kernel that does not compile; 2 (usage) when
+    nvcc is not installed, so the check cannot run here."""
     try:
         rows, problems = check_kernels(archs or ARCHS)
     except BuildError as e:
         click.echo(f"kdtr kernels check: {e}", err=True)
-        sys.exit(2)
+        sys.exit(int(ExitCode.USAGE if isinstance(e, NvccNotFound) else ExitCode.ENGINE_ERROR))
     click.echo(f"{'arch':7} {'file':15} {'kernel':24} {'regs':>4} {'threads':>7} {'spill st/ld':>11} "
                f"{'stack':>5} {'smem':>6}")
     for r in rows:
@@ -34,4 +36,4 @@ def check_cmd(archs) -> None:
     for p in problems:
         click.echo(f"FAIL {p}", err=True)
     click.echo(f"{len(rows)} kernel builds, {len(problems)} problem(s)")
-    sys.exit(1 if problems else 0)
+    sys.exit(int(ExitCode.ENGINE_ERROR if problems else ExitCode.OK))

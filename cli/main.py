@@ -2,6 +2,13 @@
 commands parse arguments, call one typed library function and print."""
 import click
 
+from cli.bench_cmd import bench_cmd
+from cli.distill_cmd import distill_cmd
+from cli.format_cmds import convert_cmd, export_cmd, inspect_cmd
+from cli.gen_cmd import gen_cmd
+from cli.import_cmd import import_cmd
+from cli.kernels_cmd import kernels_cmd
+from cli.verify_cmd import verify_cmd
 from conformance.exit_codes import ExitCode
 from conformance.version import kdtr_version
 
@@ -32,14 +39,16 @@ def main() -> None:
     """
 
 
-# Command registration: one line per command module (keep alphabetical).
-from cli.bench_cmd import bench_cmd; main.add_command(bench_cmd)  # noqa: E402,E702
-from cli.format_cmds import convert_cmd, export_cmd, inspect_cmd; main.add_command(convert_cmd); main.add_command(export_cmd); main.add_command(inspect_cmd)  # noqa: E402,E702
-from cli.import_cmd import import_cmd; main.add_command(import_cmd)  # noqa: E402,E702
-from cli.kernels_cmd import kernels_cmd; main.add_command(kernels_cmd)  # noqa: E402,E702
-from cli.gen_cmd import gen_cmd; main.add_command(gen_cmd)  # noqa: E402,E702
-from cli.verify_cmd import verify_cmd; main.add_command(verify_cmd)  # noqa: E402,E702
-from cli.distill_cmd import distill_cmd; main.add_command(distill_cmd)  # noqa: E402,E702
+# The commands, in alphabetical order, as `kdtr --help` lists them (click sorts a group's commands by name).
+main.add_command(bench_cmd)
+main.add_command(convert_cmd)
+main.add_command(distill_cmd)
+main.add_command(export_cmd)
+main.add_command(gen_cmd)
+main.add_command(import_cmd)
+main.add_command(inspect_cmd)
+main.add_command(kernels_cmd)
+main.add_command(verify_cmd)
 
 if __name__ == "__main__":          # python -m cli.main, as the installed `kdtr`
     main()

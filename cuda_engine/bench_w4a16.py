@@ -238,7 +238,7 @@ def moe_grouped(torch, ops, sink, Ts=GROUPED_T, reps: int = 20, progress=print) 
     the one-pair-per-z path on the same routing, each one
     captured graph replayed (a forward reads far more than the L2 holds). Floor: the distinct experts' bytes
     at the copy bandwidth of one large stream read."""
-    from cuda_engine.ops import w4a16_group_tokens, w4a16_groups_cap
+    from cuda_engine.w4a16_plan import w4a16_group_tokens, w4a16_groups_cap
 
     E, K, D, I = MOE["experts"], MOE["top_k"], MOE["hidden"], MOE["width"]
     S = K + 1

@@ -26,6 +26,10 @@ class BuildError(RuntimeError):
     """nvcc is missing or a kernel did not compile; the message carries nvcc's own output."""
 
 
+class NvccNotFound(BuildError):
+    """No nvcc on PATH (nor in /usr/local/cuda/bin): nothing can be built here."""
+
+
 def kernel_files() -> list[Path]:
     """The .cu files, one per op family, in name order (common.cuh is included by each)."""
     return sorted(KERNEL_DIR.glob("*.cu"))
@@ -62,7 +66,7 @@ def cache_dir() -> Path:
 def nvcc_path() -> str:
     nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
     if nvcc is None:
-        raise BuildError("nvcc not found on PATH (install the CUDA toolkit, or build the fatbin where nvcc is "
+        raise NvccNotFound("nvcc not found on PATH (install the CUDA toolkit, or build the fatbin where nvcc is "
                          "and copy cuda_engine/.build along)")
     return nvcc
 

@@ -21,7 +21,7 @@ from cuda_engine.build import engine_source_hash
 from cuda_engine.device import CudaEngineError, DevBuf, device_info, driver
 from cuda_engine.drafter import read_drafter
 from cuda_engine.ops import ATTN_MAX_C, ATTN_MAX_N, ATTN_MAX_Q, ATTN_MAX_R, ATTN_MAX_SPLIT, MOE_MAX_SLOTS, ROUTER_MAX_E, ROUTER_MAX_GROUPS, Ops
-from cuda_engine.ops import w4a16_group_tokens, w4a16_groups_cap
+from cuda_engine.w4a16_plan import w4a16_group_tokens, w4a16_groups_cap
 from cuda_engine.weights import layer_arrays, load_weights
 from refmodel.config import ModelConfig
 from refmodel.model import tap_names, yarn_inv_freq
@@ -124,8 +124,8 @@ class CudaEngine:
     def _moe_launch(self, l: int, T: int) -> tuple[int, int]:
         """(tokens per z, grid z) of layer l's fast INT4 expert launches in a forward of T tokens: at one token a
         (token, slot) pair per z (M = 1); from two the grouped path, a group of at most M pairs of one expert
-        per z (the int8 digits entries of ops.W4A16_DIGITS_TOKENS), Z the most groups there can be
-        (ops.w4a16_groups_cap)."""
+        per z (the int8 digits entries of w4a16_plan.W4A16_DIGITS_TOKENS), Z the most groups there can be
+        (w4a16_plan.w4a16_groups_cap)."""
         k4 = self._int4_slots(l)[2]
         if T == 1:
             return 1, k4
@@ -444,7 +444,7 @@ class CudaEngine:
         info.update(source_hash=engine_source_hash(), commit=_commit(), fatbin=os.path.basename(str(self.ops.fatbin)),
                     cuda_graph=self.use_graph, w4a16=self.w4a16 if any(self.n_int4) else None,
                     # what this engine launched since it was made (a captured graph's launches once, at capture):
-                    # kernel entries and the fast W4A16 launches' "path:regime" (cuda_engine/ops.py), by count
+                    # kernel entries and the fast W4A16 launches' "path:regime" (cuda_engine/w4a16_plan.py), by count
                     kernels_ran=dict(sorted(self.ops.ran.items())),
                     w4a16_regimes=dict(sorted(self.ops.w4a16_regimes.items())))
         return info

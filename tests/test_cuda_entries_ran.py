@@ -1,13 +1,14 @@
 """Every kernel entry and planner regime the CUDA engine ships runs in at least one committed-bundle verify on
 the GPU. A proof's metadata engine_info records what the engine launched during that verify (`kernels_ran`:
 kernel name -> launches; `w4a16_regimes`: the fast W4A16 launches' "path:regime" -> launches;
-CudaEngine.dump_metadata, cuda_engine/ops.py), and this test compares the union over the committed proofs
+CudaEngine.dump_metadata, cuda_engine/w4a16_plan.py), and this test compares the union over the committed proofs
 with the engine's entry tables. CPU only: it reads the committed proofs, no GPU, no pycuda."""
 import pytest
 
 from cuda_engine.drafter import DRAFTER_SIGNATURES
-from cuda_engine.ops import SIGNATURES, W4A16_ENTRIES, W4A16_PATHS, W4A16_REGIMES
+from cuda_engine.ops import SIGNATURES
 from cuda_engine.proofs import REPROVE, engine_info, proof_modes, proof_path
+from cuda_engine.w4a16_plan import W4A16_ENTRIES, W4A16_PATHS, W4A16_REGIMES
 
 from cuda_oracle import committed_bundles
 

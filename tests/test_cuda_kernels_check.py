@@ -57,13 +57,13 @@ ptxas info    : Function properties for __internal_helper
 
 
 def test_w4a16_wrapper_tables_match_the_kernel_entries():
-    """ops.py picks a w4a16_mma entry by numerics and token count and sizes its grid by the entry's row blocks
+    """w4a16_plan.py picks a w4a16_mma entry by numerics and token count and ops.py sizes its grid by the entry's row blocks
     per block: both tables must say what kernels/w4a16_mma.cu instantiates (a mismatch would launch too few
     blocks, or the wrong numerics)."""
     import re
 
     from cuda_engine.build import KERNEL_DIR
-    from cuda_engine.ops import W4A16_DIGITS_ROWS, W4A16_DIGITS_TOKENS, W4A16_ENTRIES, W4A16_ROW_BLOCKS, W4A16_ROWS
+    from cuda_engine.w4a16_plan import W4A16_DIGITS_ROWS, W4A16_DIGITS_TOKENS, W4A16_ENTRIES, W4A16_ROW_BLOCKS, W4A16_ROWS
 
     text = (KERNEL_DIR / "w4a16_mma.cu").read_text()
     entry = (r"(w4a16_mma_(i8|t\d)_m(\d+)(?:_r(\d+))?)\(W4A16_ARGS\) \{ w4a16_mma_body<(\d+), (\d), (?:true|false), "
@@ -91,7 +91,7 @@ def test_w4a16_splits_follow_the_measured_costs():
     entry fits 3 blocks per SM) takes 4 splits (the fastest measured); the MoE path's gate+up (1152 blocks) and
     down (2016 blocks) stay unsplit; 64 tokens (8 blocks, 1 per SM) fill the wave with 16 splits and 16 tokens
     (32 blocks, 2 per SM) with 8; never more splits than groups or W4A16_MAX_SPLITS."""
-    from cuda_engine.ops import W4A16_MAX_SPLITS, w4a16_splits
+    from cuda_engine.w4a16_plan import W4A16_MAX_SPLITS, w4a16_splits
 
     assert w4a16_splits(64, 224, 396, 132) == 4
     assert w4a16_splits(1152, 224, 396, 132) == 1
@@ -112,7 +112,7 @@ def test_w4a16_rows_plan_picks_the_measured_configurations():
     shapes (engine bundles) fall back to the family's fewest row blocks at the one-wave split. 2..16 tokens
     (the bf16 terms, at most 4 row blocks): the same on the single K2.6 weights, except that from 3 tokens
     2048 -> 7168 shares its staging over 4 row blocks too (measured at 4, 8, 16)."""
-    from cuda_engine.ops import W4A16_MAX_SPLITS, W4A16_ROWS, w4a16_rows_plan, w4a16_splits
+    from cuda_engine.w4a16_plan import W4A16_MAX_SPLITS, W4A16_ROWS, w4a16_rows_plan, w4a16_splits
 
     plan = lambda Nb, G, Z, M=1, resident=396: w4a16_rows_plan(Nb, G, Z, resident, 132, M,  # noqa: E731
                                                                 tuple(W4A16_ROWS[next(m for m in W4A16_ROWS if m >= M)]))
@@ -171,7 +171,7 @@ def test_grouped_moe_groups_cap_holds_for_every_routing():
     entry for min(T, 16)."""
     import numpy as np
 
-    from cuda_engine.ops import W4A16_DIGITS_TOKENS, w4a16_group_tokens, w4a16_groups_cap
+    from cuda_engine.w4a16_plan import W4A16_DIGITS_TOKENS, w4a16_group_tokens, w4a16_groups_cap
 
     def groups(counts, MT):
         return sum(-(-c // MT) for c in counts if c)
@@ -193,3 +193,47 @@ def test_grouped_moe_groups_cap_holds_for_every_routing():
     terms = [w4a16_group_tokens(T, digits=False) for T in (2, 3, 5, 6, 8, 9, 16, 17, 100)]
     assert terms == [2, 5, 5, 8, 8, 16, 16, 16, 16]
     assert w4a16_group_tokens(33) == W4A16_DIGITS_TOKENS == 4
+
+
+def test_w4a16_launch_plans_without_a_device_and_refuses_what_no_entry_takes():
+    """w4a16_launch is the planner Ops.w4a16_plan runs on the GPU's SM count and residency; with them given
+    (the H200's, as above) it plans on the CPU: the entry its rows plan names, its blocks and splits, and the
+    regime; a row count its family lacks, rows= outside the FP32-faithful entries and the int8 digits past
+    W4A16_DIGITS_TOKENS are refused, naming the launch."""
+    from cuda_engine.w4a16_plan import W4A16_DIGITS_ROWS, W4A16_ROWS, w4a16_launch
+
+    h200 = dict(resident_of=lambda entry: 396, sm_count=132)
+    assert w4a16_launch(128, 224, 9, None, 1, "fp32", None, False, **h200) == (W4A16_ROWS[1][8], 16, 4, "many_rows")
+    assert w4a16_launch(224, 64, 1, None, 1, "fp32", None, False, **h200) == (W4A16_ROWS[1][1], 224, 1, "rows1")
+    assert w4a16_launch(64, 224, 1, 3, 1, "fp32", 4, False, **h200) == (W4A16_ROWS[1][4], 16, 3, "forced")
+    assert w4a16_launch(64, 224, 1, None, 64, "bf16", None, False, **h200)[::3] == ("w4a16_mma_t1_m64", "wave")
+    assert w4a16_launch(128, 224, 40, None, 4, "fp32", None, True, **h200)[0] in W4A16_DIGITS_ROWS.values()
+    with pytest.raises(ValueError, match=r"w4a16_mma: rows=3: choose one of \[1, 2, 4, 8\]"):
+        w4a16_launch(64, 224, 1, None, 1, "fp32", 3, False, **h200)
+    with pytest.raises(ValueError, match="w4a16_mma: rows=2: only the FP32-faithful entries of up to 16 tokens"):
+        w4a16_launch(64, 224, 1, None, 32, "fp32", 2, False, **h200)
+    with pytest.raises(ValueError, match="w4a16_mma: the int8 digits entries take at most 4 FP32-faithful tokens"):
+        w4a16_launch(64, 224, 1, None, 5, "fp32", None, True, **h200)
+
+
+def test_kernels_check_exits_with_the_named_codes(monkeypatch):
+    """A kernel over a limit or one that does not compile is the engine's fault (6); no nvcc means the check
+    cannot run here (2): the codes every other command gives these meanings (conformance/exit_codes.py)."""
+    import cli.kernels_cmd
+    from conformance.exit_codes import ExitCode
+    from cuda_engine.build import NvccNotFound
+
+    def run(result):
+        def fake(archs):
+            if isinstance(result, Exception):
+                raise result
+            return result
+        monkeypatch.setattr(cli.kernels_cmd, "check_kernels", fake)
+        return CliRunner().invoke(main, ["kernels", "check", "--arch", "sm_120"])
+
+    row = KernelUsage("sm_120", "f.cu", "k", registers=32, smem=99 * 1024 + 4, threads=256)
+    assert run(([row], row.problems())).exit_code == ExitCode.ENGINE_ERROR
+    assert run(BuildError("nvcc failed (exit 1)")).exit_code == ExitCode.ENGINE_ERROR
+    r = run(NvccNotFound("nvcc not found on PATH"))
+    assert r.exit_code == ExitCode.USAGE and "kdtr kernels check: nvcc not found on PATH" in r.output
+    assert run(([KernelUsage("sm_120", "f.cu", "k", registers=32, threads=256)], [])).exit_code == ExitCode.OK

@@ -204,11 +204,11 @@ def test_int8_digits_path_outlier_on_a_zero_weight_column(ops, log2_outlier):
 
 @pytest.mark.parametrize("rows", [1, 2, 4, 8])
 def test_int8_entries_every_row_count(ops, rows):
-    """The one-token entries differ only in how many blocks of 32 rows one block covers (ops.w4a16_rows_plan
+    """The one-token entries differ only in how many blocks of 32 rows one block covers (w4a16_plan.w4a16_rows_plan
     picks by shape): each, on rows that end mid-block, split and unsplit; x staged from L2 in two segments
     (224 groups unsplit) and from the copy the exponent pass keeps in shared memory (7 groups); the fused
     gate+up; the MoE slot path (both launches, per-slot down input)."""
-    from cuda_engine.ops import W4A16_ROWS
+    from cuda_engine.w4a16_plan import W4A16_ROWS
     from cuda_engine.w4a16_pack import pack_experts, pack_experts_gate_up, pack_gate_up, pack_linear
 
     assert ops.w4a16_plan(7, 7, 1, None, 1, "fp32", rows)[0] == W4A16_ROWS[1][rows]    # rows= picks the entry
@@ -254,11 +254,11 @@ def test_int8_entries_every_row_count(ops, rows):
 @pytest.mark.parametrize("M,rows", [(M, r) for M in (2, 4, 5, 8) for r in (1, 2, 4)] + [(12, 2), (12, 4), (16, 2), (16, 4)])
 def test_bf16_terms_entries_every_row_count(ops, M, rows):
     """2..16 tokens (the bf16 terms; as columns up to 8 tokens, a column per token above): the entries differ
-    only in how many blocks of 32 rows one block covers (ops.w4a16_rows_plan picks by shape). Each, at a full
+    only in how many blocks of 32 rows one block covers (w4a16_plan.w4a16_rows_plan picks by shape). Each, at a full
     and a padded token count of its family (2; 4, 5; 8; 12, 16): rows that end mid-block, split and unsplit;
     224 groups unsplit (x staged in segments of whole batches: 32-44 groups at 5 tokens, 12-14 at 16); the
     fused gate+up."""
-    from cuda_engine.ops import W4A16_ROWS
+    from cuda_engine.w4a16_plan import W4A16_ROWS
     from cuda_engine.w4a16_pack import pack_gate_up, pack_linear
 
     family = W4A16_ROWS[next(m for m in W4A16_ROWS if m >= M)]
@@ -308,7 +308,7 @@ def test_fast_gate_up_within_2x_plain(ops, I, D, M, ks):
 def test_fused_moe_slots_within_2x_plain(ops, E, I, D, K, T):
     """The engine's fused MoE decode path: one launch for the selected experts' gate+up, one for their down,
     over (token, slot) pairs with per-slot expert ids, against the plain kernels on the same slots. At K2.6
-    shapes with 16 (token, slot) pairs the launches take ops.w4a16_rows_plan's many-row regime (8 row blocks
+    shapes with 16 (token, slot) pairs the launches take w4a16_plan.w4a16_rows_plan's many-row regime (8 row blocks
     per block; the gate+up in 3 splits), the one the one-token MoE layer runs; with 2 pairs its single-weight
     regime."""
     from cuda_engine.w4a16_pack import pack_experts, pack_experts_gate_up

@@ -141,7 +141,7 @@ def judge(case: str, got_g, got_p, got_pl, truth, base, rows, yardstick: str = "
 
 
 def run_case(ops, case, ids, E, I, D, S, nk, seed, bases=None, weights=None, digits=True):
-    from cuda_engine.ops import w4a16_group_tokens, w4a16_groups_cap
+    from cuda_engine.w4a16_plan import w4a16_group_tokens, w4a16_groups_cap
 
     rng = np.random.default_rng(seed)
     T = ids.shape[0]
