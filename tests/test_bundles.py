@@ -19,11 +19,13 @@ from kdtr_format import open_kdtr
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["bundles/model_tiny.kdtr", "bundles/model_int4_tiny.kdtr"]
 EDGE = "bundles/model_edge.kdtr"  # every path the CUDA engine ships (docs/golden-bundles.md, "The edge bundle")
-BUNDLES = TINY + [EDGE]
+SHARDABLE = "bundles/model_shardable_int4.kdtr"   # for sharded engines (docs/golden-bundles.md, "The shardable bundle")
+BUNDLES = TINY + [EDGE, SHARDABLE]
 MB = 1 << 20
-SIZE_BUDGET_MB = {"bundles/model_tiny.kdtr": 20, "bundles/model_int4_tiny.kdtr": 20, EDGE: 12}
+SIZE_BUDGET_MB = {"bundles/model_tiny.kdtr": 20, "bundles/model_int4_tiny.kdtr": 20, EDGE: 12, SHARDABLE: 20}
 FULL_DEPTH_ROUNDS = 3           # the tiny bundles' coverage aim, each (MANIFEST.md has the figures)
-MIN_NEW_TOKENS = {EDGE: 32}     # the edge bundle's 5 prompts (one of 34 tokens) keep it within 12 MiB; else 64
+MIN_NEW_TOKENS = {EDGE: 32,     # the edge bundle's 5 prompts (one of 34 tokens) keep it within 12 MiB; else 64
+                  SHARDABLE: 32}  # the shardable bundle within 20 MiB and the GPU machine's transfer (MANIFEST.md)
 
 
 def manifest_commands() -> dict[str, list[str]]:
@@ -71,7 +73,7 @@ def test_bundle_records(bundle):
         # compaction), as MANIFEST.md reports them; off-spine rounds: test_off_spine_rounds_are_covered
         hist = fig["accepted_depth_histogram"]
         assert len(hist) == 16 and hist[15] == fig["full_depth_rounds"]
-        if bundle in TINY:                                  # the edge bundle is for widths, not depths
+        if bundle in TINY:                 # the edge bundle is for widths, the shardable one for ranks, not depths
             assert hist[0] > 0 and fig["full_depth_rounds"] >= FULL_DEPTH_ROUNDS
         # one long-position prompt (docs/golden-bundles.md), with DDTree rounds there; decode attn_out
         offs = meta["position_offsets"]
@@ -141,3 +143,25 @@ def test_bundles_regenerate_from_their_manifest_commands(tmp_path, monkeypatch):
             assert weights == [n for n in b.names if not n.startswith("golden/")]
             for n in weights:
                 assert a.info(n).checksum == b.info(n).checksum, n
+
+
+def test_the_shardable_bundle_divides_over_2_4_and_8_ranks():
+    """What the shardable bundle is for (docs/golden-bundles.md, "The shardable bundle"): heads, routed
+    experts, expert groups and the sharded widths divide over 2, 4 and 8 ranks; group-limited routing
+    (several groups, fewer kept) with INT4 experts and one shared expert; its golden routing uses every group."""
+    from refmodel.config import ModelConfig
+    with open_kdtr(ROOT / SHARDABLE) as f:
+        cfg = ModelConfig.from_dict(f.metadata["model_config"])
+        assert (f.metadata.get("quantization") or {}).get("method") == "w4a16"
+        for ranks in (2, 4, 8):
+            for name in ("num_attention_heads", "n_routed_experts", "n_group", "intermediate_size",
+                         "moe_intermediate_size", "vocab_size"):
+                assert getattr(cfg, name) % ranks == 0, (name, getattr(cfg, name), ranks)
+        assert 1 < cfg.topk_group < cfg.n_group and cfg.n_shared_experts == 1
+        per_group = cfg.n_routed_experts // cfg.n_group
+        groups = set()
+        for i in range(f.metadata["prompts"]):
+            for l in range(cfg.first_k_dense_replace, cfg.num_hidden_layers):
+                groups |= set((np.asarray(f[f"golden/p{i}/prefill/L{l}/topk_ids"]).reshape(-1) // per_group).tolist())
+        assert groups == set(range(cfg.n_group)), groups
+
