@@ -190,21 +190,33 @@ def _forked_init(parent: int) -> None:
 
 def _map_batches(cfg, W, dcfg, s, jobs, workers):
     """The batches' results in order: here, or in forked processes (fork: no re-import, the same loaded
-    libraries and pinned environment as this process; each batch single-threaded as here)."""
+    libraries and pinned environment as this process; each batch single-threaded as here). A helper that dies
+    (killed, out of memory) ends the corpus with WorkerDied, never a hang. In a daemon process (which may not
+    have children) the batches run here."""
     import multiprocessing as mp
     import os
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    from refmodel.pinned import WorkerDied
     if workers is None:
         workers = min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
     workers = max(1, min(workers, len(jobs)))
-    if workers == 1 or "fork" not in mp.get_all_start_methods():
+    if workers == 1 or "fork" not in mp.get_all_start_methods() or mp.current_process().daemon:
         yield from (_corpus_batch(cfg, W, dcfg, s, j) for j in jobs)
         return
     global _FORKED
     _FORKED = (cfg, W, dcfg, s)
+    pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("fork"), initializer=_forked_init,
+                               initargs=(os.getpid(),))
     try:
-        with mp.get_context("fork").Pool(workers, initializer=_forked_init, initargs=(os.getpid(),)) as pool:
-            yield from pool.imap(_forked_batch, jobs)
+        futures = [pool.submit(_forked_batch, j) for j in jobs]
+        for f in futures:
+            yield f.result()
+    except BrokenProcessPool:
+        raise WorkerDied(None, "a corpus helper process of the distillation") from None
     finally:
+        pool.shutdown(wait=False, cancel_futures=True)
         _FORKED = None
 
 

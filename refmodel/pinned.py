@@ -90,10 +90,10 @@ def _child(fn, args, kwargs, queue, parent) -> None:
 
 
 class WorkerDied(RuntimeError):
-    """The pinned worker ended without a result: killed by a signal (from outside, or by the kernel's
-    out-of-memory killer) or exited on its own. `signal` is the signal number, None for an exit."""
+    """A process of the distillation ended without a result: killed by a signal (from outside, or by the
+    kernel's out-of-memory killer) or exited on its own. `signal` is the signal number where known."""
 
-    def __init__(self, exitcode: int | None):
+    def __init__(self, exitcode: int | None, what: str = "the pinned-math worker process (the distillation)"):
         self.signal = -exitcode if exitcode is not None and exitcode < 0 else None
         if self.signal is not None:
             try:
@@ -102,10 +102,15 @@ class WorkerDied(RuntimeError):
                 name = f"signal {self.signal}"
             how = (f"was killed by {name}" + (" (from outside, or by the out-of-memory killer: see `dmesg`)"
                                               if self.signal == signal.SIGKILL else ""))
+        elif exitcode is None:
+            how = "died (killed from outside, or by the out-of-memory killer: see `dmesg`)"
         else:
             how = f"exited with code {exitcode}"
-        super().__init__(f"the pinned-math worker process (the distillation) {how} before returning a "
-                         f"result; nothing was written: run the command again")
+        super().__init__(f"{what} {how} before returning a result; nothing was written: run the command again")
+        self._args = (exitcode, what)
+
+    def __reduce__(self):                               # re-made from its own arguments when sent between processes
+        return (type(self), self._args)
 
 
 def run_pinned(fn: Callable[..., Any], *args, progress=None, **kwargs) -> Any:
