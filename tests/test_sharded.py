@@ -1,5 +1,6 @@
 """Sharded runs judged rank by rank (docs/run-dump.md §7): kdtr's sharded PyTorch DeepseekV3, one process per
-rank over gloo, on a small shardable bundle made in the session (tests/conftest.py).
+rank over gloo: the correct runs on the committed shardable bundle (bundles/model_shardable_int4.kdtr), the planted
+faults and refusals on a small shardable bundle made in the session (tests/conftest.py).
 
 - TP 2 and 4, EP 2 and 4 and TP 2 x EP 2 pass every check, nothing skipped, the replicated records the same
   bits on every rank; each rank dump holds its shard (rank 1's q: its heads only);
@@ -11,6 +12,7 @@ rank over gloo, on a small shardable bundle made in the session (tests/conftest.
 """
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 
@@ -54,13 +56,23 @@ class Runs(dict):
         return self[plan]
 
 
+COMMITTED = str(Path(__file__).resolve().parent.parent / "bundles" / "model_shardable_int4.kdtr")
+
+
 @pytest.fixture(scope="module")
-def passing(shardable_bundle, tmp_path_factory):
-    return Runs(shardable_bundle, tmp_path_factory)
+def passing_bundle():
+    """The committed shardable bundle (bundles/MANIFEST.md): the correct plans run on it, and the tests that
+    reuse their rank dumps judge them against it."""
+    return COMMITTED
+
+
+@pytest.fixture(scope="module")
+def passing(passing_bundle, tmp_path_factory):
+    return Runs(passing_bundle, tmp_path_factory)
 
 
 @pytest.mark.parametrize("tp,ep", PLANS)
-def test_sharded_plans_pass_the_shardable_bundle(passing, shardable_bundle, tp, ep):
+def test_sharded_plans_pass_the_committed_shardable_bundle(passing, passing_bundle, tp, ep):
     v, folder = passing[(tp, ep)]
     bad = [(c.name, c.status, c.message) for c in v.checks if c.status != "pass"]
     assert v.exit_code == ExitCode.OK and not bad, bad[:5]
@@ -79,9 +91,9 @@ def test_sharded_plans_pass_the_shardable_bundle(passing, shardable_bundle, tp, 
 
 
 @pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2)])
-def test_dump_dir_gives_the_live_verdict(passing, shardable_bundle, tp, ep):
+def test_dump_dir_gives_the_live_verdict(passing, passing_bundle, tp, ep):
     v, folder = passing[(tp, ep)]
-    assert summary(verify(shardable_bundle, dump_dir=str(folder))) == summary(v)
+    assert summary(verify(passing_bundle, dump_dir=str(folder))) == summary(v)
 
 
 def _first_expert(bundle, layer: int) -> int:
@@ -114,7 +126,7 @@ def test_planted_sharding_faults_name_layer_tap_and_rank(shardable_bundle, tmp_p
     assert summary(verify(shardable_bundle, dump_dir=str(tmp_path))) == summary(v)
 
 
-def test_a_rank_whose_replicated_copy_differs_diverges_from_the_others(passing, shardable_bundle, tmp_path):
+def test_a_rank_whose_replicated_copy_differs_diverges_from_the_others(passing, passing_bundle, tmp_path):
     _, folder = passing[(2, 1)]
     outs, metas, _, _ = read_dump_dir(str(folder))
     shutil.copy(folder / "rank0.kdtr", tmp_path / "rank0.kdtr")
@@ -122,7 +134,7 @@ def test_a_rank_whose_replicated_copy_differs_diverges_from_the_others(passing, 
     bad["p1/prefill/L3/attn_out"] = bad["p1/prefill/L3/attn_out"].copy()
     bad["p1/prefill/L3/attn_out"][2, 7] += 1e-2                         # far over its tolerance (~1e-4)
     write_dump(bad, str(tmp_path / "rank1.kdtr"), "torch", "float32", routing="free", shard=metas[1])
-    v = verify(shardable_bundle, dump_dir=str(tmp_path))
+    v = verify(passing_bundle, dump_dir=str(tmp_path))
     d = v.first_divergence
     assert v.exit_code == ExitCode.NUMERIC and (d.name, d.ranks) == ("p1/prefill/L3/attn_out", [1])
     c = next(c for c in v.checks if c.name == d.name)
@@ -142,7 +154,7 @@ def _rewrite(src, dst, r, change):
     ("heads not tiling", "must tile [0, 16) in rank order"),
     ("shard of the wrong shape", "rank 1 holds shape"),
 ])
-def test_rank_dumps_that_do_not_fit_are_invalid(passing, shardable_bundle, tmp_path, case, expect):
+def test_rank_dumps_that_do_not_fit_are_invalid(passing, passing_bundle, tmp_path, case, expect):
     _, folder = passing[(2, 1)]
     shutil.copy(folder / "rank0.kdtr", tmp_path / "rank0.kdtr")
     if case == "missing rank":
@@ -155,7 +167,7 @@ def test_rank_dumps_that_do_not_fit_are_invalid(passing, shardable_bundle, tmp_p
         _rewrite(folder, tmp_path, 1, lambda o, m: (o, dict(m, records=shifted(m))))
     else:
         _rewrite(folder, tmp_path, 1, lambda o, m: (dict(o, **{"p1/prefill/L0/q": o["p1/prefill/L0/q"][:, :4]}), m))
-    v = verify(shardable_bundle, dump_dir=str(tmp_path))
+    v = verify(passing_bundle, dump_dir=str(tmp_path))
     assert v.exit_code == ExitCode.INVALID_FILE
     text = " ".join(c.message + " ".join(c.metrics.get("problems", [])) for c in v.checks)
     assert expect in text, text[:400]
@@ -229,10 +241,10 @@ def test_group_gaps_bound_the_group_limited_decision():
     assert np.any(np.sort(select_experts(cfg, choice + noise), -1) != sets)
 
 
-def test_cli_dump_dir_over_a_sharded_run(passing, shardable_bundle, tmp_path):
+def test_cli_dump_dir_over_a_sharded_run(passing, passing_bundle, tmp_path):
     _, folder = passing[(2, 1)]
     report = tmp_path / "r.json"
-    r = CliRunner().invoke(main, ["verify", str(shardable_bundle), "--dump-dir", str(folder), "--json", str(report)])
+    r = CliRunner().invoke(main, ["verify", str(passing_bundle), "--dump-dir", str(folder), "--json", str(report)])
     text = " ".join(r.output.split())
     assert r.exit_code == ExitCode.OK and "ranks: 2 (tp 2, ep 1); replicated records: the same bits on every rank" \
         in text, r.output
