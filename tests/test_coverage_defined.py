@@ -93,3 +93,18 @@ def test_a_run_whose_checks_did_not_all_run_says_how_many_ran(small_bundle, dump
     assert counted.startswith(f"{total - lost} passed, 0 failed, {lost} not run of {total} defined;"), counted
     r = CliRunner().invoke(main, ["verify", str(small_bundle), "--dump", path, "--require-coverage", "full"])
     assert r.exit_code == ExitCode.COVERAGE
+
+
+def test_a_dump_records_the_steps_kdtr_performed_for_its_run(small_bundle, dump, tmp_path):
+    """A dump whose metadata says kdtr compacted the cache in the run that wrote it is judged so; a
+    done_by_kdtr that is not an object of strings is an invalid file."""
+    out, meta = dump
+    path = tmp_path / "steps.kdtr"
+    write_kdtr(path, out, {**meta, "done_by_kdtr": {"cache_compaction": "the engine's cache has no compact"}})
+    v = verify(small_bundle, dump=str(path))
+    assert v.exit_code == ExitCode.OK and [d["step"] for d in v.done_by_kdtr] == ["cache_compaction"]
+    assert all(c.status == "skip" for c in v.checks if "/ddtree/" in c.name)
+    write_kdtr(path, out, {**meta, "done_by_kdtr": ["cache_compaction"]})
+    v = verify(small_bundle, dump=str(path))
+    assert v.exit_code == ExitCode.INVALID_FILE
+    assert "metadata done_by_kdtr ['cache_compaction']: must be an object" in v.checks[-1].message

@@ -159,6 +159,7 @@ def test_a_bf16_run_dump_is_judged_with_the_bf16_profile(small_bundle, tmp_path)
     assert (v.info["dtype"], v.info["profile"]) == ("bfloat16", "bf16")
     assert v.exit_code == live.exit_code
     assert [(c.name, c.status) for c in v.checks] == [(c.name, c.status) for c in live.checks]
+    assert v.done_by_kdtr == live.done_by_kdtr and live.done_by_kdtr    # recorded in the dump's metadata
     # the dump records that its run held routing, and the verdict says so (not "free")
     assert live.info["routing"].startswith("held to the golden expert sets")
     assert v.info["routing"] == ("held to the golden expert sets by the run that wrote this dump "

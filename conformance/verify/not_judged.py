@@ -17,12 +17,15 @@ The steps (docs/conformance.md, "Done by kdtr, not judged"):
   then have no records to judge and are not run.
 
 An engine adapter says which steps kdtr performed for it in `done_by_kdtr`, {step: why}, after `load`
-(conformance/engines/torch_engine.py); the DDTree loop is told from the engine itself.
+(conformance/engines/torch_engine.py); the DDTree loop is told from the engine itself. A run dump that
+`kdtr verify --save-dump` wrote records them in its metadata `done_by_kdtr`, so judging it again gives the
+live run's verdict.
 """
 from __future__ import annotations
 
 import re
 
+from conformance.records import dump_done_by_kdtr
 from conformance.report.verdict import CheckResult
 
 STEPS = {
@@ -32,10 +35,11 @@ STEPS = {
 }
 
 
-def kdtr_steps(engine, f) -> dict[str, str]:
-    """{step: why} for a live `engine` loaded from bundle `f`; {} for a run dump (engine None)."""
+def kdtr_steps(engine, f, dump: str | None = None) -> dict[str, str]:
+    """{step: why} for a live `engine` loaded from bundle `f`; for a run dump (engine None), the steps its
+    metadata `done_by_kdtr` records (a `kdtr verify --save-dump` of a live run writes them)."""
     if engine is None:
-        return {}
+        return {k: v for k, v in dump_done_by_kdtr(dump).items() if k in STEPS} if dump else {}
     steps = {k: v for k, v in dict(getattr(engine, "done_by_kdtr", None) or {}).items() if k in STEPS}
     if "drafter_config" in f.metadata and not callable(getattr(engine, "ddtree_generate", None)):
         steps["ddtree_loop"] = ("the engine has no ddtree_generate, so kdtr replays the golden trees on its "

@@ -90,7 +90,7 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
                                       message=f"{type(e).__name__}: {e}"))
             return verdict(checks)
         t1 = time.perf_counter()
-        steps.update(kdtr_steps(engine if dump is None else None, f))
+        steps.update(kdtr_steps(engine if dump is None else None, f, dump))
         if run is None:                                                  # a dump: its dtype picks the profile
             run = Run.of(f, profile or PROFILE_OF_DTYPE.get(dtype, "fp32"), overrides, dtype)
         try:
@@ -102,7 +102,8 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
         except KdtrError as e:                                           # the bundle changed while being read
             checks.append(CheckResult("bundle/integrity", "error", "integrity", message=str(e)))
             return verdict(checks)
-        saved = _save_dump(f, out, save_dump, engine, name, dtype, held) if save_dump and dump is None else None
+        saved = (_save_dump(f, out, save_dump, engine, name, dtype, held, steps)
+                 if save_dump and dump is None else None)
         _say_why_unobserved(judged, getattr(engine, "unobserved", None) or {})
         if first is not None and unlocalised is not None:               # said up front; not tried again
             if getattr(engine, "supports_teacher_forcing", False):      # (an engine without it: no cause)
@@ -153,13 +154,13 @@ def _open_checked(bundle: str, progress=None):
     return f
 
 
-def _save_dump(f, out: dict, path: str, engine, name: str, dtype: str, held: bool) -> dict:
+def _save_dump(f, out: dict, path: str, engine, name: str, dtype: str, held: bool, steps: dict) -> dict:
     """Write the run dump; {"path": path} when written, plus "error" (one line) when the write failed: the
     verdict stands, and the caller reports the failure with the other reports."""
     own = engine.dump_metadata() if callable(getattr(engine, "dump_metadata", None)) else None
     try:
         write_dump(out, path, name, dtype, f.metadata.get("provenance", {}).get("command", ""), own,
-                   routing="held" if held else "free", bundle_sha256=f.header_sha256)
+                   routing="held" if held else "free", bundle_sha256=f.header_sha256, done_by_kdtr=steps)
     except OSError as e:
         return {"path": path, "error": e.strerror or str(e)}
     return {"path": path}
