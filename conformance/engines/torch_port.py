@@ -83,8 +83,9 @@ def packed_state(W) -> dict[str, torch.Tensor]:
 
 
 def int4_modules(W) -> list[str]:
-    """The INT4 linears of W, as their dense `<m>.weight` names."""
-    return [n[:-3] + ".weight" for n, _, _ in W.stored_items() if n.endswith(".qw")] if hasattr(W, "stored_items") else []
+    """The INT4 linears of W (stored weights; a plain dict has none), as their dense `<m>.weight` names."""
+    names = W.stored_names() if hasattr(W, "stored_names") else []      # names only: no tensor is read
+    return [n[:-3] + ".weight" for n in names if n.endswith(".qw")]
 
 
 def hf_state(cfg: ModelConfig, W: dict[str, np.ndarray], fused_experts: bool,
