@@ -145,7 +145,18 @@ def read_dump(path: str) -> tuple[dict, str]:
         if meta.get("routing", "free") not in DUMP_ROUTING:
             raise BundleSchemaError(f"metadata routing {meta['routing']!r}: must be \"held\" or \"free\", or left "
                                     f"out (docs/run-dump.md)")
+        steps = meta.get("done_by_kdtr", {})
+        if not isinstance(steps, dict) or not all(isinstance(v, str) for v in steps.values()):
+            raise BundleSchemaError(f"metadata done_by_kdtr {steps!r}: must be an object of step -> why (strings), "
+                                    f"or left out (docs/run-dump.md)")
         return {n: np.array(d[n]) for n in d.names}, dtype              # bfloat16 as raw uint16
+
+
+def dump_done_by_kdtr(path: str) -> dict:
+    """A run dump's metadata `done_by_kdtr` (read_dump validated it): the steps kdtr performed for the engine
+    in the live run that wrote it ({} when none, or for an external engine's dump)."""
+    with open_kdtr(path) as d:
+        return dict(d.metadata.get("done_by_kdtr", {})) if d.metadata.get("schema") == DUMP_SCHEMA else {}
 
 
 def bundle_as_outputs(d) -> dict:
@@ -189,12 +200,13 @@ def dump_made_from_other(path: str, f) -> str | None:
 
 def write_dump(out: dict, path: str, engine_name: str, dtype: str, bundle_command: str = "",
                engine_info: dict | None = None, routing: str | None = None, bundle_sha256: str | None = None,
-               shard: dict | None = None) -> None:
+               shard: dict | None = None, done_by_kdtr: dict | None = None) -> None:
     """A run dump (docs/run-dump.md) of a live engine's outputs: what an external engine writes.
     engine_info: the engine's own provenance (`dump_metadata()`, e.g. the CUDA engine's device and source
     hash), stored under metadata "engine_info". routing: "held" when the run held its routing to the
     golden expert sets, "free" when its router chose them (metadata "routing"). shard: a rank dump's
-    metadata "shard" (conformance/shard_plan.py, docs/run-dump.md §7)."""
+    metadata "shard" (conformance/shard_plan.py, docs/run-dump.md §7). done_by_kdtr: the steps kdtr
+    performed for the engine, {step: why} (conformance/verify/not_judged.py), metadata "done_by_kdtr"."""
 
     meta = {"schema": DUMP_SCHEMA, "engine": engine_name, "dtype": dtype, "bundle_command": bundle_command}
     if bundle_sha256 is not None:                         # the bundle it was made from (dump_made_from_other)
@@ -205,6 +217,8 @@ def write_dump(out: dict, path: str, engine_name: str, dtype: str, bundle_comman
         meta["engine_info"] = engine_info
     if shard is not None:
         meta["shard"] = shard
+    if done_by_kdtr:
+        meta["done_by_kdtr"] = dict(done_by_kdtr)
     bf16 = lambda v: dtype == "bfloat16" and v.dtype == np.uint16  # noqa: E731 - raw bf16 bit patterns
     write_kdtr(path, ((k, Tensor(np.ascontiguousarray(v), dtype="bfloat16") if bf16(v) else np.ascontiguousarray(v))
                       for k, v in out.items()), meta)

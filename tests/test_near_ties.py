@@ -91,6 +91,7 @@ def test_a_ddtree_stream_leaving_at_its_first_token_skips_what_it_cannot_compare
     """The stream leaves the golden one at a near-tie token 0 chosen by the engine's own AR token 0: no
     round and no committed row is comparable, so rounds and path_logits are skipped with that reason
     (never a pass over 0 rounds), and coverage says so."""
+    from conformance.report.coverage import defined_checks
     from conformance.verify.judge import coverage_check
     f, out = run
     margins = np.asarray(f["golden/p0/ar/margins"])
@@ -105,7 +106,7 @@ def test_a_ddtree_stream_leaving_at_its_first_token_skips_what_it_cannot_compare
     for name in ("p0/ddtree/rounds", "p0/ddtree/path_logits", "p0/ddtree/target_forwards"):
         c = status(checks, name)
         assert c.status == "skip" and "near-tie token 0" in c.message, (name, c.message)
-    cov = coverage_check(checks, 1.0)
+    cov = coverage_check(checks, 1.0, defined_checks(f))
     assert cov.status == "fail" and "near-tie token 0" in cov.message and "did not report" not in cov.message
 
 

@@ -225,7 +225,10 @@ def test_a_failing_run_prints_a_screenful_not_a_flood():
     print_console(v, Console(file=buf, width=80, color_system=None))
     text = buf.getvalue()
     lines = text.count("\n")
-    assert lines <= 101, text                   # 100 before the diagnosis line (one, by design) was added
+    # 100 before the diagnosis line (one, by design) was added; 3 more since coverage is fixed by the bundle:
+    # the verdict line's "583 of 585 checks ran", the count line's "2 not run of 585 defined", and the
+    # live DDTree path-logits skip that grouping checks by kind had hidden
+    assert lines <= 104, text
     assert "first divergence: p0/prefill/L2/mlp_out" in text and "cause: local" in text
     assert "p0  L2     ..........XX  .....X" in text and "p0  L0-L1  all pass" in text   # decode: c k o s i h
     assert text.count("\n  p") >= 10 and "numeric failures, worst first (10 of" in text

@@ -14,9 +14,18 @@ instead of transformers' de-interleaved layout, and declares so (`kdtr_rope_layo
 is judged in transformers' layout. `TupleOutputForCausalLM` returns a tuple instead of an output object;
 `NoRotaryForCausalLM` has no `model.rotary_emb` (its attention makes its own tables), so it runs, but
 run_layer cannot.
+
+`Float64RopePortForCausalLM` is the interleaved port with RoPE angles formed in float64: correct on every
+prompt, the long-position one included. `PackedInt4PortForCausalLM` is that port doing also the two steps kdtr otherwise performs for a port: it decodes
+the INT4 experts itself (`kdtr_int4_packed = True`: it receives weight_packed / weight_scale / weight_shape)
+and compacts its own cache (`kdtr_cache_class` with `compact`). `ReversedNibblesForCausalLM` reads the
+nibbles of each packed word in reverse order, `StartlessCompactionForCausalLM` compacts to rows `keep`
+instead of `start + keep`.
 """
+import math
+
 import torch
-from transformers import DeepseekV3ForCausalLM
+from transformers import DeepseekV3ForCausalLM, DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import (DeepseekV3Attention, DeepseekV3MoE,
                                                                   DeepseekV3TopkRouter, apply_rotary_pos_emb,
@@ -157,3 +166,125 @@ class NoRotaryForCausalLM(PortForCausalLM):
             return super().forward(input_ids=input_ids, position_ids=position_ids, **kwargs)
         finally:
             del self.model.rotary_emb
+
+
+# ---------------------------------------------------------------- ports that decode INT4 and compact their cache
+
+class PackedLinear(torch.nn.Module):
+    """A compressed-tensors INT4 linear (docs/int4.md), decoded in the forward: weight_packed int32 [N, K/8]
+    (column 8j + i in bits 4i .. 4i + 3 of word j, offset by 8), weight_scale bfloat16 [N, K/32]."""
+    reversed_nibbles = False    # THE BUG, when set: column 8j + i read from bits 4(7 - i) ..
+
+    def __init__(self, in_features: int, out_features: int, group_size: int = 32):
+        super().__init__()
+        self.register_buffer("weight_packed", torch.zeros(out_features, in_features // 8, dtype=torch.int32))
+        self.register_buffer("weight_scale", torch.zeros(out_features, in_features // group_size, dtype=torch.bfloat16))
+        self.register_buffer("weight_shape", torch.tensor([out_features, in_features]))
+
+    def dense(self) -> torch.Tensor:
+        N, K = (int(x) for x in self.weight_shape)
+        shifts = 4 * torch.arange(8, dtype=torch.int32, device=self.weight_packed.device)
+        if self.reversed_nibbles:
+            shifts = shifts.flip(0)
+        u = (self.weight_packed[..., None] >> shifts) & 0xF                     # [N, K/8, 8]
+        q = u.reshape(N, K).float() - 8.0                                       # [N, K] codes
+        sc = self.weight_scale.float().repeat_interleave(K // self.weight_scale.shape[1], dim=1)
+        return q * sc                                                           # exact in float32
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.dense().to(x.dtype))
+
+
+class PackedExperts(torch.nn.ModuleList):
+    """The routed experts, one module per expert (mlp.experts.{e}.gate_proj ...), each linear INT4 as stored;
+    called as transformers' experts are: (hidden [T, D], topk_ids [T, K], topk_weights [T, K]) -> [T, D]."""
+    linear = PackedLinear
+
+    def __init__(self, config):
+        D, I = config.hidden_size, config.moe_intermediate_size
+        super().__init__(torch.nn.ModuleDict(
+            {"gate_proj": self.linear(D, I), "up_proj": self.linear(D, I), "down_proj": self.linear(I, D)})
+            for _ in range(config.n_routed_experts))
+
+    def forward(self, hidden, topk_ids, topk_weights):
+        out = torch.zeros_like(hidden)
+        for e, ex in enumerate(self):
+            rows, slot = torch.nonzero(topk_ids == e, as_tuple=True)
+            if rows.numel():
+                x = hidden[rows]
+                y = ex["down_proj"](torch.nn.functional.silu(ex["gate_proj"](x)) * ex["up_proj"](x))
+                out.index_add_(0, rows, y * topk_weights[rows, slot, None].to(y.dtype))
+        return out
+
+
+class CompactingCache(DynamicCache):
+    """transformers' cache with its own DDTree compaction (docs/engine-api.md, "The cache")."""
+
+    def rows(self, start: int, keep: torch.Tensor) -> torch.Tensor:
+        return torch.cat([torch.arange(start, device=keep.device), start + keep])
+
+    def compact(self, start: int, keep: torch.Tensor) -> None:
+        rows = self.rows(start, keep)
+        for layer in self.layers:
+            layer.keys, layer.values = layer.keys[:, :, rows], layer.values[:, :, rows]
+
+
+class StartlessCompactingCache(CompactingCache):
+    """THE BUG: keep is taken as absolute rows, not relative to `start`."""
+
+    def rows(self, start: int, keep: torch.Tensor) -> torch.Tensor:
+        return torch.cat([torch.arange(start, device=keep.device), keep])
+
+
+class Float64Rotary(torch.nn.Module):
+    """RoPE tables from angles formed in float64 (docs/model.md: positions up to 2^18 need it), cos and sin
+    then cast: DeepSeek's YaRN inverse frequencies, as transformers' DeepseekV3RotaryEmbedding returns them."""
+
+    def __init__(self, config, scaling: float):
+        super().__init__()
+        rope, R = config.rope_parameters, config.qk_rope_head_dim
+        theta = rope["rope_theta"]
+        inv = 1.0 / theta ** (torch.arange(0, R, 2, dtype=torch.float64) / R)             # [R/2]
+        if rope.get("rope_type") == "yarn":
+            dim = lambda rot: R * math.log(rope["original_max_position_embeddings"] / (rot * 2 * math.pi)) / (  # noqa: E731
+                2 * math.log(theta))
+            low, high = max(math.floor(dim(rope["beta_fast"])), 0.0), min(math.ceil(dim(rope["beta_slow"])), R - 1.0)
+            ramp = ((torch.arange(R // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)).clamp(0, 1)
+            inv = inv * (1 - ramp) + inv / rope["factor"] * ramp
+        self.inv_freq64, self.scaling = inv, scaling
+
+    def forward(self, x, position_ids):
+        angle = position_ids.double()[..., None] * self.inv_freq64                         # [B, T, R/2]
+        angle = torch.cat([angle, angle], dim=-1)                                          # transformers' layout
+        return ((angle.cos() * self.scaling).to(x.dtype), (angle.sin() * self.scaling).to(x.dtype))
+
+
+class Float64RopePortForCausalLM(InterleavedPortForCausalLM):
+    """Correct throughout, the long-position prompt included: interleaved RoPE from float64 angles. INT4
+    experts and cache compaction are left to kdtr."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.model.rotary_emb = Float64Rotary(config, self.model.rotary_emb.attention_scaling)
+
+
+class PackedInt4PortForCausalLM(Float64RopePortForCausalLM):
+    """Correct, and doing itself what kdtr otherwise does for a port: INT4 decode and cache compaction."""
+    kdtr_int4_packed = True
+    kdtr_cache_class = CompactingCache
+    experts = PackedExperts
+
+    def __init__(self, config):
+        super().__init__(config)
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, DeepseekV3MoE):
+                layer.mlp.experts = self.experts(config)
+
+
+class ReversedNibblesForCausalLM(PackedInt4PortForCausalLM):
+    experts = type("ReversedNibblesExperts", (PackedExperts,),
+                   {"linear": type("ReversedNibbles", (PackedLinear,), {"reversed_nibbles": True})})
+
+
+class StartlessCompactionForCausalLM(PackedInt4PortForCausalLM):
+    kdtr_cache_class = StartlessCompactingCache

@@ -10,6 +10,11 @@ return a subset (the runner reports the taps it lacks as skipped, and counts the
 but never a tap under another name. An engine that raises makes the run an engine error
 (ExitCode.ENGINE_ERROR).
 
+A step of the model that kdtr performs for an engine is never counted as judged: an adapter that does so
+(the torch engine: INT4 decoding, cache compaction) names it in `done_by_kdtr`, {step: why}, after `load`,
+and an engine without `ddtree_generate` has kdtr's replay as its only DDTree run; the verdict lists them
+under "done by kdtr, not judged" (conformance/verify/not_judged.py).
+
 Legend: T tokens, V vocab, S cache length.
 """
 from __future__ import annotations

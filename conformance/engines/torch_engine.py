@@ -27,6 +27,11 @@ reason is kept in `unobserved`, which the runner shows on the skipped check.
 
 Building the model (config, weights under HF names, a user module's class): conformance/engines/torch_port.py.
 
+What kdtr does for the model, `done_by_kdtr` after `load` says (the verdict lists it as not judged,
+conformance/verify/not_judged.py): decoding INT4 linears for a class without `kdtr_int4_packed = True`,
+and compacting the cache after a DDTree verify when the cache (the class's `kdtr_cache_class`, default
+transformers' DynamicCache) has no `compact(start, keep)` method of its own.
+
 Legend: T tokens of a forward, S cache rows, D hidden, H heads, A = N + R query dims, N nope dims,
 C kv_lora_rank, R qk_rope_head_dim, V vocab.
 """
@@ -38,7 +43,8 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from conformance.engines.torch_port import DTYPES, TorchEngineError, build_model, port_class, rope_layout
+from conformance.engines.torch_port import (DTYPES, TorchEngineError, build_model, int4_modules, port_class,
+                                            rope_layout)
 from kdtr_format import open_kdtr
 from refmodel.config import ModelConfig
 from refmodel.model import causal_mask, tap_names
@@ -71,6 +77,7 @@ class TorchEngine:
         self._taps: dict = {}
         self._held: dict = {}                                            # layer -> [T, K] ids for the next forward
         self.held_rows = 0                                               # rows that ran held, not own, experts
+        self.done_by_kdtr: dict[str, str] = {}                           # step -> why (not_judged.py)
 
     def describe(self) -> str:
         rope = (f"RoPE {self.rope_layout}" if self.rope_declared or self.module is None else
@@ -86,13 +93,31 @@ class TorchEngine:
         else:
             self.cfg, W = read_model(bundle)
         self.model = build_model(self.cfg, W, self.module, self.dtype, self.device)
+        self.done_by_kdtr = self._kdtr_steps(len(int4_modules(W)))
         self.held_rows = 0
         self._P, self._inv = _rope_order(self.cfg.qk_rope_head_dim, self.rope_layout)
         self._hook()
         self.reset()
 
+    def _kdtr_steps(self, n_int4: int) -> dict[str, str]:
+        cls, steps = type(self.model), {}
+        if n_int4 and getattr(cls, "kdtr_int4_packed", False) is not True:
+            steps["int4_decode"] = (f"{cls.__name__} does not set kdtr_int4_packed = True, so kdtr dequantized "
+                                    f"its {n_int4} INT4 linears before loading them (docs/engine-api.md)")
+        if not callable(getattr(self._new_cache(), "compact", None)):
+            steps["cache_compaction"] = (f"{cls.__name__}'s cache ({self._cache_class().__name__}) has no "
+                                         f"compact(start, keep) method, so kdtr gathers its rows (docs/engine-api.md)")
+        return steps
+
+    def _cache_class(self) -> type:
+        return getattr(type(self.model), "kdtr_cache_class", DynamicCache)
+
+    def _new_cache(self):
+        """An empty cache of the model's own class (docs/engine-api.md, "The cache")."""
+        return self._cache_class()(config=self.model.config)
+
     def reset(self) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = self._new_cache()
 
     # -- taps
 
@@ -239,11 +264,16 @@ class TorchEngine:
         return self._forward(ids, positions, mask)
 
     def compact(self, start, keep) -> None:
-        """Rows start + keep[i] -> start + i in every layer, then truncate (KVCache.compact)."""
+        """Rows start + keep[i] -> start + i in every layer, then truncate (KVCache.compact): through the
+        cache's own `compact(start, keep)` (keep: int64 tensor on the model's device) when it has one,
+        else by kdtr (listed in done_by_kdtr)."""
         keep = np.asarray(keep, np.int64).reshape(-1)
         S = self.cache.get_seq_length()
         if not 0 <= start <= S or (keep.size and (keep.min() < 0 or keep.max() >= S - start)):
             raise ValueError(f"compact(start={start}, keep={keep.tolist()}): rows must lie in [start, {S})")
+        if callable(getattr(self.cache, "compact", None)):
+            self.cache.compact(int(start), torch.as_tensor(keep, device=self.device))
+            return
         rows = torch.as_tensor(np.concatenate([np.arange(start), start + keep]), device=self.device)
         for layer in self.cache.layers:
             layer.keys, layer.values = layer.keys[:, :, rows], layer.values[:, :, rows]
@@ -255,7 +285,7 @@ class TorchEngine:
         h = torch.as_tensor(np.array(inputs["hidden"]), dtype=dt, device=dev)[None]            # [1, T, D]
         pos = torch.as_tensor(np.asarray(inputs["positions"], np.int64), device=dev)[None]     # [1, T]
         c_kv, k_pe = np.array(inputs["c_kv"]), np.array(inputs["k_pe"])                         # [S, C], [S, R]
-        cache = DynamicCache(config=self.model.config)
+        cache = self._new_cache()
         if len(c_kv):
             cache.update(torch.as_tensor(c_kv, dtype=dt, device=dev)[None, None],
                          torch.as_tensor(k_pe[:, self._P], dtype=dt, device=dev)[None, None], layer)  # port layout

@@ -16,11 +16,10 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from conformance.exit_codes import ExitCode
 from conformance.report.coverage import check_group, coverage_text, skip_reasons, skipped
 from conformance.report.diagnosis import summary_line
-from conformance.exit_codes import ExitCode
-from conformance.report.coverage import coverage_text, skip_reasons, skipped
-from conformance.report.verdict import KINDS, Verdict, counts, error_ratio, fmt_value, metric_summary
+from conformance.report.verdict import KINDS, Verdict, counts, error_ratio, fmt_value, metric_summary, ran_text
 
 WORST = 10                                   # numeric failures listed by default
 _STYLE = {"pass": "green", "fail": "bold red", "error": "bold red", "skip": "dim"}
@@ -58,6 +57,9 @@ def print_console(v: Verdict, console: Console | None = None, verbose: bool = Fa
         say(summary_line(v.diagnosis), "bold")
     _live_ddtree(v, say)
     _worst(v, say, None if verbose else WORST)
+    for d in v.done_by_kdtr:
+        say(f"done by kdtr, not judged: {d['what']}: {d['why']} ({d['checks']} checks not counted as covered)",
+            "yellow")
     names = skipped(v.checks)
     if names:
         say(f"{len(names)} checks skipped:", "yellow")
@@ -73,14 +75,17 @@ def print_console(v: Verdict, console: Console | None = None, verbose: bool = Fa
 
 
 def count_line(v: Verdict) -> str:
-    """The checks of the coverage groups by status, so that they add up to the coverage total beside them;
-    the others (bundle integrity, errors, the coverage gate, per-prompt summaries) are counted apart."""
+    """The checks the bundle defines by outcome, adding up to the coverage total beside it: passed and
+    failed ran; not run = skipped (done by kdtr included) or absent (an earlier error stopped the run). The
+    others (bundle integrity, errors, the coverage gate, per-prompt summaries) are counted apart."""
+    t = v.coverage.get("total", {"run": 0, "defined": 0})
     n = counts([c for c in v.checks if check_group(c)])
     rest = counts([c for c in v.checks if not check_group(c)])
     other = ", ".join(f"{rest[k]} {w}" for k, w in (("pass", "passed"), ("fail", "failed"), ("error", "errors"),
                                                       ("skip", "skipped")) if rest[k])
-    return (f"{n['pass']} passed, {n['fail']} failed, {n['skip']} skipped; coverage (checks run / defined): "
-            f"{coverage_text(v.coverage)}" + (f"; other checks (integrity, errors, summaries): {other}" if other else ""))
+    return (f"{n['pass']} passed, {n['fail']} failed, {t['defined'] - t['run']} not run of {t['defined']} defined; "
+            f"coverage (checks run / defined): {coverage_text(v.coverage)}"
+            + (f"; other checks (integrity, errors, summaries): {other}" if other else ""))
 
 
 def print_verdict(v: Verdict, console: Console, not_written: list[str] = ()) -> None:
@@ -88,7 +93,7 @@ def print_verdict(v: Verdict, console: Console, not_written: list[str] = ()) -> 
     reports that were not, and then a passing run's exit code is 2 (the reports CI reads are incomplete)."""
     code = ExitCode.USAGE if not_written and v.exit_code == ExitCode.OK else v.exit_code
     style = "bold green" if code == ExitCode.OK else "bold red"
-    what = f"{v.verdict.upper()} {v.engine} on {v.bundle}"
+    what = f"{v.verdict.upper()} {v.engine} on {v.bundle}{ran_text(v)}"
     if not_written:
         what += f", INCOMPLETE REPORTS (not written: {', '.join(not_written)})"
     console.print(Text(f"{what}: exit code {int(code)} ({code.name})", style=style), highlight=False)

@@ -12,7 +12,8 @@ from pathlib import Path
 from conformance.report.console import count_line
 from conformance.report.coverage import coverage_text
 from conformance.report.diagnosis import html_panel
-from conformance.report.verdict import CheckResult, Verdict, error_ratio, fmt_value, metric_summary, write_text
+from conformance.report.verdict import (CheckResult, Verdict, error_ratio, fmt_value, metric_summary, ran_text,
+                                        write_text)
 
 _LAYER_TAP = re.compile(r"^(?P<group>.*?)/?L(?P<layer>\d+)/(?P<tap>[^/]+)$")
 RATIO_FLOOR = 1e-6                            # plotted floor for exact matches (log10 -> -6)
@@ -112,10 +113,14 @@ def write_html(v: Verdict, path: str | Path) -> None:
     e = html.escape
     out = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>kdtr verify: {e(v.engine)}"
            f"</title><style>{_CSS}</style></head><body>",
-           f"<h1>kdtr verify: <span class='{e(v.verdict)}'>{e(v.verdict.upper())}</span></h1>",
+           f"<h1>kdtr verify: <span class='{e(v.verdict)}'>{e(v.verdict.upper())}</span>{e(ran_text(v))}</h1>",
            f"<p>engine <code>{e(v.engine)}</code>, bundle <code>{e(v.bundle)}</code>, exit code "
            f"{int(v.exit_code)} ({e(v.exit_code.name)}).</p>", f"<p>{e(count_line(v).split('; coverage')[0])}</p>",
            f"<p>coverage (checks run / checks the bundle defines): {e(coverage_text(v.coverage))}</p>"]
+    if v.done_by_kdtr:
+        items = "".join(f"<li>{e(d['what'])}: {e(d['why'])} ({d['checks']} checks not counted as covered)</li>"
+                        for d in v.done_by_kdtr)
+        out.append(f"<h2>Done by kdtr, not judged</h2><ul>{items}</ul>")
     d = v.first_divergence
     if d:
         rows = "".join(f"<tr><th>{e(k.replace('_', ' '))}</th><td>{e(_cell(val))}</td></tr>"

@@ -89,6 +89,8 @@ class Verdict:
     info: dict = field(default_factory=dict)  # free-form: engine dtype, timings, bundle sha256
     coverage: dict = field(default_factory=dict)  # conformance/report/coverage.py: per group {run, defined}
     diagnosis: list | None = None            # conformance/verify/diagnose/: at a failing verdict, best first
+    done_by_kdtr: list = field(default_factory=list)  # steps kdtr performed for the engine, not judged
+    #                                          ({"step", "what", "checks"}: conformance/verify/not_judged.py)
 
 
 def exit_code_for(checks: list[CheckResult]) -> ExitCode:
@@ -103,12 +105,24 @@ def exit_code_for(checks: list[CheckResult]) -> ExitCode:
 
 
 def make_verdict(engine: str, bundle: str, checks: list[CheckResult],
-                 first_divergence: Divergence | None = None, info: dict | None = None) -> Verdict:
+                 first_divergence: Divergence | None = None, info: dict | None = None,
+                 defined: dict | None = None, done_by_kdtr: list | None = None) -> Verdict:
+    """`defined`: the checks the bundle defines (coverage.defined_checks), None when it could not be read;
+    `done_by_kdtr`: the steps kdtr performed for the engine (not_judged.py)."""
     code = exit_code_for(checks)
     word = ("pass" if code == ExitCode.OK else
             "error" if code in (ExitCode.INVALID_FILE, ExitCode.ENGINE_ERROR) else "fail")
     return Verdict(engine, bundle, list(checks), first_divergence, code, word, dict(info or {}),
-                   coverage(checks))
+                   coverage(checks, defined), done_by_kdtr=list(done_by_kdtr or []))
+
+
+def ran_text(v: Verdict) -> str:
+    """"" when every check the bundle defines ran, else ", 412 of 470 checks ran (58 not run)": a run
+    whose checks did not all run never reads as a plain PASS."""
+    t = v.coverage.get("total")
+    if t is None or t["run"] == t["defined"]:
+        return ""
+    return f", {t['run']} of {t['defined']} checks ran ({t['defined'] - t['run']} not run)"
 
 
 def counts(checks: list[CheckResult]) -> dict[str, int]:
@@ -139,7 +153,7 @@ def verdict_dict(v: Verdict) -> dict:
     return _jsonable({
         "schema": SCHEMA, "verdict": v.verdict, "exit_code": int(v.exit_code),
         "exit_name": v.exit_code.name, "engine": v.engine, "bundle": v.bundle,
-        "counts": counts(v.checks), "coverage": v.coverage, "info": v.info,
+        "counts": counts(v.checks), "coverage": v.coverage, "done_by_kdtr": v.done_by_kdtr, "info": v.info,
         "first_divergence": asdict(v.first_divergence) if v.first_divergence else None,
         "diagnosis": v.diagnosis or [], "checks": [asdict(c) for c in v.checks],
     })
@@ -185,7 +199,9 @@ def write_junit(v: Verdict, path: str | Path) -> None:
                           skipped=str(n["skip"]))
     props = ET.SubElement(suite, "properties")
     for k, val in (("verdict", v.verdict), ("exit_code", int(v.exit_code)), ("engine", v.engine),
-                   ("bundle", v.bundle), ("coverage", coverage_text(v.coverage)), *junit_properties(v.diagnosis)):
+                   ("bundle", v.bundle), ("coverage", coverage_text(v.coverage)),
+                   *((f"done_by_kdtr.{d['step']}", f"not judged: {d['what']}") for d in v.done_by_kdtr),
+                   *junit_properties(v.diagnosis)):
         ET.SubElement(props, "property", name=k, value=str(val))
     for c in v.checks:
         case = ET.SubElement(suite, "testcase", classname=f"kdtr.{c.kind}", name=c.name)

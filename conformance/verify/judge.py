@@ -15,14 +15,14 @@ choices at near-ties of the profile that the engine's own reported numbers expla
 from __future__ import annotations
 
 from conformance.records import position_offset, prompts_of
-from conformance.report.coverage import coverage, coverage_text, skip_reasons, skipped
+from conformance.report.coverage import LIVE_CHECKS, coverage, coverage_text, not_run, skip_reasons
 from conformance.report.verdict import CheckResult, Divergence
 from conformance.verify.context import Prompt, Run
 from conformance.verify.judge_ddtree import ddtree_checks
 from conformance.verify.judge_live import live_checks, live_tie_row
 from conformance.verify.judge_taps import tap_checks
 from conformance.verify.judge_tokens import token_check
-from conformance.verify.outputs import InvalidOutputs, has_live, validate_outputs, widened
+from conformance.verify.outputs import LIVE, InvalidOutputs, has_live, validate_outputs, widened
 from conformance.verify.tree_ties import GoldenDrafts
 
 
@@ -47,6 +47,10 @@ def judge(run: Run, out: dict) -> tuple[list[CheckResult], Divergence | None]:
         checks += ddtree_checks(pr, out, ar_ok)
         if has_live(out, i):     # its router runs freely: on a held fp32 bundle, judged up to a routing near-tie
             checks += live_checks(pr, out, drafts, ar_ok, live_tie_row(pr))
+        elif "drafter_config" in run.f.metadata:                         # defined by the bundle: not run
+            checks += [CheckResult(f"{pr.p}{LIVE}/{c}", "skip", "ddtree", message=(
+                f"not run: the outputs hold no {LIVE}/ group (the engine's own DDTree loop, ddtree_generate; "
+                f"docs/run-dump.md §2)")) for c in LIVE_CHECKS]
     checks += long_position_checks(run.f, checks)
     return checks, first
 
@@ -76,18 +80,22 @@ def long_position_checks(f, checks: list[CheckResult]) -> list[CheckResult]:
     return out
 
 
-def coverage_check(checks: list[CheckResult], required: float) -> CheckResult:
-    """Passes when every group ran at least `required` (0..1) of the checks it defines."""
-    cov = coverage(checks)
+def coverage_check(checks: list[CheckResult], required: float, defined: dict | None,
+                   done_by_kdtr: list | None = None) -> CheckResult:
+    """Passes when every group ran at least `required` (0..1) of the checks the bundle defines (`defined`,
+    coverage.defined_checks); a step kdtr performed for the engine (`done_by_kdtr`) is named in the message."""
+    cov = coverage(checks, defined)
     short = [g for g, d in cov.items() if g != "total" and d["run"] / d["defined"] < required - 1e-12]
     metrics = {g: f"{d['run']}/{d['defined']}" for g, d in cov.items()}
     tol = {"required": required}
     if not cov:
-        return CheckResult("coverage", "fail", "coverage", metrics, tol, "no checks ran")
+        return CheckResult("coverage", "fail", "coverage", metrics, tol, "the bundle defines no checks")
     if not short:
         return CheckResult("coverage", "pass", "coverage", metrics, tol)
-    names = skipped(checks)
+    names = not_run(checks, defined)
     want = "full" if required >= 1 else f"{required:g}"
+    kdtr = "; ".join(f"{d['what']} done by kdtr, not judged ({d['checks']} checks)" for d in done_by_kdtr or [])
+    reasons = skip_reasons(checks, 3) or names[:3]
     msg = (f"coverage {coverage_text(cov)} is below the required {want} in {', '.join(short)}; "
-           f"{len(names)} skipped, first: {'; '.join(skip_reasons(checks, 3))}")
+           f"{len(names)} not run" + (f" ({kdtr})" if kdtr else "") + f", first: {'; '.join(reasons)}")
     return CheckResult("coverage", "fail", "coverage", metrics, tol, msg)

@@ -19,6 +19,7 @@ import time
 from conformance.engines.protocol import check_engine
 from conformance.precision import PROFILE_OF_DTYPE, holds_routing
 from conformance.records import check_schema, dump_made_from_other, dump_routing, prompts_of, read_dump, write_dump
+from conformance.report.coverage import defined_checks
 from conformance.report.verdict import CheckResult, make_verdict
 from conformance.verify.collect import can_hold_routing, collect
 from conformance.verify.context import Run
@@ -26,6 +27,7 @@ from conformance.verify.judge import coverage_check, judge
 from conformance.verify.diagnose import diagnose
 from conformance.verify.judge_ranks import judge_ranks, read_dump_dir
 from conformance.verify.localize import localize
+from conformance.verify.not_judged import kdtr_steps, mark_not_judged
 from conformance.verify.outputs import InvalidOutputs
 from conformance.verify.preflight import preflight_localisation
 from kdtr_format import KdtrError, open_kdtr
@@ -53,18 +55,24 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
     with f:
         checks = [CheckResult("bundle/integrity", "pass", "integrity",
                               {"tensors": len(f.names), "checksums": "verified"})]
+        defined = defined_checks(f)                                      # from the bundle alone
+        steps = {}                                                       # what kdtr does for the engine
+
+        def verdict(checks, first=None, info=None):
+            return make_verdict(name, os.fspath(bundle), checks, first, info, defined,
+                                mark_not_judged(checks, steps, f))
         if dump_dir is not None or getattr(engine, "sharded", False):
             return _verify_ranks(f, bundle, name, checks, engine, dump_dir, save_dump_dir, overrides,
-                                 require_coverage, profile, t0)
+                                 require_coverage, profile, t0, defined)
         other = dump_made_from_other(dump, f) if dump else None
         if other:
             checks.append(CheckResult("dump/bundle", "error", "integrity", message=f"{dump}: {other}"))
-            return make_verdict(name, bundle, checks)
+            return verdict(checks)
         lacks = check_engine(engine) if dump is None else []
         if lacks:                                                        # before step 37, not during it
             checks.append(CheckResult("engine/run", "error", "numeric",
                                       message=f"not an engine (conformance/engines/protocol.py): {'; '.join(lacks)}"))
-            return make_verdict(name, bundle, checks)
+            return verdict(checks)
         run = None
         if engine is not None and dump is None:                          # a missing profile: say so before
             run = Run.of(f, profile or PROFILE_OF_DTYPE.get(engine.dtype, "fp32"), overrides, engine.dtype)
@@ -76,12 +84,13 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
             label = "bundle/integrity" if not dump or str(e).startswith(os.fspath(bundle)) else "dump/integrity"
             checks.append(CheckResult(label, "error", "integrity",
                                       message=str(e) if label == "bundle/integrity" else f"{dump}: {e}"))
-            return make_verdict(name, bundle, checks)
+            return verdict(checks)
         except Exception as e:  # noqa: BLE001 - any failure inside the engine under test is its error
             checks.append(CheckResult("engine/run", "error", "numeric",
                                       message=f"{type(e).__name__}: {e}"))
-            return make_verdict(name, bundle, checks)
+            return verdict(checks)
         t1 = time.perf_counter()
+        steps.update(kdtr_steps(engine if dump is None else None, f, dump))
         if run is None:                                                  # a dump: its dtype picks the profile
             run = Run.of(f, profile or PROFILE_OF_DTYPE.get(dtype, "fp32"), overrides, dtype)
         try:
@@ -89,11 +98,12 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
         except InvalidOutputs as e:                                      # a bad dump is a bad file (5);
             kind, label = ("integrity", "dump/structure") if dump else ("numeric", "engine/outputs")  # a bad engine, 6
             checks.append(CheckResult(label, "error", kind, {"problems": e.problems}, message=str(e)))
-            return make_verdict(name, bundle, checks)
+            return verdict(checks)
         except KdtrError as e:                                           # the bundle changed while being read
             checks.append(CheckResult("bundle/integrity", "error", "integrity", message=str(e)))
-            return make_verdict(name, bundle, checks)
-        saved = _save_dump(f, out, save_dump, engine, name, dtype, held) if save_dump and dump is None else None
+            return verdict(checks)
+        saved = (_save_dump(f, out, save_dump, engine, name, dtype, held, steps)
+                 if save_dump and dump is None else None)
         _say_why_unobserved(judged, getattr(engine, "unobserved", None) or {})
         if first is not None and unlocalised is not None:               # said up front; not tried again
             if getattr(engine, "supports_teacher_forcing", False):      # (an engine without it: no cause)
@@ -110,8 +120,9 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
                                      run.profile)
             except Exception as e:  # noqa: BLE001 - the diagnosis is best effort, like localize; the verdict stands
                 why = f"the diagnosis could not run: {type(e).__name__}: {e}"
+        done = mark_not_judged(judged, steps, f)                        # before coverage counts them
         if require_coverage is not None:
-            judged.append(coverage_check(judged, require_coverage))
+            judged.append(coverage_check(judged, require_coverage, defined, done))
         info = {"dtype": dtype, "profile": run.profile,
                 "routing": _routing_info(engine, dump, run.profile, held, run.holds_routing),
                 "localisation": None if dump else (unlocalised or "ready: run_layer answered on golden inputs"),
@@ -122,7 +133,7 @@ def verify(bundle: str, engine=None, dump: str | None = None, overrides=(), prog
             info["save_dump"] = saved
         if why:
             info["diagnosis_error"] = why
-        v = make_verdict(name, os.fspath(bundle), checks + judged, first, info)
+        v = make_verdict(name, os.fspath(bundle), checks + judged, first, info, defined, done)
         v.diagnosis = diagnosis
         return v
 
@@ -143,19 +154,20 @@ def _open_checked(bundle: str, progress=None):
     return f
 
 
-def _save_dump(f, out: dict, path: str, engine, name: str, dtype: str, held: bool) -> dict:
+def _save_dump(f, out: dict, path: str, engine, name: str, dtype: str, held: bool, steps: dict) -> dict:
     """Write the run dump; {"path": path} when written, plus "error" (one line) when the write failed: the
     verdict stands, and the caller reports the failure with the other reports."""
     own = engine.dump_metadata() if callable(getattr(engine, "dump_metadata", None)) else None
     try:
         write_dump(out, path, name, dtype, f.metadata.get("provenance", {}).get("command", ""), own,
-                   routing="held" if held else "free", bundle_sha256=f.header_sha256)
+                   routing="held" if held else "free", bundle_sha256=f.header_sha256, done_by_kdtr=steps)
     except OSError as e:
         return {"path": path, "error": e.strerror or str(e)}
     return {"path": path}
 
 
-def _verify_ranks(f, bundle, name, checks, engine, dump_dir, save_dump_dir, overrides, require_coverage, profile, t0):
+def _verify_ranks(f, bundle, name, checks, engine, dump_dir, save_dump_dir, overrides, require_coverage, profile, t0,
+                  defined=None):
     """A sharded run: the rank dumps of `dump_dir`, or those the sharded engine writes now (into
     `save_dump_dir`, else a temporary folder), judged rank by rank; no localisation (no layer runs alone)."""
     with tempfile.TemporaryDirectory(prefix="kdtr-rank-dumps-") as tmp:
@@ -167,28 +179,29 @@ def _verify_ranks(f, bundle, name, checks, engine, dump_dir, save_dump_dir, over
                 engine.run(os.fspath(bundle), folder)
             except Exception as e:  # noqa: BLE001 - any failure of a rank is the engine's error
                 checks.append(CheckResult("engine/run", "error", "numeric", message=f"{type(e).__name__}: {e}"))
-                return make_verdict(name, bundle, checks)
+                return make_verdict(name, bundle, checks, defined=defined)
         t1 = time.perf_counter()
         try:
             outs, metas, dtype, _ = read_dump_dir(folder)
         except KdtrError as e:
             checks.append(CheckResult("dump/integrity", "error", "integrity", message=f"{folder}: {e}"))
-            return make_verdict(name, bundle, checks)
+            return make_verdict(name, bundle, checks, defined=defined)
         profile = profile or PROFILE_OF_DTYPE.get(dtype, "fp32")
         try:
             judged, first, summary = judge_ranks(f, outs, metas, overrides, dtype, profile)
         except InvalidOutputs as e:                # a bad dump is a bad file (5), a bad engine's outputs an error (6)
             kind, label = ("integrity", "dump/structure") if dump_dir else ("numeric", "engine/outputs")
             checks.append(CheckResult(label, "error", kind, {"problems": e.problems}, message=str(e)))
-            return make_verdict(name, bundle, checks)
+            return make_verdict(name, bundle, checks, defined=defined)
+        done = mark_not_judged(judged, kdtr_steps(engine, f), f)
         if require_coverage is not None:
-            judged.append(coverage_check(judged, require_coverage))
+            judged.append(coverage_check(judged, require_coverage, defined, done))
         info = {"dtype": dtype, "profile": profile, "shard": summary,
                 "routing": _routing_info(None, os.path.join(folder, "rank0.kdtr"), profile, False,
                                          holds_routing(f.metadata, profile)),
                 "engine_seconds": round(t1 - t0, 3), "judge_seconds": round(time.perf_counter() - t1, 3),
                 "prompts": len(prompts_of(f)), "bundle_figures": f.metadata.get("figures", {})}
-        return make_verdict(name, os.fspath(bundle), checks + judged, first, info)
+        return make_verdict(name, os.fspath(bundle), checks + judged, first, info, defined, done)
 
 
 def _say_why_unobserved(checks, why: dict) -> None:
