@@ -146,13 +146,19 @@ def _manifest_distill_steps() -> list[int]:
     return [int(m) for m in re.findall(r"^\s+kdtr gen .*--distill-steps (\d+)", text, re.M) if int(m) > 0]
 
 
-def test_the_committed_bundles_corpus_stays_1280_streams():
-    """The committed drafter was distilled on 1280 streams: its command must still get exactly those."""
-    from refmodel.distill import corpus_size
-    steps = _manifest_distill_steps()
-    assert steps and set(steps) == {1000}, steps            # every distilled committed bundle: 1000 steps
+def test_the_committed_bundles_corpus_stays_the_one_they_were_distilled_on():
+    """The committed drafters were distilled on 1280 streams (the 1000-step tiny and edge bundles) and 384
+    (the 300-step shardable bundle, generated with the corpus already sized by its steps): their commands must
+    still get exactly those, or the regeneration would give other drafters."""
     import dataclasses
-    assert corpus_size(dataclasses.replace(DistillSettings(), steps=steps[0])) == 1280 == DistillSettings().sequences
+
+    from refmodel.distill import corpus_size
+    made_on = {1000: 1280, 300: 384}                        # steps -> streams, as each bundle was distilled
+    steps = _manifest_distill_steps()
+    assert steps and set(steps) <= set(made_on), steps
+    assert made_on[1000] == DistillSettings().sequences
+    for n in steps:
+        assert corpus_size(dataclasses.replace(DistillSettings(), steps=n)) == made_on[n], n
 
 
 @pytest.mark.parametrize("steps, streams", [(1, 8), (20, 32), (100, 128), (999, 1280), (1000, 1280), (5000, 1280)])
