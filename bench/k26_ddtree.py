@@ -304,7 +304,23 @@ def projections(summary: list[dict], acceptance: dict, draft: float = 0.0) -> li
     return out
 
 
-def report(rounds, shapes, synthesised, acceptance, gpu: dict | None, draft: float = 0.0, gpu_error=None) -> dict:
+def bytes_bound(routing_model: list[dict], acceptance: dict) -> list[dict]:
+    """The speedup an engine whose layer time were its least bytes (weights only, each read once at one
+    bandwidth) would reach: tau / (verify bytes / AR bytes), per correlated share and acceptance model."""
+    out = []
+    for share in routing_model[0]["bytes_over_ar_at_share"]:
+        ratio = {x["budget"]: x["bytes_over_ar_at_share"][share] for x in routing_model}
+        for name, acc in acceptance.items():
+            sp = project(ratio, acc["tau"])
+            b, best = best_budget(sp)
+            out.append({"share": share, "acceptance": name, "speedup": {str(k): v for k, v in sp.items()},
+                        "best_budget": b, "best_speedup": best})
+    return out
+
+
+def report(rounds, shapes, synthesised, acceptance, routing_model, gpu: dict | None, draft: float = 0.0,
+           gpu_error=None) -> dict:
+    """Everything the JSON holds; routing_model: routing_table(shapes) (made once: it samples)."""
     summary = summarize(gpu) if gpu else []
     return {"what": "kdtr bench ddtree --k26 (docs/k26-scale.md)", "dims": K26, "expert_bytes": expert_bytes(),
             "dense_bytes": dense_bytes(), "budgets": sorted(shapes),
@@ -312,7 +328,8 @@ def report(rounds, shapes, synthesised, acceptance, gpu: dict | None, draft: flo
                        for b, p in sorted(shapes.items())},
             "acceptance": {k: {"source": v["source"], "tau": {str(b): t for b, t in v["tau"].items()}}
                            for k, v in acceptance.items()},
-            "routing_model": routing_table(shapes), "draft_ar_steps": draft,
+            "routing_model": routing_model, "bytes_bound": bytes_bound(routing_model, acceptance),
+            "draft_ar_steps": draft,
             "gpu": gpu, "gpu_error": gpu_error, "summary": summary,
             "projection": [{**p, "speedup": {str(b): s for b, s in p["speedup"].items()}}
                            for p in projections(summary, acceptance, draft)]}
@@ -327,15 +344,25 @@ def _f(x, fmt: str) -> str:
 def table(r: dict) -> str:
     """The console tables: routing model, acceptance, measured times, projected speedup per budget."""
     budgets = r["budgets"]
-    head = "budget " + "".join(f"{b:>7d}" for b in budgets)
-    lines = ["distinct routed experts per verify (rows = budget + 1) and least bytes over the AR step's:",
+
+    def head(width: int) -> str:
+        return "  " + f"{'budget':<{width}}" + "".join(f"{b:>7d}" for b in budgets)
+
+    lines = ["distinct routed experts per verify (rows = budget + 1) and its least weight bytes over the AR "
+             "step's, by routing model:", head(12),
              "  independent " + "".join(f"{x['independent']:7.1f}" for x in r["routing_model"])]
     for s in r["routing_model"][0]["correlated"]:
         lines.append(f"  share {s:<5} " + "".join(f"{x['correlated'][s]:7.1f}" for x in r["routing_model"]))
-        lines.append(f"   bytes/AR  " + "".join(f"{x['bytes_over_ar_at_share'][s]:7.2f}" for x in r["routing_model"]))
-    lines.append("tokens per round (tau) by acceptance model:   " + head)
+        lines.append(f"    bytes/AR  " + "".join(f"{x['bytes_over_ar_at_share'][s]:7.2f}" for x in r["routing_model"]))
+    lines += ["tokens per round (tau) by acceptance model:", head(44)]
     for name, a in r["acceptance"].items():
         lines.append(f"  {name:<44}" + "".join(f"{_f(a['tau'][str(b)], '7.2f')}" for b in budgets))
+    lines += ["bytes-bound speedup (tau / verify-over-AR weight bytes: an engine at its copy floor), best budget:",
+              head(44)]
+    for p in r["bytes_bound"]:
+        lines.append(f"  share {p['share']:<5} {p['acceptance']:<32}" + "".join(
+            f"{_f(p['speedup'][str(b)], '7.2f')}" for b in budgets) + f"   b={p['best_budget']} "
+            f"{_f(p['best_speedup'], '.2f')}x")
     if r["gpu"]:
         g = r["gpu"]
         lines.append(f"{g.get('device', '?')}: {g['layers']} random-weight K2.6 MoE layers, {g['reps']} replays per "
@@ -371,16 +398,17 @@ def run(bundles, quick: bool = False, share: float = SHARE, draft: float = 0.0, 
     budgets = QUICK_BUDGETS if quick else BUDGETS
     made = {b: tree_shape(rounds, b) for b in budgets}
     shapes, synth = {b: p for b, (p, _) in made.items()}, {b: s for b, (_, s) in made.items()}
-    acceptance = acceptance_models(rounds, budgets)
+    acceptance, routing = acceptance_models(rounds, budgets), routing_table(shapes)
     gpu, err = None, None
     if device:
         try:
             from bench.k26_ddtree_gpu import measure
 
-            cb = None if checkpoint is None else (lambda g: checkpoint(report(rounds, shapes, synth, acceptance, g, draft)))
+            cb = None if checkpoint is None else (
+                lambda g: checkpoint(report(rounds, shapes, synth, acceptance, routing, g, draft)))
             gpu = measure(shapes, CONTEXTS, layers, reps, share, time_budget_s, progress, cb)
         except Exception as e:  # noqa: BLE001 - fail soft: the host half still reports
             err = f"{type(e).__name__}: {e}"[:600]
     else:
         err = "not run (--no-device)"
-    return report(rounds, shapes, synth, acceptance, gpu, draft, err)
+    return report(rounds, shapes, synth, acceptance, routing, gpu, draft, err)

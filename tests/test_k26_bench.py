@@ -159,9 +159,12 @@ def _fake_gpu(budgets=(1, 2)) -> dict:
 
 
 def test_summary_projection_and_table_of_a_device_result(rounds):
+    import json
+
     shapes = {b: k.tree_shape(rounds, b)[0] for b in (1, 2)}
     acc = k.acceptance_models(rounds, (1, 2))
-    r = k.report(rounds, shapes, {1: False, 2: False}, acc, _fake_gpu())
+    r = k.report(rounds, shapes, {1: False, 2: False}, acc, k.routing_table(shapes, samples=8), _fake_gpu())
+    json.dumps(r)                                                          # JSON-ready as it is
     router = {s["budget"]: s for s in r["summary"] if s["routing"] == "router"}
     assert router[2]["us_layer"] == pytest.approx(300.5) and router[2]["ar_us"] == pytest.approx(100.5)
     assert router[2]["verify_over_ar"] == pytest.approx(300.5 / 100.5)
@@ -172,6 +175,9 @@ def test_summary_projection_and_table_of_a_device_result(rounds):
     assert p["speedup"]["2"] == pytest.approx(acc["bundles"]["tau"][2] / ratio[2])
     assert p["best_budget"] == max((1, 2), key=lambda b: acc["bundles"]["tau"][b] / ratio[b])
     assert {x["context"] for x in r["summary"]} == {4096}                 # 32K: nothing ran, no rows
+    bb = next(x for x in r["bytes_bound"] if x["share"] == "0.5" and x["acceptance"] == "published GSM8K")
+    ratio_b = {x["budget"]: x["bytes_over_ar_at_share"]["0.5"] for x in r["routing_model"]}
+    assert bb["speedup"]["2"] == pytest.approx(acc["published GSM8K"]["tau"][2] / ratio_b[2])
     text = k.table(r)
     assert "verify/AR" in text and f"b={p['best_budget']}" in text and "published GSM8K" in text
 
@@ -270,6 +276,26 @@ def test_device_half_plumbing_on_a_fake_driver(monkeypatch, rounds):
     assert any(n.startswith("w4a16_mma_i8_m1") for n in names) and any(n.startswith("w4a16_mma_i8_m4") for n in names)
 
 
+def test_the_device_command_on_a_fake_driver(monkeypatch, tmp_path):
+    """The command the device runs, end to end (quick budgets), on the fake driver: exit 0, every
+    measurement made, the JSON complete and the projection there for both contexts."""
+    import json
+
+    from click.testing import CliRunner
+
+    from cli.main import main
+
+    _fake_driver(monkeypatch)
+    out = tmp_path / "k26.json"
+    res = CliRunner().invoke(main, ["bench", "ddtree", "--k26", "--k26-quick", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    r = json.loads(out.read_text())
+    assert r["gpu_error"] is None and len(r["gpu"]["measurements"]) == 3 * 2 * (1 + 2 * len(k.QUICK_BUDGETS))
+    assert {(p["context"], p["routing"]) for p in r["projection"]} == {
+        (c, rt) for c in k.CONTEXTS for rt in ("router", "correlated")}
+    assert "projected wall speedup" in res.output
+
+
 def test_device_half_records_a_failing_measurement_and_goes_on(monkeypatch, rounds):
     from bench import k26_ddtree_gpu as g
 
@@ -306,6 +332,6 @@ def test_device_half_on_the_gpu(rounds):
     ms = res["measurements"]
     assert [m["error"] for m in ms] == [None] * 5
     ar = ms[0]
-    assert ar["routing"] == "ar" and ar["distinct_routed"] == 8 and ar["us_layer"] > ar["us_moe"] > 0
+    assert ar["routing"] == "ar" and ar["distinct_routed"] == 8 and ar["us_layer"] > 0 and ar["us_moe"] > 0
     corr = [m for m in ms if m["routing"] == "correlated" and m["budget"] == 16][0]
     assert 8 <= corr["distinct_routed"] <= 8 * 17
