@@ -146,6 +146,20 @@ def _graph_us(ops, fn, reps: int) -> float:
         g.destroy()
 
 
+def _copy_gbps(e, reps: int):
+    """GB/s of one stream read over layer 0's gate+up stack (6.4 GB, far past the L2): the copy floor the
+    MoE half is set against (as in `kdtr bench w4a16`); None if it failed."""
+    from cuda_engine.device import DevBuf
+
+    try:
+        w = e.layers[0]["gate_up.mma"]
+        sink = DevBuf.from_array(np.zeros(4, np.int32))
+        n = w.nbytes // 16 * 16
+        return n / _graph_us(e.ops, lambda: e.ops.stream_read(w.ptr, n, sink), max(2, reps // 2)) / 1e3
+    except Exception:  # noqa: BLE001 - fail soft: the floor column stays empty
+        return None
+
+
 def _set_layer_inputs(e, l: int, parents, cached: int, held, rng) -> None:
     """Random rows for layer l's input (normed and residual), the positions (cached + depth), the meta's
     cached rows, the tree mask (none for one row) and held expert ids (-1: the router's choice)."""
@@ -178,6 +192,7 @@ def measure(shapes: dict, contexts, layers: int = 3, reps: int = 5, share: float
            "time_budget_s": time_budget_s, "measurements": [], "skipped": 0}
     e = _engine(layers, max(contexts) + T_cap, T_cap, progress)
     res["setup_s"] = time.perf_counter() - t_start
+    res["copy_gbps"] = _copy_gbps(e, reps)
     rng = np.random.default_rng(1)
     K = e.cfg.num_experts_per_tok
     for l in range(layers):

@@ -154,7 +154,7 @@ def _fake_gpu(budgets=(1, 2)) -> dict:
                            "us_layer": us + l, "us_moe": us / 2, "distinct_routed": 8 * (b + 1), "error": None})
     ms.append({"layer": 1, "context": 32768, "routing": "ar", "budget": 0, "rows": 1, "us_layer": None,
                "us_moe": None, "distinct_routed": None, "error": "skipped: past the time budget"})
-    return {"device": "fake", "layers": 2, "reps": 5, "share": 0.5, "contexts": [4096, 32768],
+    return {"device": "fake", "layers": 2, "reps": 5, "share": 0.5, "contexts": [4096, 32768], "copy_gbps": 4000.0,
             "measurements": ms, "skipped": 1, "elapsed_s": 1.0}
 
 
@@ -170,6 +170,11 @@ def test_summary_projection_and_table_of_a_device_result(rounds):
     assert router[2]["verify_over_ar"] == pytest.approx(300.5 / 100.5)
     assert router[1]["us_attention"] == pytest.approx(200.5 - 100.0)
     assert router[2]["bytes"] == pytest.approx(k.layer_bytes(24, 3, 4096))
+    assert router[2]["moe_over_floor"] == pytest.approx(150.0 / (25 * k.expert_bytes() / 4000.0 / 1e3))
+    aim = {(a["aim"].split(", ")[2], a["aim"].split(", ")[3]): a for a in r["aims"]}
+    pg = next(p for p in r["projection"] if p["routing"] == "router" and p["acceptance"] == "published GSM8K")
+    assert aim[("4096 cached rows", "router routing")]["value"] == pg["best_speedup"]
+    assert aim[("4096 cached rows", "router routing")]["met"] == (pg["best_speedup"] >= 1.5)
     p = next(p for p in r["projection"] if p["routing"] == "correlated" and p["acceptance"] == "bundles")
     ratio = {b: (50.0 * (2 + b) + 0.5) / 100.5 for b in (1, 2)}
     assert p["speedup"]["2"] == pytest.approx(acc["bundles"]["tau"][2] / ratio[2])
