@@ -182,17 +182,20 @@ def measure(shapes: dict, contexts, layers: int = 3, reps: int = 5, share: float
     """Per layer, context and routing: the AR step (one row, causal) and the verify of each tree in `shapes`
     ({b: parents [b+1]}), the whole layer and its MoE half; the distinct routed experts the layer's slots
     hold afterwards. Layer 0 first at every context, then the others (a cut run keeps a whole layer).
-    checkpoint(result) is called after each layer and context with what ran so far."""
+    checkpoint(result) is called after the setup and after each layer and context with what ran so far
+    (complete: False until the end)."""
     from cuda_engine.device import device_info
 
     t_start = time.perf_counter()
     budgets = sorted(shapes)
     T_cap = 1 << (max(len(p) for p in shapes.values()) - 1).bit_length()
     res = {**device_info(), "layers": layers, "reps": reps, "share": share, "contexts": list(contexts),
-           "time_budget_s": time_budget_s, "measurements": [], "skipped": 0}
+           "time_budget_s": time_budget_s, "measurements": [], "skipped": 0, "complete": False}
     e = _engine(layers, max(contexts) + T_cap, T_cap, progress)
     res["setup_s"] = time.perf_counter() - t_start
     res["copy_gbps"] = _copy_gbps(e, reps)
+    if checkpoint:
+        checkpoint(res)
     rng = np.random.default_rng(1)
     K = e.cfg.num_experts_per_tok
     for l in range(layers):
@@ -221,7 +224,7 @@ def measure(shapes: dict, contexts, layers: int = 3, reps: int = 5, share: float
             res["elapsed_s"] = time.perf_counter() - t_start
             if checkpoint:
                 checkpoint(res)
-    res["elapsed_s"] = time.perf_counter() - t_start
+    res["elapsed_s"], res["complete"] = time.perf_counter() - t_start, True
     return res
 
 

@@ -126,12 +126,12 @@ def ddtree_cmd(bundles, tokens, repeats, json_path, k26, k26_quick, k26_share, k
 
 
 def _k26(bundles, json_path, quick, share, draft, time_budget, no_device) -> None:
-    """`kdtr bench ddtree --k26`: bench/k26_ddtree.run, its tables, its JSON (rewritten after each layer and
+    """`kdtr bench ddtree --k26`: bench/k26_ddtree_report.run, its tables, its JSON (rewritten after each layer and
     context of the device run, so a run cut short keeps what ran); exit 6 when the device part did not run."""
     import glob
 
     try:
-        from bench.k26_ddtree import run, table
+        from bench.k26_ddtree_report import run, table
     except ImportError as e:
         click.echo(f"kdtr bench ddtree --k26: {e}: run it from the repository root (bench/ is not installed)",
                    err=True)

@@ -1,4 +1,4 @@
-"""`kdtr bench ddtree --k26` (bench/k26_ddtree.py): the host half against independent computations on CPU;
+"""`kdtr bench ddtree --k26` (bench/k26_ddtree*.py): the host half against independent computations on CPU;
 the device half's plumbing through the engine's real op wrappers on a fake driver (no pycuda: every wrapper
 validates its arguments before a launch, so a wrong shape or size fails here); the device half itself on a
 GPU (cuda-marked)."""
@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from bench import k26_ddtree as k
+from bench import k26_ddtree_report as rp
 from cuda_oracle import committed_bundles
 
 BUNDLES = committed_bundles()
@@ -162,8 +163,8 @@ def test_summary_projection_and_table_of_a_device_result(rounds):
     import json
 
     shapes = {b: k.tree_shape(rounds, b)[0] for b in (1, 2)}
-    acc = k.acceptance_models(rounds, (1, 2))
-    r = k.report(rounds, shapes, {1: False, 2: False}, acc, k.routing_table(shapes, samples=8), _fake_gpu())
+    acc = rp.acceptance_models(rounds, (1, 2))
+    r = rp.report(rounds, shapes, {1: False, 2: False}, acc, rp.routing_table(shapes, samples=8), _fake_gpu())
     json.dumps(r)                                                          # JSON-ready as it is
     router = {s["budget"]: s for s in r["summary"] if s["routing"] == "router"}
     assert router[2]["us_layer"] == pytest.approx(300.5) and router[2]["ar_us"] == pytest.approx(100.5)
@@ -183,7 +184,7 @@ def test_summary_projection_and_table_of_a_device_result(rounds):
     bb = next(x for x in r["bytes_bound"] if x["share"] == "0.5" and x["acceptance"] == "published GSM8K")
     ratio_b = {x["budget"]: x["bytes_over_ar_at_share"]["0.5"] for x in r["routing_model"]}
     assert bb["speedup"]["2"] == pytest.approx(acc["published GSM8K"]["tau"][2] / ratio_b[2])
-    text = k.table(r)
+    text = rp.table(r)
     assert "verify/AR" in text and f"b={p['best_budget']}" in text and "published GSM8K" in text
 
 
@@ -272,7 +273,7 @@ def test_device_half_plumbing_on_a_fake_driver(monkeypatch, rounds):
     saved = []
     res = g.measure(shapes, (64, 256), layers=2, reps=4, progress=lambda m: None, checkpoint=saved.append)
     ms = res["measurements"]
-    assert len(ms) == 2 * 2 * (1 + 2 * 3) and len(saved) == 4
+    assert len(ms) == 2 * 2 * (1 + 2 * 3) and len(saved) == 1 + 4 and res["complete"]
     assert [m["error"] for m in ms if m["error"]] == []
     assert all(m["us_layer"] == pytest.approx(250.0) and m["us_moe"] == pytest.approx(250.0) for m in ms)
     names = {n for n, _ in calls}
