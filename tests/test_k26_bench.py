@@ -206,24 +206,31 @@ def test_cli_host_half_writes_the_json(tmp_path):
 # ---------------------------------------------------------------- the device half on a fake driver
 
 class _FakeFn:
+    """A kernel of the fake module: a prepared launch checks its argument count against the signature."""
     shared_size_bytes, num_regs = 45000, 128
 
     def __init__(self, name, calls):
-        self.name, self.calls = name, calls
+        self.name, self.calls, self.sig = name, calls, None
+
+    def prepare(self, sig):
+        self.sig = sig
+
+    def set_attribute(self, attr, value):
+        pass
 
     def prepared_async_call(self, grid, block, stream, *args):
-        from cuda_engine.ops import SIGNATURES
-
-        assert len(args) == len(SIGNATURES[self.name]), self.name
+        assert len(args) == len(self.sig), (self.name, len(args), self.sig)
         self.calls.append((self.name, grid))
 
 
 def _fake_driver(monkeypatch):
     """cuda_engine.device's driver and device replaced by host stand-ins: allocations are addresses only,
-    copies do nothing (reads return zeros), events measure 1 ms; Ops loads no module."""
+    copies do nothing (reads return zeros), events measure 1 ms, the kernel module is a fake one and no
+    fatbin is built; Ops itself is the real class. Returns the list of launches (kernel name, grid)."""
     from cuda_engine import device, graph, ops
 
     top = [1 << 20]
+    calls = []
 
     def mem_alloc(n):
         top[0] += -(-n // 256) * 256
@@ -242,24 +249,18 @@ def _fake_driver(monkeypatch):
     attrs = types.SimpleNamespace(MAX_SHARED_MEMORY_PER_MULTIPROCESSOR=233472, MAX_REGISTERS_PER_MULTIPROCESSOR=65536,
                                   MULTIPROCESSOR_COUNT=132, L2_CACHE_SIZE=50 << 20)
     stream = types.SimpleNamespace(synchronize=lambda: None, handle=0)
+    module = types.SimpleNamespace(get_function=lambda name: _FakeFn(name, calls))
     drv = types.SimpleNamespace(mem_alloc=mem_alloc, memcpy_htod=lambda p, a: None, memcpy_dtod=lambda d, s, n: None,
                                 memcpy_dtoh=lambda out, p: out.fill(0), memset_d32=lambda p, v, n: None,
                                 Event=Event, Stream=lambda: stream, get_driver_version=lambda: 12080,
-                                device_attribute=attrs, MemoryError=MemoryError, Error=RuntimeError,
+                                device_attribute=attrs, function_attribute=types.SimpleNamespace(),
+                                module_from_file=lambda path: module, MemoryError=MemoryError, Error=RuntimeError,
                                 mem_get_info=lambda: (0, 0))
     dev = types.SimpleNamespace(name=lambda: "fake", compute_capability=lambda: (9, 0), total_memory=lambda: 1 << 37,
                                 get_attribute=lambda a: a)          # the attributes hold their values
     monkeypatch.setitem(device._STATE, "drv", drv)
     monkeypatch.setitem(device._STATE, "dev", dev)
-    calls = []
-
-    def init(self, fatbin=None):
-        self.fatbin, self.stream, self.sm_count = "fake.fatbin", stream, 132
-        self.fn = {n: _FakeFn(n, calls) for n in ops.SIGNATURES}
-        self.launches, self.ran, self.w4a16_regimes, self._resident = 0, {}, {}, {}
-        self.capturing, self.debug_sync, self._ws, self._retired = False, False, {}, []
-
-    monkeypatch.setattr(ops.Ops, "__init__", init)
+    monkeypatch.setattr(ops, "build_fatbin", lambda: "fake.fatbin")
     monkeypatch.setattr(graph, "capture", lambda o, fn: types.SimpleNamespace(launch=lambda s: None,
                                                                               destroy=lambda: None))
     return calls
