@@ -107,6 +107,7 @@ def report(rounds, shapes, synthesised, acceptance, routing_model, gpu: dict | N
             "dense_bytes": dense_bytes(), "budgets": sorted(shapes),
             "shapes": {str(b): {"rows": len(p), "synthesised": synthesised[b], "parents": p.tolist()}
                        for b, p in sorted(shapes.items())},
+            "shapes_from": {k: rounds[0][k] for k in ("bundle", "prompt", "round")},
             "acceptance": {k: {"source": v["source"], "tau": {str(b): t for b, t in v["tau"].items()}}
                            for k, v in acceptance.items()},
             "routing_model": routing_model, "bytes_bound": bytes_bound(routing_model, acceptance),
