@@ -176,6 +176,11 @@ def test_summary_projection_and_table_of_a_device_result(rounds):
     pg = next(p for p in r["projection"] if p["routing"] == "router" and p["acceptance"] == "published GSM8K")
     assert aim[("4096 cached rows", "router routing")]["value"] == pg["best_speedup"]
     assert aim[("4096 cached rows", "router routing")]["met"] == (pg["best_speedup"] >= 1.5)
+    tau = acc["published GSM8K"]["tau"]
+    room = max(tau[b] / 1.5 - router[b]["verify_over_ar"] for b in (1, 2))
+    assert aim[("4096 cached rows", "router routing")]["draft_room_ar_steps"] == pytest.approx(room)
+    assert k.project({b: router[b]["verify_over_ar"] for b in (1, 2)}, tau, draft=room)[
+        max((1, 2), key=lambda b: tau[b] / 1.5 - router[b]["verify_over_ar"])] == pytest.approx(1.5)
     p = next(p for p in r["projection"] if p["routing"] == "correlated" and p["acceptance"] == "bundles")
     ratio = {b: (50.0 * (2 + b) + 0.5) / 100.5 for b in (1, 2)}
     assert p["speedup"]["2"] == pytest.approx(acc["bundles"]["tau"][2] / ratio[2])
