@@ -126,8 +126,9 @@ def ddtree_cmd(bundles, tokens, repeats, json_path, k26, k26_quick, k26_share, k
 
 
 def _k26(bundles, json_path, quick, share, draft, time_budget, no_device) -> None:
-    """`kdtr bench ddtree --k26`: bench/k26_ddtree_report.run, its tables, its JSON (rewritten after each layer and
-    context of the device run, so a run cut short keeps what ran); exit 6 when the device part did not run."""
+    """`kdtr bench ddtree --k26`: bench/k26_ddtree_report.run, its tables, its JSON (rewritten after each layer
+    and context of the device run, so a run cut short keeps what ran); exit 6 when the device part did not run
+    or measured nothing."""
     import glob
 
     try:
@@ -145,6 +146,9 @@ def _k26(bundles, json_path, quick, share, draft, time_budget, no_device) -> Non
         save(r)
     if r["gpu_error"] and not no_device:
         click.echo(f"kdtr bench ddtree --k26: the device part did not run: {r['gpu_error']}", err=True)
+        sys.exit(int(ExitCode.ENGINE_ERROR))
+    if not no_device and not r["summary"]:
+        click.echo("kdtr bench ddtree --k26: no device measurement succeeded (the errors are in the JSON)", err=True)
         sys.exit(int(ExitCode.ENGINE_ERROR))
 
 

@@ -308,6 +308,20 @@ def test_the_device_command_on_a_fake_driver(monkeypatch, tmp_path):
     assert "projected wall speedup" in res.output
 
 
+def test_the_device_command_exits_6_when_nothing_was_measured(monkeypatch, tmp_path):
+    from click.testing import CliRunner
+
+    from bench import k26_ddtree_gpu as g
+    from cli.main import main
+
+    _fake_driver(monkeypatch)
+    monkeypatch.setattr(g, "_graph_us", lambda *a: (_ for _ in ()).throw(RuntimeError("no launch")))
+    out = tmp_path / "k26.json"
+    res = CliRunner().invoke(main, ["bench", "ddtree", "--k26", "--k26-quick", "--json", str(out)])
+    assert res.exit_code == 6 and "no device measurement succeeded" in res.output
+    assert "RuntimeError: no launch" in out.read_text()
+
+
 def test_device_half_records_a_failing_measurement_and_goes_on(monkeypatch, rounds):
     from bench import k26_ddtree_gpu as g
 
