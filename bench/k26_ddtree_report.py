@@ -42,7 +42,7 @@ def summarize(gpu: dict) -> list[dict]:
     ratio, the MoE half, the distinct routed experts and the least bytes over the time (effective GB/s); the
     MoE half against the copy floor of its experts' bytes (the distinct routed ones and the shared one at the
     measured copy bandwidth; the half also holds the router and the combine)."""
-    ms = [m for m in gpu.get("measurements", []) if m["us_layer"] is not None]
+    ms = [m for m in gpu.get("measurements", []) if m["us_layer"] is not None and m["distinct_routed"] is not None]
     copy = gpu.get("copy_gbps")
     out = []
     for ctx in gpu.get("contexts", []):
@@ -54,13 +54,15 @@ def summarize(gpu: dict) -> list[dict]:
                 if not sel:
                     continue
                 us = float(np.mean([m["us_layer"] for m in sel]))
-                moe = [m["us_moe"] for m in sel if m["us_moe"] is not None]
+                with_moe = [m for m in sel if m["us_moe"] is not None]
+                moe = [m["us_moe"] for m in with_moe]
                 dist = float(np.mean([m["distinct_routed"] for m in sel]))
                 nbytes = layer_bytes(dist, sel[0]["rows"], ctx)
                 floor = (dist + K26["n_shared_experts"]) * expert_bytes() / copy / 1e3 if copy else None
                 out.append({"context": ctx, "routing": routing, "budget": b, "rows": sel[0]["rows"],
                             "layers": len(sel), "us_layer": us, "us_moe": float(np.mean(moe)) if moe else None,
-                            "us_attention": us - float(np.mean(moe)) if moe else None, "distinct_routed": dist,
+                            "us_attention": float(np.mean([m["us_layer"] - m["us_moe"] for m in with_moe]))
+                            if moe else None, "distinct_routed": dist,
                             "bytes": nbytes, "gbps": nbytes / us / 1e3, "ar_us": ar_us, "moe_floor_us": floor,
                             "moe_over_floor": float(np.mean(moe)) / floor if moe and floor else None,
                             "verify_over_ar": us / ar_us if ar_us else None})

@@ -155,6 +155,8 @@ def _fake_gpu(budgets=(1, 2)) -> dict:
                            "us_layer": us + l, "us_moe": us / 2, "distinct_routed": 8 * (b + 1), "error": None})
     ms.append({"layer": 1, "context": 32768, "routing": "ar", "budget": 0, "rows": 1, "us_layer": None,
                "us_moe": None, "distinct_routed": None, "error": "skipped: past the time budget"})
+    ms.append({"layer": 1, "context": 32768, "routing": "router", "budget": 1, "rows": 2, "us_layer": 5.0,
+               "us_moe": None, "distinct_routed": None, "error": "RuntimeError: read back failed"})
     return {"device": "fake", "layers": 2, "reps": 5, "share": 0.5, "contexts": [4096, 32768], "copy_gbps": 4000.0,
             "measurements": ms, "skipped": 1, "elapsed_s": 1.0}
 
