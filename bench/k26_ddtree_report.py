@@ -167,8 +167,9 @@ def table(r: dict) -> str:
     if r["gpu"]:
         g = r["gpu"]
         lines.append(f"{g.get('device', '?')}: {g['layers']} random-weight K2.6 MoE layers, {g['reps']} replays per "
-                     f"measurement, correlated share {g['share']}, {g.get('elapsed_s', 0):.0f} s, "
-                     f"{g.get('skipped', 0)} skipped")
+                     f"measurement ({g.get('timing', '?')}), correlated share {g['share']}, "
+                     f"{g.get('elapsed_s', 0):.0f} s, {g.get('skipped', 0)} skipped"
+                     + ("" if g.get("complete") else ", INCOMPLETE"))
         lines.append(f"  copy bandwidth {_f(g.get('copy_gbps'), '.0f')} GB/s; MoE/floor: the MoE half over its "
                      f"experts' bytes at that bandwidth")
         lines.append("  ctx    routing     b rows  layer us    MoE us   attn us  experts    GB/s MoE/floor  verify/AR")

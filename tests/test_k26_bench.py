@@ -324,6 +324,24 @@ def test_the_device_command_exits_6_when_nothing_was_measured(monkeypatch, tmp_p
     assert "RuntimeError: no launch" in out.read_text()
 
 
+def test_device_half_times_the_launches_where_no_graph_can_be_captured(monkeypatch, rounds):
+    from bench import k26_ddtree_gpu as g
+    from cuda_engine import graph
+    from cuda_engine.device import CudaEngineError
+
+    calls = _fake_driver(monkeypatch)
+
+    def no_graph(ops, fn):
+        raise CudaEngineError("CUDA graphs need NVIDIA's cuda-bindings")
+
+    monkeypatch.setattr(graph, "capture", no_graph)
+    res = g.measure({1: k.tree_shape(rounds, 1)[0]}, (64,), layers=1, reps=3, progress=lambda m: None)
+    assert [m["error"] for m in res["measurements"]] == [None] * 3
+    assert res["timing"].startswith("prepared launches, no CUDA graph (CUDA graphs need")
+    # each of the 3 layer measurements: once uncaptured, twice warm, three times timed
+    assert sum(n == "mla_attention_kernel" for n, _ in calls) == 6 * 3
+
+
 def test_device_half_records_a_failing_measurement_and_goes_on(monkeypatch, rounds):
     from bench import k26_ddtree_gpu as g
 
