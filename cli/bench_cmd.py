@@ -66,12 +66,28 @@ def engine_cmd(bundle, steps, json_path, w4a16) -> None:
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 100),
               help="Timed runs per prompt and variant; the best counts.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the numbers here.")
-def ddtree_cmd(bundles, tokens, repeats, json_path) -> None:
+@click.option("--k26", is_flag=True, help="Instead: random-weight K2.6 layers at true dims, verify vs AR per tree "
+              "budget and the projected speedup (docs/k26-scale.md); BUNDLES give the tree shapes and acceptance "
+              "(default: every committed bundle).")
+@click.option("--k26-quick", is_flag=True, help="With --k26: fewer budgets (1, 4, 8, 16, 32, 64).")
+@click.option("--k26-share", default=0.5, show_default=True, type=click.FloatRange(0, 1),
+              help="With --k26: the correlated-routing model's share (a node keeps each parent expert w.p.).")
+@click.option("--k26-draft", default=0.0, show_default=True, type=click.FloatRange(0),
+              help="With --k26: the drafter's and builder's time per round, in AR steps, in the projection.")
+@click.option("--k26-time-budget", default=90.0, show_default=True, type=click.FloatRange(1),
+              help="With --k26: seconds of device work after which the measurements left are skipped.")
+@click.option("--no-device", is_flag=True, help="With --k26: only the host half (shapes, routing, acceptance).")
+def ddtree_cmd(bundles, tokens, repeats, json_path, k26, k26_quick, k26_share, k26_draft, k26_time_budget,
+               no_device) -> None:
     """DDTree vs AR on the CUDA engine, one run, one device: tokens/s of each over every golden prompt of
     each bundle (default: bundles/model_tiny.kdtr and bundles/model_int4_tiny.kdtr), the wall-clock speedup,
     target forwards per token and their ratio, and where a DDTree round's time goes (draft, build, verify,
-    walk, compact, host syncs). AR is the decode step as a CUDA graph replayed back to back."""
+    walk, compact, host syncs). AR is the decode step as a CUDA graph replayed back to back.
+    With --k26: what a tree verify costs through K2.6's 384 experts (docs/k26-scale.md)."""
     check_output(json_path, "--json", stream_ok=True)
+    if k26:
+        _k26(bundles, json_path, k26_quick, k26_share, k26_draft, k26_time_budget, no_device)
+        return
     bundles = bundles or ("bundles/model_tiny.kdtr", "bundles/model_int4_tiny.kdtr")
     from cuda_engine.device import CudaEngineError
 
@@ -106,6 +122,33 @@ def ddtree_cmd(bundles, tokens, repeats, json_path) -> None:
         _write_json(json_path, r, "kdtr bench ddtree")
     if not all(b["all_streams_equal_ar"] for b in r["bundles"]):
         click.echo("kdtr bench ddtree: the DDTree stream differs from the AR stream", err=True)
+        sys.exit(int(ExitCode.ENGINE_ERROR))
+
+
+def _k26(bundles, json_path, quick, share, draft, time_budget, no_device) -> None:
+    """`kdtr bench ddtree --k26`: bench/k26_ddtree_report.run, its tables, its JSON (rewritten after each layer
+    and context of the device run, so a run cut short keeps what ran); exit 6 when the device part did not run
+    or measured nothing."""
+    import glob
+
+    try:
+        from bench.k26_ddtree_report import run, table
+    except ImportError as e:
+        click.echo(f"kdtr bench ddtree --k26: {e}: run it from the repository root (bench/ is not installed)",
+                   err=True)
+        sys.exit(int(ExitCode.ENGINE_ERROR))
+    bundles = bundles or tuple(b for b in sorted(glob.glob("bundles/*.kdtr")) if not b.endswith("k26_slice.kdtr"))
+    save = (lambda r: _write_json(json_path, r, "kdtr bench ddtree")) if json_path else None
+    r = run(bundles, quick, share, draft, time_budget_s=time_budget, progress=lambda m: click.echo(m, err=True),
+            checkpoint=save, device=not no_device)
+    click.echo(table(r))
+    if save:
+        save(r)
+    if r["gpu_error"] and not no_device:
+        click.echo(f"kdtr bench ddtree --k26: the device part did not run: {r['gpu_error']}", err=True)
+        sys.exit(int(ExitCode.ENGINE_ERROR))
+    if not no_device and not r["summary"]:
+        click.echo("kdtr bench ddtree --k26: no device measurement succeeded (the errors are in the JSON)", err=True)
         sys.exit(int(ExitCode.ENGINE_ERROR))
 
 

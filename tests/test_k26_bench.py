@@ -1,0 +1,383 @@
+"""`kdtr bench ddtree --k26` (bench/k26_ddtree*.py): the host half against independent computations on CPU;
+the device half's plumbing through the engine's real op wrappers on a fake driver (no pycuda: every wrapper
+validates its arguments before a launch, so a wrong shape or size fails here); the device half itself on a
+GPU (cuda-marked)."""
+import math
+import types
+
+import numpy as np
+import pytest
+
+from bench import k26_ddtree as k
+from bench import k26_ddtree_report as rp
+from cuda_oracle import committed_bundles
+
+BUNDLES = committed_bundles()
+
+
+@pytest.fixture(scope="module")
+def rounds():
+    return k.golden_rounds(BUNDLES)
+
+
+# ---------------------------------------------------------------- tree shapes and the bundles' acceptance
+
+def _walk(r: dict, b: int) -> int:
+    """Accepted depth of round r's tree cut to its first b nodes, by the greedy walk over the golden target
+    argmax (the child whose token the target chose, among nodes 1..b)."""
+    node, depth = 0, 0
+    while True:
+        kids = [c for c in range(1, min(b, len(r["parents"]) - 1) + 1)
+                if r["parents"][c] == node and r["tokens"][c] == r["verify_argmax"][node]]
+        if not kids:
+            return depth
+        node, depth = kids[0], depth + 1
+
+
+def test_accepted_depth_at_budget_is_the_walk_of_the_cut_tree(rounds):
+    assert len(rounds) > 20
+    for r in rounds:
+        assert k.accepted_depth_at(r["accepted"], r["budget"]) == r["accepted_depth"] == _walk(r, r["budget"])
+        for b in (1, 2, 3, 5, 8, 13, 21, 31):
+            assert k.accepted_depth_at(r["accepted"], b) == _walk(r, b), (r["bundle"], r["prompt"], r["round"], b)
+
+
+def test_bundle_acceptance_is_the_mean_tokens_per_round_and_none_beyond_the_budget(rounds):
+    acc = k.bundle_acceptance(rounds, (1, 32, 48))
+    assert acc[32] == pytest.approx(np.mean([1 + r["accepted_depth"] for r in rounds]))
+    assert acc[1] == pytest.approx(np.mean([1 + _walk(r, 1) for r in rounds]))
+    assert acc[48] is None
+
+
+def test_tree_shapes_are_golden_prefixes_then_grafted_trees(rounds):
+    first = rounds[0]["parents"]
+    for b in (1, 7, 32):
+        p, synth = k.tree_shape(rounds, b)
+        assert p.tolist() == first[:b + 1].tolist() and not synth
+    p, synth = k.tree_shape(rounds, 64)
+    assert synth and len(p) == 65 and p[0] == -1 and all(0 <= p[i] < i for i in range(1, 65))
+    depth = k._depths(first)
+    assert p[33] == int(np.argmax(depth)) and depth[p[33]] == depth.max()   # the graft hangs off a deepest node
+
+
+def test_tree_mask_sees_the_cache_and_exactly_the_ancestors():
+    parents = np.array([-1, 0, 0, 1, 3, 2])
+    m = k.tree_mask(parents, 3)
+    assert m.shape == (6, 9) and (m[:, :3] == 0).all()
+    for i in range(6):
+        anc, j = {i}, i
+        while parents[j] >= 0:
+            j = parents[j]
+            anc.add(j)
+        assert {c for c in range(6) if m[i, 3 + c] == 0} == anc
+        assert np.isneginf(m[i, 3:][[c for c in range(6) if c not in anc]]).all()
+
+
+# ---------------------------------------------------------------- routing models and bytes
+
+def test_independent_distinct_formula_matches_sampling_and_an_exact_case():
+    assert k.independent_distinct(2, E=2, K=1) == pytest.approx(1.5)      # 1 or 2 experts, each w.p. 1/2
+    rng = np.random.default_rng(3)
+    for N in (1, 9, 33):
+        got = np.mean([np.unique(np.concatenate([rng.choice(384, 8, replace=False) for _ in range(N)])).size
+                       for _ in range(300)])
+        assert got == pytest.approx(k.independent_distinct(N), abs=1.5)
+
+
+def test_route_tree_model():
+    parents, _ = k.tree_shape(k.golden_rounds(BUNDLES[:1]), 32)
+    rng = np.random.default_rng(0)
+    ids = k.route_tree(parents, 1.0, rng)
+    assert ids.shape == (33, 8) and k.distinct_experts(ids) == 8               # share 1: all as the root
+    for share in (0.0, 0.5):
+        ids = k.route_tree(parents, share, rng)
+        assert all(len(set(row)) == 8 for row in ids) and ids.min() >= 0 and ids.max() < 384
+    kept = [len(set(c) & set(p)) / 8 for _ in range(40) for ids in [k.route_tree(parents, 0.5, rng)]
+            for c, p in zip(ids[1:], ids[parents[1:]])]
+    assert np.mean(kept) == pytest.approx(0.5, abs=0.05)                        # + ~1% chance re-picks
+    assert k.mean_distinct(parents, 0.0, samples=200) == pytest.approx(k.independent_distinct(33), abs=2.0)
+
+
+def test_expert_and_dense_bytes_from_the_model_shapes():
+    from refmodel.config import PRESETS
+    from refmodel.weights import expected_shapes
+
+    D, I = 7168, 2048
+    assert k.expert_bytes() == 3 * D * I // 2 + 3 * D * I // 32 * 2            # INT4 + a bf16 scale per 32
+    shapes = expected_shapes(PRESETS["k26"])
+    p = "model.layers.1."
+    names = ["self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight", "self_attn.q_b_proj.weight",
+             "self_attn.kv_b_proj.weight", "self_attn.o_proj.weight", "mlp.gate.weight"]
+    assert k.dense_bytes() == 4 * sum(math.prod(shapes[p + n]) for n in names)
+    assert k.cache_bytes(10) == 10 * 576 * 4
+
+
+# ---------------------------------------------------------------- published acceptance, projection
+
+def test_fit_alpha_inverts_the_chain():
+    a = k.fit_alpha(5.3, 7)
+    assert k.chain_tau(a, 7) == pytest.approx(5.3, abs=1e-9)
+    assert k.chain_tau(a, 7) == pytest.approx((1 - a ** 8) / (1 - a))
+    with pytest.raises(ValueError, match="tau 9 must lie in"):
+        k.fit_alpha(9, 7)
+
+
+def test_tree_tau_is_the_sum_of_the_best_nodes_by_brute_force():
+    ranks, depth = 16, 3
+    for alpha in (0.3, 0.7, 0.9):
+        p = [alpha * (1 - alpha) ** r for r in range(ranks)]
+        q = sorted((math.prod(p[r] for r in path) for d in range(1, depth + 1)
+                    for path in np.ndindex(*(ranks,) * d)), reverse=True)
+        for b in (1, 2, 5, 17, 40):
+            assert k.tree_tau(alpha, b, depth, ranks) == pytest.approx(1 + sum(q[:b]))
+    a = k.fit_alpha(5.3, 7)
+    assert k.tree_tau(a, 7, 7) == pytest.approx(5.3)              # 7 nodes: the published chain itself
+    pub = k.published_acceptance((1, 8, 64), 5.3)
+    assert pub[1] < pub[8] < pub[64] <= 8
+
+
+def test_project_and_best_budget():
+    s = k.project({1: 1.2, 2: 1.5, 4: 3.0, 8: None}, {1: 1.8, 2: 2.4, 4: 3.3, 8: 5.0})
+    assert s == {1: pytest.approx(1.5), 2: pytest.approx(1.6), 4: pytest.approx(1.1), 8: None}
+    assert k.best_budget(s) == (2, pytest.approx(1.6))
+    assert k.project({1: 1.0}, {1: 2.0}, draft=1.0) == {1: pytest.approx(1.0)}
+    assert k.best_budget({1: 2.0, 4: 2.0}) == (1, 2.0) and k.best_budget({1: None}) == (None, None)
+
+
+def _fake_gpu(budgets=(1, 2)) -> dict:
+    ms = []
+    for l in range(2):
+        ms.append({"layer": l, "context": 4096, "routing": "ar", "budget": 0, "rows": 1, "us_layer": 100.0 + l,
+                   "us_moe": 60.0, "distinct_routed": 8, "error": None})
+        for b in budgets:
+            for routing, us in (("router", 100.0 * (1 + b)), ("correlated", 50.0 * (2 + b))):
+                ms.append({"layer": l, "context": 4096, "routing": routing, "budget": b, "rows": b + 1,
+                           "us_layer": us + l, "us_moe": us / 2, "distinct_routed": 8 * (b + 1), "error": None})
+    ms.append({"layer": 1, "context": 32768, "routing": "ar", "budget": 0, "rows": 1, "us_layer": None,
+               "us_moe": None, "distinct_routed": None, "error": "skipped: past the time budget"})
+    ms.append({"layer": 1, "context": 32768, "routing": "router", "budget": 1, "rows": 2, "us_layer": 5.0,
+               "us_moe": None, "distinct_routed": None, "error": "RuntimeError: read back failed"})
+    return {"device": "fake", "layers": 2, "reps": 5, "share": 0.5, "contexts": [4096, 32768], "copy_gbps": 4000.0,
+            "measurements": ms, "skipped": 1, "elapsed_s": 1.0}
+
+
+def test_summary_projection_and_table_of_a_device_result(rounds):
+    import json
+
+    shapes = {b: k.tree_shape(rounds, b)[0] for b in (1, 2)}
+    acc = rp.acceptance_models(rounds, (1, 2))
+    r = rp.report(rounds, shapes, {1: False, 2: False}, acc, rp.routing_table(shapes, samples=8), _fake_gpu())
+    json.dumps(r)                                                          # JSON-ready as it is
+    router = {s["budget"]: s for s in r["summary"] if s["routing"] == "router"}
+    assert router[2]["us_layer"] == pytest.approx(300.5) and router[2]["ar_us"] == pytest.approx(100.5)
+    assert router[2]["verify_over_ar"] == pytest.approx(300.5 / 100.5)
+    assert router[1]["us_attention"] == pytest.approx(200.5 - 100.0)
+    assert router[2]["bytes"] == pytest.approx(k.layer_bytes(24, 3, 4096))
+    assert router[2]["moe_over_floor"] == pytest.approx(150.0 / (25 * k.expert_bytes() / 4000.0 / 1e3))
+    aim = {(a["aim"].split(", ")[2], a["aim"].split(", ")[3]): a for a in r["aims"]}
+    pg = next(p for p in r["projection"] if p["routing"] == "router" and p["acceptance"] == "published GSM8K")
+    assert aim[("4096 cached rows", "router routing")]["value"] == pg["best_speedup"]
+    assert aim[("4096 cached rows", "router routing")]["met"] == (pg["best_speedup"] >= 1.5)
+    tau = acc["published GSM8K"]["tau"]
+    room = max(tau[b] / 1.5 - router[b]["verify_over_ar"] for b in (1, 2))
+    assert aim[("4096 cached rows", "router routing")]["draft_room_ar_steps"] == pytest.approx(room)
+    assert k.project({b: router[b]["verify_over_ar"] for b in (1, 2)}, tau, draft=room)[
+        max((1, 2), key=lambda b: tau[b] / 1.5 - router[b]["verify_over_ar"])] == pytest.approx(1.5)
+    p = next(p for p in r["projection"] if p["routing"] == "correlated" and p["acceptance"] == "bundles")
+    ratio = {b: (50.0 * (2 + b) + 0.5) / 100.5 for b in (1, 2)}
+    assert p["speedup"]["2"] == pytest.approx(acc["bundles"]["tau"][2] / ratio[2])
+    assert p["best_budget"] == max((1, 2), key=lambda b: acc["bundles"]["tau"][b] / ratio[b])
+    assert {x["context"] for x in r["summary"]} == {4096}                 # 32K: nothing ran, no rows
+    bb = next(x for x in r["bytes_bound"] if x["share"] == "0.5" and x["acceptance"] == "published GSM8K")
+    ratio_b = {x["budget"]: x["bytes_over_ar_at_share"]["0.5"] for x in r["routing_model"]}
+    assert bb["speedup"]["2"] == pytest.approx(acc["published GSM8K"]["tau"][2] / ratio_b[2])
+    text = rp.table(r)
+    assert "verify/AR" in text and f"b={p['best_budget']}" in text and "published GSM8K" in text
+
+
+def test_cli_host_half_writes_the_json(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from cli.main import main
+
+    out = tmp_path / "k26.json"
+    res = CliRunner().invoke(main, ["bench", "ddtree", "--k26", "--k26-quick", "--no-device", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    r = json.loads(out.read_text())
+    assert r["budgets"] == list(k.QUICK_BUDGETS) and r["gpu"] is None and "tokens per round" in res.output
+    assert r["acceptance"]["bundles"]["tau"]["64"] is None
+
+
+# ---------------------------------------------------------------- the device half on a fake driver
+
+class _FakeFn:
+    """A kernel of the fake module: a prepared launch checks its argument count against the signature."""
+    shared_size_bytes, num_regs = 45000, 128
+
+    def __init__(self, name, calls):
+        self.name, self.calls, self.sig = name, calls, None
+
+    def prepare(self, sig):
+        self.sig = sig
+
+    def set_attribute(self, attr, value):
+        pass
+
+    def prepared_async_call(self, grid, block, stream, *args):
+        assert len(args) == len(self.sig), (self.name, len(args), self.sig)
+        self.calls.append((self.name, grid))
+
+
+def _fake_driver(monkeypatch):
+    """cuda_engine.device's driver and device replaced by host stand-ins: allocations are addresses only,
+    copies do nothing (reads return zeros), events measure 1 ms, the kernel module is a fake one and no
+    fatbin is built; Ops itself is the real class. Returns the list of launches (kernel name, grid)."""
+    from cuda_engine import device, graph, ops
+
+    top = [1 << 20]
+    calls = []
+
+    def mem_alloc(n):
+        top[0] += -(-n // 256) * 256
+        return top[0] - -(-n // 256) * 256
+
+    class Event:
+        def record(self, stream=None):
+            pass
+
+        def synchronize(self):
+            pass
+
+        def time_since(self, other):
+            return 1.0
+
+    attrs = types.SimpleNamespace(MAX_SHARED_MEMORY_PER_MULTIPROCESSOR=233472, MAX_REGISTERS_PER_MULTIPROCESSOR=65536,
+                                  MULTIPROCESSOR_COUNT=132, L2_CACHE_SIZE=50 << 20)
+    stream = types.SimpleNamespace(synchronize=lambda: None, handle=0)
+    module = types.SimpleNamespace(get_function=lambda name: _FakeFn(name, calls))
+    drv = types.SimpleNamespace(mem_alloc=mem_alloc, memcpy_htod=lambda p, a: None, memcpy_dtod=lambda d, s, n: None,
+                                memcpy_dtoh=lambda out, p: out.fill(0), memset_d32=lambda p, v, n: None,
+                                Event=Event, Stream=lambda: stream, get_driver_version=lambda: 12080,
+                                device_attribute=attrs, function_attribute=types.SimpleNamespace(),
+                                module_from_file=lambda path: module, MemoryError=MemoryError, Error=RuntimeError,
+                                mem_get_info=lambda: (0, 0))
+    dev = types.SimpleNamespace(name=lambda: "fake", compute_capability=lambda: (9, 0), total_memory=lambda: 1 << 37,
+                                get_attribute=lambda a: a)          # the attributes hold their values
+    monkeypatch.setitem(device._STATE, "drv", drv)
+    monkeypatch.setitem(device._STATE, "dev", dev)
+    monkeypatch.setattr(ops, "build_fatbin", lambda: "fake.fatbin")
+    monkeypatch.setattr(graph, "capture", lambda o, fn: types.SimpleNamespace(launch=lambda s: None,
+                                                                              destroy=lambda: None))
+    return calls
+
+
+def test_device_half_plumbing_on_a_fake_driver(monkeypatch, rounds):
+    from bench import k26_ddtree_gpu as g
+
+    calls = _fake_driver(monkeypatch)
+    shapes = {b: k.tree_shape(rounds, b)[0] for b in (1, 8, 64)}
+    saved = []
+    res = g.measure(shapes, (64, 256), layers=2, reps=4, progress=lambda m: None, checkpoint=saved.append)
+    ms = res["measurements"]
+    assert len(ms) == 2 * 2 * (1 + 2 * 3) and len(saved) == 1 + 4 and res["complete"]
+    assert [m["error"] for m in ms if m["error"]] == []
+    assert all(m["us_layer"] == pytest.approx(250.0) and m["us_moe"] == pytest.approx(250.0) for m in ms)
+    names = {n for n, _ in calls}
+    # one token: the pair path; trees: the grouped path (moe_group), the masked attention, the combine
+    assert {"router_kernel", "moe_group_kernel", "mla_attention_kernel", "moe_combine_kernel"} <= names
+    assert any(n.startswith("w4a16_mma_i8_m1") for n in names) and any(n.startswith("w4a16_mma_i8_m4") for n in names)
+
+
+def test_the_device_command_on_a_fake_driver(monkeypatch, tmp_path):
+    """The command the device runs, end to end (quick budgets), on the fake driver: exit 0, every
+    measurement made, the JSON complete and the projection there for both contexts."""
+    import json
+
+    from click.testing import CliRunner
+
+    from cli.main import main
+
+    _fake_driver(monkeypatch)
+    out = tmp_path / "k26.json"
+    res = CliRunner().invoke(main, ["bench", "ddtree", "--k26", "--k26-quick", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    r = json.loads(out.read_text())
+    assert r["gpu_error"] is None and len(r["gpu"]["measurements"]) == 3 * 2 * (1 + 2 * len(k.QUICK_BUDGETS))
+    assert {(p["context"], p["routing"]) for p in r["projection"]} == {
+        (c, rt) for c in k.CONTEXTS for rt in ("router", "correlated")}
+    assert "projected wall speedup" in res.output
+
+
+def test_the_device_command_exits_6_when_nothing_was_measured(monkeypatch, tmp_path):
+    from click.testing import CliRunner
+
+    from bench import k26_ddtree_gpu as g
+    from cli.main import main
+
+    _fake_driver(monkeypatch)
+    monkeypatch.setattr(g, "_graph_us", lambda *a: (_ for _ in ()).throw(RuntimeError("no launch")))
+    out = tmp_path / "k26.json"
+    res = CliRunner().invoke(main, ["bench", "ddtree", "--k26", "--k26-quick", "--json", str(out)])
+    assert res.exit_code == 6 and "no device measurement succeeded" in res.output
+    assert "RuntimeError: no launch" in out.read_text()
+
+
+def test_device_half_times_the_launches_where_no_graph_can_be_captured(monkeypatch, rounds):
+    from bench import k26_ddtree_gpu as g
+    from cuda_engine import graph
+    from cuda_engine.device import CudaEngineError
+
+    calls = _fake_driver(monkeypatch)
+
+    def no_graph(ops, fn):
+        raise CudaEngineError("CUDA graphs need NVIDIA's cuda-bindings")
+
+    monkeypatch.setattr(graph, "capture", no_graph)
+    res = g.measure({1: k.tree_shape(rounds, 1)[0]}, (64,), layers=1, reps=3, progress=lambda m: None)
+    assert [m["error"] for m in res["measurements"]] == [None] * 3
+    assert res["timing"].startswith("prepared launches, no CUDA graph (CUDA graphs need")
+    # each of the 3 layer measurements: once uncaptured, twice warm, three times timed
+    assert sum(n == "mla_attention_kernel" for n, _ in calls) == 6 * 3
+
+
+def test_device_half_records_a_failing_measurement_and_goes_on(monkeypatch, rounds):
+    from bench import k26_ddtree_gpu as g
+
+    _fake_driver(monkeypatch)
+    real = g._moe_half
+
+    def flaky(e, l, T):
+        if T == 9:
+            raise ValueError("boom")
+        real(e, l, T)
+
+    monkeypatch.setattr(g, "_moe_half", flaky)
+    shapes = {b: k.tree_shape(rounds, b)[0] for b in (1, 8)}
+    res = g.measure(shapes, (64,), layers=1, reps=2, progress=lambda m: None)
+    bad = [m for m in res["measurements"] if m["error"]]
+    assert [(m["routing"], m["budget"]) for m in bad] == [("router", 8), ("correlated", 8)]
+    assert all(m["us_layer"] is not None and m["us_moe"] is None for m in bad)
+    assert "ValueError: boom" in bad[0]["error"]
+    res = g.measure(shapes, (64,), layers=1, reps=2, time_budget_s=0.0, progress=lambda m: None)
+    assert res["skipped"] == len(res["measurements"]) == 5
+
+
+# ---------------------------------------------------------------- on a GPU
+
+@pytest.mark.cuda
+def test_device_half_on_the_gpu(rounds):
+    from cuda_oracle import gpu_ops
+
+    gpu_ops()                                            # skips without pycuda / a device
+    from bench import k26_ddtree_gpu as g
+
+    shapes = {b: k.tree_shape(rounds, b)[0] for b in (1, 16)}
+    res = g.measure(shapes, (4096,), layers=1, reps=2, progress=lambda m: None)
+    ms = res["measurements"]
+    assert [m["error"] for m in ms] == [None] * 5
+    ar = ms[0]
+    assert ar["routing"] == "ar" and ar["distinct_routed"] == 8 and ar["us_layer"] > 0 and ar["us_moe"] > 0
+    corr = [m for m in ms if m["routing"] == "correlated" and m["budget"] == 16][0]
+    assert 8 <= corr["distinct_routed"] <= 8 * 17
