@@ -21,6 +21,7 @@ WARPS_PER_BLOCK = 8                 # kernels/common.cuh
 BLOCK = (32 * WARPS_PER_BLOCK, 1, 1)
 ATTN_MAX_C, ATTN_MAX_R, ATTN_MAX_N, ATTN_MAX_Q, ATTN_MAX_SPLIT = 512, 128, 256, 2048, 8   # kernels/attention.cu
 ROUTER_MAX_E, ROUTER_MAX_GROUPS, MOE_MAX_SLOTS = 1024, 64, 64   # kernels/moe.cu
+LINEAR_ROWS = 8                   # kernels/linear.cu, linear_rows_kernel: rows per warp
 COMBINE_DSLICE = 32 * WARPS_PER_BLOCK   # kernels/moe.cu: the elements of a row one combine block owns
 W4A16_CHUNK_WORDS = 144             # kernels/w4a16_mma.cu
 MOE_GROUP_MAX_E = ROUTER_MAX_E + 1  # kernels/moe.cu, moe_group_kernel: the routed experts and the shared one
@@ -31,6 +32,7 @@ SIGNATURES = {
     "rms_norm_kernel": "PiPPiif",
     "add_rms_norm_kernel": "PPPPPif",
     "linear_kernel": "PPPiiiiqqq",
+    "linear_rows_kernel": "PPPiiiiiqqq",
     "mla_latent_kernel": "PiiiPPfPPPPPPPd",
     "mla_attention_kernel": "PiPPPPdPPPPPPiPiPPPiiiiif",
     "kv_compact_kernel": "PPPiiiii",
@@ -159,9 +161,13 @@ class Ops:
         if isinstance(W, DevBuf):
             _need(W.shape[-2:] == (O, I), "linear", f"weight {W.shape} is not [.., O={O}, I={I}]")
         _need(x_stride >= I and y_stride >= O, "linear", f"strides x {x_stride} < I={I} or y {y_stride} < O={O}")
-        grid = (-(-O // WARPS_PER_BLOCK), T, B)
-        self._launch("linear_kernel", grid, _ptr(x), _ptr(W), _ptr(y), I, O, x_stride, y_stride,
-                     x_bstride, w_bstride, y_bstride)
+        if T == 1:                                  # a GEMV: one warp per output streams W once
+            self._launch("linear_kernel", (-(-O // WARPS_PER_BLOCK), 1, B), _ptr(x), _ptr(W), _ptr(y), I, O,
+                         x_stride, y_stride, x_bstride, w_bstride, y_bstride)
+        else:                                       # LINEAR_ROWS rows per warp: W read once per row block,
+            grid = (-(-O // WARPS_PER_BLOCK), -(-T // LINEAR_ROWS), B)   # each row the bits linear_kernel gives
+            self._launch("linear_rows_kernel", grid, _ptr(x), _ptr(W), _ptr(y), T, I, O, x_stride, y_stride,
+                         x_bstride, w_bstride, y_bstride)
 
     # ------------------------------------------------------------ attention and cache
     def mla_latent(self, qkv, T: int, Q: int, C: int, R: int, w_q: DevBuf, w_kv: DevBuf, eps: float, cq, lat,

@@ -80,7 +80,26 @@ def test_linear(ops, T, I, O):
     check(f"linear T={T} I={I} O={O}", y.get(), x.astype(np.float64) @ W.astype(np.float64).T, x @ W.T)
 
 
-@pytest.mark.parametrize("T,B,I,O", [(1, 1, 1, 1), (3, 5, 17, 9), (1, 64, 128, 512), (2, 64, 512, 128)])
+@pytest.mark.parametrize("T,I,O", [(2, 31, 17), (8, 64, 7), (9, 257, 9), (17, 7168, 64), (33, 1536, 200)])
+def test_linear_rows_are_the_one_row_bits(ops, T, I, O):
+    """T >= 2 runs linear_rows_kernel (several rows per warp, W read once per row block); every row is the
+    bits the one-row kernel gives it (T = 1 per row), not merely within tolerance: row blocks of 8, a last
+    block of 1 (T = 9, 17, 33), fewer outputs than a block's warps."""
+    rng = np.random.default_rng(T * 7 + I)
+    x, W = rand(rng, T, I), rand(rng, O, I, scale=I ** -0.5)
+    dW, y = dev(W), dev(np.zeros((T, O), np.float32))
+    run(ops, ops.linear, dev(x), dW, y, T, I, O)
+    rows = []
+    for t in range(T):
+        yt = dev(np.zeros((1, O), np.float32))
+        run(ops, ops.linear, dev(x[t:t + 1]), dW, yt, 1, I, O)
+        rows.append(yt.get()[0])
+    np.testing.assert_array_equal(y.get(), np.stack(rows))
+    check(f"linear rows T={T} I={I} O={O}", y.get(), x.astype(np.float64) @ W.astype(np.float64).T, x @ W.T)
+
+
+@pytest.mark.parametrize("T,B,I,O", [(1, 1, 1, 1), (3, 5, 17, 9), (1, 64, 128, 512), (2, 64, 512, 128),
+                                     (9, 4, 33, 17)])
 def test_linear_batched_heads(ops, T, B, I, O):
     """The absorbed-MLA use: x [T, B, I] strided per head, W [B, O, I], y [T, B, O]."""
     rng = np.random.default_rng(B * I)

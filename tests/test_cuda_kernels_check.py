@@ -163,6 +163,17 @@ def test_combine_slice_matches_the_kernel():
     assert COMBINE_DSLICE == BLOCK[0] == 32 * WARPS_PER_BLOCK
 
 
+def test_linear_rows_match_the_kernel():
+    """ops.py launches ceil(T / LINEAR_ROWS) row blocks of linear_rows_kernel; a block of kernels/linear.cu
+    computes LINEAR_ROWS rows: a smaller kernel value would leave rows uncomputed, a larger one write past y."""
+    import re
+
+    from cuda_engine.build import KERNEL_DIR
+    from cuda_engine.ops import LINEAR_ROWS
+
+    assert re.search(r"#define LINEAR_ROWS (\d+)", (KERNEL_DIR / "linear.cu").read_text())[1] == str(LINEAR_ROWS)
+
+
 def test_grouped_moe_groups_cap_holds_for_every_routing():
     """The grouped MoE path launches w4a16_groups_cap(P, E, MT) z's and moe_group_kernel writes at most that
     many groups: every count of P pairs over E experts cut into chunks of MT needs no more (random routings,

@@ -24,3 +24,39 @@ linear_kernel(const float* __restrict__ x, const float* __restrict__ W, float* _
     acc = warp_sum(acc);
     if (lane == 0) y[b * y_bstride + (size_t)t * y_stride + o] = acc;
 }
+
+// linear_rows_kernel: the same product for T >= 2 rows (prefill, a tree verify, the drafter's block), where
+// linear_kernel would stream W once per row. The warp of output o computes LINEAR_ROWS consecutive rows,
+// reading each W element once for all of them: W's bytes fall by up to LINEAR_ROWS x (at K2.6 widths the
+// projections' weights, far over L2, were read once per row of a 33-row verify). Each row's sum runs in
+// exactly linear_kernel's order (lane-strided i, the same multiply-add, then the butterfly), so every y is
+// the bits linear_kernel gives for that row (tests/test_cuda_kernels.py: bit for bit, row by row).
+// Launch: grid (ceil(O / WARPS_PER_BLOCK), ceil(T / LINEAR_ROWS), B), block BLOCK_THREADS.
+#define LINEAR_ROWS 8
+
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
+linear_rows_kernel(const float* __restrict__ x, const float* __restrict__ W, float* __restrict__ y,
+                   int T, int I, int O, int x_stride, int y_stride, long long x_bstride, long long w_bstride,
+                   long long y_bstride) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int o = blockIdx.x * WARPS_PER_BLOCK + threadIdx.x / WARP_SIZE;
+    if (o >= O) return;                                     // whole warp exits together
+    const int t0 = blockIdx.y * LINEAR_ROWS, b = blockIdx.z;
+    const int n = min(LINEAR_ROWS, T - t0);                 // rows of this block (the last may hold fewer)
+    const float* xb = x + b * x_bstride + (size_t)t0 * x_stride;
+    const float* wr = W + b * w_bstride + (size_t)o * I;
+    float acc[LINEAR_ROWS];
+#pragma unroll
+    for (int r = 0; r < LINEAR_ROWS; ++r) acc[r] = 0.0f;
+    for (int i = lane; i < I; i += WARP_SIZE) {
+        const float w = wr[i];
+#pragma unroll
+        for (int r = 0; r < LINEAR_ROWS; ++r)
+            if (r < n) acc[r] += xb[(size_t)r * x_stride + i] * w;
+    }
+#pragma unroll
+    for (int r = 0; r < LINEAR_ROWS; ++r) {
+        const float s = warp_sum(acc[r]);                   // the whole warp shuffles, for every r
+        if (lane == 0 && r < n) y[b * y_bstride + (size_t)(t0 + r) * y_stride + o] = s;
+    }
+}
