@@ -30,7 +30,8 @@ from conformance.gen.goldens import random_prompt
 from refmodel import ddtree
 from refmodel.config import PRESETS
 from refmodel.ddtree import ddtree_generate
-from refmodel.distill import DistillSettings, _train, make_corpus
+from refmodel.distill import DistillSettings, make_corpus
+from refmodel.distill_torch import train
 from refmodel.drafter import DrafterConfig, drafter_preset
 from refmodel.quant import dequantize_model, quantize_model
 from refmodel.weights import init_weights, permutation
@@ -139,7 +140,7 @@ def main():
     t1 = time.perf_counter()
     torch.manual_seed(seed)
     losses = []
-    DW = _train(cfg, W, dcfg, seed, s, ids, feats, plens, lambda st, d, t, loss: losses.append(loss))
+    DW = train(cfg, W, dcfg, seed, s, ids, feats, plens, lambda st, d, t, loss: losses.append(loss))
     t2 = time.perf_counter()
     DW = {k: v.astype(np.float64) for k, v in _bf16_round(DW).items()}
     if args.save:

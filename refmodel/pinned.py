@@ -78,13 +78,32 @@ def die_with_parent(parent: int) -> None:
     threading.Thread(target=watch, daemon=True, name="kdtr-parent-watch").start()
 
 
-def _child(fn, args, kwargs, queue, parent) -> None:
+def _resolve(fn):
+    """fn itself, or the function a "package.module:name" string names (imported here, in the child)."""
+    if not isinstance(fn, str):
+        return fn
+    import importlib
+
+    module, _, name = fn.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _serve(modules, jobs, queue, parent) -> None:
+    """The child: import `modules` at once (under PINNED_ENV: torch, NumPy), then run the one call `jobs` sends."""
     die_with_parent(parent)
 
     def progress(*p):
         queue.put(("progress", p))
     try:
-        queue.put(("done", fn(*args, progress=progress, **kwargs)))
+        import importlib
+
+        for m in modules:
+            importlib.import_module(m)
+        job = jobs.get()
+        if job is None:                                 # closed without a call
+            return
+        fn, args, kwargs = job
+        queue.put(("done", _resolve(fn)(*args, progress=progress, **kwargs)))
     except BaseException as e:  # noqa: BLE001 - any failure is re-raised in the parent
         queue.put(("error", e))
 
@@ -113,45 +132,79 @@ class WorkerDied(RuntimeError):
         return (type(self), self._args)
 
 
-def run_pinned(fn: Callable[..., Any], *args, progress=None, **kwargs) -> Any:
-    """fn(*args, progress=..., **kwargs) in a fresh process under PINNED_ENV; progress calls are forwarded
-    to `progress`; fn's result (picklable) is returned and its exception re-raised here. The child is
-    killed when this call ends by an exception (Ctrl-C included) and dies on its own if this process dies."""
-    ctx = mp.get_context("spawn")                      # a new interpreter: the env applies at library load
-    queue = ctx.Queue()
-    saved = {k: os.environ.get(k) for k in (*PINNED_ENV, _MARK)}
-    os.environ.update(PINNED_ENV, **{_MARK: "1"})
-    try:
-        # not a daemon: it forks helpers of its own (refmodel/distill.py make_corpus), which daemons may not;
-        # it dies with this process all the same (die_with_parent), and the finally below kills it early
-        proc = ctx.Process(target=_child, args=(fn, args, kwargs, queue, os.getpid()), daemon=False)
-        proc.start()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    finished = False
-    try:
-        while True:
-            try:
-                kind, value = queue.get(timeout=1.0)
-            except queue_mod.Empty:
-                if not proc.is_alive():                # died without a word (killed, out of memory)
-                    raise WorkerDied(proc.exitcode) from None
-                continue
-            if kind == "progress":
-                if progress:
-                    progress(*value)
-                continue
-            finished = True                            # the child has nothing left to do but exit
-            if kind == "error":
-                raise value
-            return value
-    finally:
-        if finished:
-            proc.join(timeout=10)
-        if proc.is_alive():                            # interrupted (Ctrl-C, an error here) or stuck
-            proc.kill()
-            proc.join(timeout=10)
+class PinnedWorker:
+    """A fresh process under PINNED_ENV, started at once, that imports `modules` while the caller goes on
+    (`kdtr gen` starts its worker before it builds the target, so that the worker's start-up overlaps the
+    target's construction), then runs one call. Not a daemon: it forks
+    helpers of its own (refmodel/distill.py make_corpus), which daemons may not; it dies with this process all
+    the same (die_with_parent), and `close` (or leaving the `with` block) kills it if it is still running."""
+
+    def __init__(self, modules: tuple[str, ...] = ()):
+        ctx = mp.get_context("spawn")                  # a new interpreter: the env applies at library load
+        self._jobs, self._queue = ctx.Queue(), ctx.Queue()
+        self._used = False
+        saved = {k: os.environ.get(k) for k in (*PINNED_ENV, _MARK)}
+        os.environ.update(PINNED_ENV, **{_MARK: "1"})
+        try:
+            self.proc = ctx.Process(target=_serve, args=(tuple(modules), self._jobs, self._queue, os.getpid()),
+                                    daemon=False)
+            self.proc.start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    def __enter__(self) -> "PinnedWorker":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def call(self, fn: "Callable[..., Any] | str", *args, progress=None, **kwargs) -> Any:
+        """fn(*args, progress=..., **kwargs) in the worker (fn a picklable function, or "module:name", which
+        then need not be imported here); progress calls are forwarded to `progress`; fn's result (picklable)
+        is returned and its exception re-raised here. One call per worker; the worker is closed when it ends,
+        by a result or by an exception (Ctrl-C included)."""
+        if self._used:
+            raise RuntimeError("a PinnedWorker runs one call; start another")
+        self._used = True
+        proc, queue = self.proc, self._queue
+        finished = False
+        try:
+            self._jobs.put((fn, args, kwargs))
+            while True:
+                try:
+                    kind, value = queue.get(timeout=1.0)
+                except queue_mod.Empty:
+                    if not proc.is_alive():            # died without a word (killed, out of memory)
+                        raise WorkerDied(proc.exitcode) from None
+                    continue
+                if kind == "progress":
+                    if progress:
+                        progress(*value)
+                    continue
+                finished = True                        # the child has nothing left to do but exit
+                if kind == "error":
+                    raise value
+                return value
+        finally:
+            if finished:
+                proc.join(timeout=10)
+            self.close()
+
+    def close(self) -> None:
+        """Kill the worker if it still runs (interrupted, stuck, or never given a call) and reap it."""
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(timeout=10)
+        self._jobs.cancel_join_thread()                # a call the worker never read must not hold up our exit
+
+
+def run_pinned(fn: "Callable[..., Any] | str", *args, progress=None, **kwargs) -> Any:
+    """fn(*args, progress=..., **kwargs) in a fresh process under PINNED_ENV (PinnedWorker.call): its result
+    returned, its exception re-raised here; the child is killed when this call ends by an exception (Ctrl-C
+    included) and dies on its own if this process dies."""
+    with PinnedWorker() as worker:
+        return worker.call(fn, *args, progress=progress, **kwargs)

@@ -131,3 +131,51 @@ def _boom(progress=None):
 def test_run_pinned_reraises_the_child_error():
     with pytest.raises(ValueError, match="bad settings: steps = -1"):
         run_pinned(_boom)
+
+
+def test_a_started_worker_runs_a_call_named_by_module_and_refuses_a_second():
+    """`kdtr gen` starts its worker before it has the target (PinnedWorker) and names the function as
+    "module:name", so that this process never imports the module (nor torch through it)."""
+    from refmodel.pinned import PinnedWorker
+    with PinnedWorker(modules=("refmodel.distill",)) as w:
+        assert w.call("test_distill_pinned:_child_state")[0] is True     # ran in the child, under the pin
+        with pytest.raises(RuntimeError, match="one call"):
+            w.call("test_distill_pinned:_child_state")
+    assert not w.proc.is_alive() and w.proc.exitcode == 0
+
+
+def test_a_worker_closed_without_a_call_is_gone():
+    """A gen that fails before it distils (a bad option found late, Ctrl-C while the target is built) closes
+    the worker it started: no process is left, and closing does not wait on the call it never sent."""
+    from refmodel.pinned import PinnedWorker
+    w = PinnedWorker(modules=("refmodel.distill",))
+    w.close()
+    assert not w.proc.is_alive() and w.proc.exitcode is not None
+
+
+def test_gen_never_imports_torch_outside_the_worker():
+    """torch is imported only in the pinned worker (refmodel/distill_torch.py), while the corpus helpers
+    compute; the gen process itself never loads it (about 2 s of the small gen's time)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    code = ("import sys\n"
+            "from conformance.gen.bundle_model import model_from_preset\n"
+            "from conformance.gen.bundle_model import GenSettings\n"
+            "m = model_from_preset(GenSettings(preset='tiny', distill_steps=1))\n"
+            "assert m.DW, 'no drafter'\n"
+            "print('torch' in sys.modules)\n")
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "False"
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_corpus_runs_meanwhile_once_and_gives_the_same_bits(workers):
+    W = init_weights(MICRO, 1)
+    calls = []
+    with_hook = make_corpus(MICRO, W, MICRO_DRAFTER, 3, SMALL, workers=workers, meanwhile=lambda: calls.append(1))
+    plain = make_corpus(MICRO, W, MICRO_DRAFTER, 3, SMALL, workers=workers)
+    assert calls == [1]
+    assert all(np.array_equal(a, b) for a, b in zip(with_hook, plain))

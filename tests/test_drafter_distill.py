@@ -9,8 +9,8 @@ from click.testing import CliRunner
 
 from cli.main import main
 from kdtr_format import open_kdtr, write_kdtr
-from refmodel.distill import (DistillSettings, batched_greedy, block_anchor_loss, distill_drafter,
-                              torch_drafter_logits)
+from refmodel.distill import DistillSettings, batched_greedy, distill_drafter
+from refmodel.distill_torch import block_anchor_loss, torch_drafter_logits
 from refmodel.drafter import (DrafterCache, DrafterConfig, drafter_forward, drafter_preset, init_drafter,
                               target_features)
 from refmodel.generate import greedy_generate

@@ -5,6 +5,8 @@ user-facing error, shared by conformance.gen.goldens and conformance.gen.gen.
 """
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -12,6 +14,7 @@ import numpy as np
 from kdtr_format import bf16_round, open_kdtr
 from refmodel.config import PRESETS, SLICE_OF, ModelConfig, slice_shrinkage
 from refmodel.drafter import DrafterConfig, drafter_preset, init_drafter
+from refmodel.pinned import PinnedWorker
 from refmodel.quant import dequantize_model, quant_config, quantize_model
 from refmodel.stored import StoredWeights, generate_stored
 from refmodel.weights import construction_info, init_weights, mask_token_id
@@ -82,9 +85,10 @@ def model_from_preset(s: GenSettings, progress=None) -> Model:
     if s.preset in SLICE_OF:
         return _slice_model(s, progress)
     cfg = PRESETS[s.preset]
-    W = _f32(init_weights(cfg, s.seed))
-    dcfg = drafter_preset(s.preset)
-    DW = _distill(cfg, W, dcfg, s, progress)
+    with distill_worker(s) as worker:       # started first: its start-up overlaps building the target
+        W = _f32(init_weights(cfg, s.seed))
+        dcfg = drafter_preset(s.preset)
+        DW = _distill(cfg, W, dcfg, s, progress, worker)
     return Model(cfg, W, dcfg, DW, {"construction": construction_info(cfg, s.seed)})
 
 
@@ -165,16 +169,25 @@ TORCH_NEEDED = ("distilling the drafter needs torch, which is not installed here
                 "(an untrained drafter) or --model with a bundle that already has a drafter")
 
 
-def _distill(cfg, W, dcfg, s: GenSettings, progress) -> dict:
+def distill_worker(s: GenSettings):
+    """The pinned-math process that will distill the drafter (refmodel/pinned.py), started now so that its
+    start-up (a fresh interpreter, NumPy and refmodel) overlaps the caller's work; a null context when s trains
+    none. torch is imported there only (refmodel/distill_torch.py), never in this process."""
+    if s.distill_steps <= 0:
+        return contextlib.nullcontext()
+    if importlib.util.find_spec("torch") is None:
+        raise GenError(TORCH_NEEDED)
+    return PinnedWorker(modules=("refmodel.distill",))
+
+
+def _distill(cfg, W, dcfg, s: GenSettings, progress, worker=None) -> dict:
+    """The drafter: init_drafter's when s trains none, else distilled (refmodel/distill.py) in `worker`
+    (distill_worker's) or in one started here."""
     if s.distill_steps <= 0:
         return _bf16_round(init_drafter(dcfg, s.seed))
-    try:
-        from refmodel.distill import distill_drafter  # torch: only when a drafter is trained
-    except ModuleNotFoundError as e:
-        if e.name != "torch":
-            raise
-        raise GenError(TORCH_NEEDED) from None
-    return _bf16_round(distill_drafter(cfg, dequantize_model(W), dcfg, s.seed, s.distill_steps, progress))
+    with (worker or distill_worker(s)) as w:
+        return _bf16_round(w.call("refmodel.distill:distill_drafter", cfg, dequantize_model(W), dcfg, s.seed,
+                                  s.distill_steps, progress=progress))
 
 
 def apply_quant(m: Model, s: GenSettings) -> Model:
