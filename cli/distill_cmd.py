@@ -1,5 +1,5 @@
 """`kdtr distill MODEL.kdtr`: train the DDTree drafter on the target's own greedy continuations and save
-its weights (`drafter.*`, float64) into the model file. torch is imported only when the command runs."""
+its weights (`drafter.*`, float64) into the model file. torch is imported only in the pinned worker."""
 import sys
 
 import click
@@ -19,11 +19,12 @@ from conformance.exit_codes import ExitCode
                    "the update is atomic, the old file intact until the new one is whole).")
 def distill_cmd(model: str, steps: int, seed: int, out: str | None) -> None:
     """Distill the drafter for MODEL (deterministic given --seed) and save it into the .kdtr."""
-    try:
-        from refmodel.distill import distill_model_file
-    except ImportError as e:
-        click.echo(f"error: kdtr distill needs torch ({e}); pip install torch==2.13.0 first", err=True)
+    import importlib.util
+    if importlib.util.find_spec("torch") is None:      # torch runs in the pinned worker only: look, not import
+        click.echo("error: kdtr distill needs torch, which is not installed here; pip install torch==2.13.0 first "
+                   "(the CPU wheel; an unpinned torch pulls a CUDA build)", err=True)
         sys.exit(int(ExitCode.USAGE))
+    from refmodel.distill import distill_model_file
     from kdtr_format import KdtrError
     from refmodel.pinned import WorkerDied
 

@@ -142,6 +142,19 @@ def test_gen_without_torch_says_how_to_install_it(monkeypatch, tmp_path):
     assert r.exit_code == 0, r.output                                  # an untrained drafter needs no torch
 
 
+def test_distill_without_torch_says_how_to_install_it(monkeypatch, tmp_path):
+    """kdtr distill looks for torch before it starts its worker (only the worker imports torch): one line, the
+    install command, exit 2, the model file untouched."""
+    import sys
+    monkeypatch.setitem(sys.modules, "torch", None)                  # as if uninstalled
+    model = tmp_path / "m.kdtr"
+    model.write_bytes(b"not read: torch is looked for first")
+    r = CliRunner().invoke(main, ["distill", str(model), "--steps", "1"])
+    assert r.exit_code == 2, r.output
+    assert "kdtr distill needs torch, which is not installed here; pip install torch==2.13.0" in r.output
+    assert "Traceback" not in r.output and model.read_bytes() == b"not read: torch is looked for first"
+
+
 def test_verify_needs_no_torch(small_bundle, monkeypatch):
     import sys
     monkeypatch.setitem(sys.modules, "torch", None)                  # as if uninstalled (README's main job)
