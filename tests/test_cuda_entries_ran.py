@@ -3,19 +3,33 @@ the GPU. A proof's metadata engine_info records what the engine launched during 
 kernel name -> launches; `w4a16_regimes`: the fast W4A16 launches' "path:regime" -> launches;
 CudaEngine.dump_metadata, cuda_engine/w4a16_plan.py), and this test compares the union over the committed proofs
 with the engine's entry tables. CPU only: it reads the committed proofs, no GPU, no pycuda."""
+import ast
+import itertools
+from pathlib import Path
+
 import pytest
 
 from cuda_engine.drafter import DRAFTER_SIGNATURES
 from cuda_engine.ops import SIGNATURES
 from cuda_engine.proofs import REPROVE, engine_info, proof_modes, proof_path
-from cuda_engine.w4a16_plan import W4A16_ENTRIES, W4A16_PATHS, W4A16_REGIMES
+from cuda_engine.w4a16_plan import (W4A16_DIGITS_ROWS, W4A16_ENTRIES, W4A16_PATHS, W4A16_REGIMES, W4A16_ROWS,
+                                    w4a16_groups_cap, w4a16_launch)
 
 from cuda_oracle import committed_bundles
 
 PROOFS = [proof_path(b, m) for b in committed_bundles() for m in proof_modes(b)]
-# In the kernel module but never launched by the engine: kdtr bench w4a16's floor and its bf16-activation
-# entries (docs/cuda-engine.md: no engine result is judged in those numerics).
-BENCH_ONLY = {"stream_read_kernel", *(name for _, name in W4A16_ENTRIES["bf16"])}
+ENGINE_PY = Path(__file__).resolve().parent.parent / "cuda_engine" / "engine.py"
+# The engine launches w4a16_mma on two paths only (cuda_engine/engine.py, checked below): one (token, slot) pair
+# per z at one token, and the grouped path of a forward over several tokens on the int8 digits. On those the
+# planner picks from two families, whatever the shape (checked below): these are the entries the engine ships.
+ENGINE_W4A16 = set(W4A16_ROWS[1].values()) | set(W4A16_DIGITS_ROWS.values())
+W4A16_ALL = ({n for table in W4A16_ENTRIES.values() for _, n in table} | set(W4A16_DIGITS_ROWS.values())
+             | {n for family in W4A16_ROWS.values() for n in family.values()})
+# In the kernel module but never launched by the engine: kdtr bench w4a16's floor, and every other w4a16_mma
+# entry: the bf16-activation ones (no engine result is judged in those numerics) and the three-bf16-terms ones
+# (the linear path and the bf16 terms' grouped variant, which the benchmark and the kernel tests run; the
+# engine runs the int8 digits instead, docs/cuda-engine.md)
+BENCH_ONLY = {"stream_read_kernel", *(W4A16_ALL - ENGINE_W4A16)}
 SHIPPED = sorted((set(SIGNATURES) | set(DRAFTER_SIGNATURES)) - BENCH_ONLY)
 # The engine's fast W4A16 launches are FP32-faithful and of at most 16 tokens per z (the slot path at one token,
 # the grouped path from two), so their regimes are w4a16_rows_plan's; "wave" (17-64 tokens, bf16) and "forced"
@@ -36,18 +50,80 @@ def records() -> list[dict]:
 def test_the_tables_name_real_kernels():
     """The table this test compares with is the engine's: every shipped entry is prepared by the engine (a
     name here that the module lacks would fail the engine's load on the GPU), and the bench-only set is real."""
-    assert BENCH_ONLY <= set(SIGNATURES) and SHIPPED and not BENCH_ONLY & set(SHIPPED)
-    assert "moe_group_kernel" in SHIPPED and all(n in SHIPPED for _, n in W4A16_ENTRIES["fp32"])
+    assert W4A16_ALL <= set(SIGNATURES) and BENCH_ONLY <= set(SIGNATURES)
+    assert SHIPPED and not BENCH_ONLY & set(SHIPPED) and ENGINE_W4A16 <= set(SHIPPED)
+    assert "moe_group_kernel" in SHIPPED and "w4a16_mma_t3_m16" in BENCH_ONLY
+
+
+def _w4a16_calls(path: Path) -> list[dict]:
+    """The keyword arguments of every `.w4a16_mma(...)` call in a source file (value: the AST node)."""
+    calls = [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Call)
+             and isinstance(n.func, ast.Attribute) and n.func.attr == "w4a16_mma"]
+    return [{k.arg: k.value for k in c.keywords} for c in calls]
+
+
+def test_the_engine_launches_w4a16_mma_only_on_its_two_paths():
+    """What makes the three-bf16-terms and bf16 entries bench-only: every launch in the engine passes slot_ids
+    (the one-token pairs path) or groups with digits=True (the grouped path), never numerics= or rows=."""
+    calls = _w4a16_calls(ENGINE_PY)
+    assert len(calls) >= 4, "the engine's MoE paths launch w4a16_mma at least four times"
+    for kw in calls:
+        digits = isinstance(kw.get("digits"), ast.Constant) and kw["digits"].value is True
+        assert ("slot_ids" in kw and "groups" not in kw) or ("groups" in kw and digits), sorted(kw)
+        assert "numerics" not in kw and "rows" not in kw, sorted(kw)
+
+
+def test_the_planner_picks_the_engines_entries_on_those_paths():
+    """On the engine's two paths w4a16_launch picks from the one-token and the digits families only, for any
+    launch shape and GPU size: so no bench-only entry can run in an engine verify."""
+    slot, digits = set(W4A16_ROWS[1].values()), set(W4A16_DIGITS_ROWS.values())
+    for Nb, G, Z, sm, per_sm in itertools.product((1, 2, 3, 5, 9, 64, 128, 224, 300), (1, 6, 9, 16, 64, 224, 1000),
+                                                  (1, 4, 8, 9, 40, 131, 132, 400), (132, 188), (1, 2, 3)):
+        res = lambda name: per_sm * sm                                       # noqa: E731 - any residency
+        assert w4a16_launch(Nb, G, Z, None, 1, "fp32", None, False, res, sm)[0] in slot
+        for M in range(1, 5):
+            assert w4a16_launch(Nb, G, Z, None, M, "fp32", None, True, res, sm)[0] in digits
+
+
+def _k26_launches(sm: int) -> set[str]:
+    """(entry, "path:regime") of the engine's MoE launches at K2.6's shapes (hidden 7168, expert width 2048,
+    384 experts top-8): the decode step and every forward of 2..64 tokens (prefill, a tree verify), on a GPU of
+    `sm` SMs with the one-token entry at 3 blocks per SM and the others at 2 (docs/cuda-engine.md)."""
+    res = lambda name: (3 if name in W4A16_ROWS[1].values() else 2) * sm    # noqa: E731
+    D, I, E, K = 7168, 2048, 384, 8
+    seen = set()
+    for Nb, G in ((-(-I // 16), D // 32), (-(-D // 32), I // 32)):         # gate+up (16 rows a block), down
+        name, _, _, regime = w4a16_launch(Nb, G, K, None, 1, "fp32", None, False, res, sm)
+        seen |= {name, f"pairs:{regime}"}
+        for T in range(2, 65):
+            name, _, _, regime = w4a16_launch(Nb, G, w4a16_groups_cap(T * K, E, 4), None, 4, "fp32", None, True,
+                                              res, sm)
+            seen |= {name, f"grouped:{regime}"}
+    return seen
+
+
+def test_k26_runs_the_wide_entries_no_bundle_reaches():
+    """Which of the entries and regimes no committed bundle reaches K2.6 itself runs (the H200's 132 SMs and the
+    RTX PRO 6000's 188): the one-token and digits entries of 8 row blocks per block and the many-row regime are
+    its MoE layer's decode and verify; the 2- and 4-row-block entries and the `rows` regime are not (they serve
+    other widths, and the benchmark's single-weight launches). The comment below and docs/cuda-engine.md say
+    what this means for the rule."""
+    for sm in (132, 188):
+        seen = _k26_launches(sm)
+        assert {"w4a16_mma_i8_m1_r8", "w4a16_mma_i8_m4_r8", "pairs:many_rows", "grouped:many_rows"} <= seen, seen
+        assert not seen & {"w4a16_mma_i8_m1_r2", "w4a16_mma_i8_m1_r4", "w4a16_mma_i8_m4_r2", "w4a16_mma_i8_m4_r4",
+                           "pairs:rows", "grouped:rows"}, seen
 
 
 # The rule does not hold yet, and these two tests say so until it does (strict: the day every entry is
-# reached they fail, and the markers must go). Measured from the proofs made on the H200 at 7bb7977 (the tiny
-# bundles and the edge bundle): 20 shipped entries and 2 regimes ran in no verify. The row-count entries
-# (i8_m1_r2/4/8, i8_m4_r2/4/8) and the "rows" and "many_rows" regimes are chosen only at launch shapes of K2.6
-# size (the real-shape slice reaches them; it is too large to commit); the bf16-terms entries (t3_m*) only by
-# an --int4-scope mlp bundle's dense INT4 launches and kdtr bench w4a16, since the grouped MoE path runs the
-# int8 digits; ddtree_topk_kernel only for vocabularies over TOPK_SORT_MAX. Reaching them needs a committed
-# bundle that makes those shapes, or the entries go (docs/cuda-engine.md).
+# reached they fail, and the markers must go). Measured from the committed proofs (made on the H200 at
+# b4a6c02: the tiny, INT4, edge and shardable bundles, both --w4a16 modes): 7 shipped entries and 2 regimes ran
+# in no verify. The row-count entries (i8_m1_r2/4/8, i8_m4_r2/4/8) and the "rows" and "many_rows" regimes are
+# chosen only at launch shapes far wider than a committed bundle's (many_rows: Z * ceil(Nb / 8) >= the SM
+# count, i.e. a decode over more than 4096 output rows at top-8; rows: at least 16 groups per k split); K2.6
+# runs i8_m1_r8, i8_m4_r8 and many_rows in every MoE layer (test above), the real-shape slice reaches them, and
+# it is too large to commit. ddtree_topk_kernel runs only for vocabularies over TOPK_SORT_MAX (K2.6: 163840).
+# Reaching them needs a committed bundle that makes those shapes, or the entries go (docs/cuda-engine.md).
 GAP = "known gap: entries and regimes no committed bundle reaches (comment above; docs/cuda-engine.md)"
 
 
