@@ -91,6 +91,21 @@ class Engine(Protocol):
         for a prefill). Does not touch the engine's own cache."""
 
 
+def compact_keep(start: int, keep, length: int) -> np.ndarray:
+    """compact(start, keep)'s arguments checked against a cache of `length` rows: keep as int64 [n], each
+    index in [0, length - start), strictly increasing (an accepted path), start in [0, length]; a ValueError
+    naming the values otherwise. One check for the engines kdtr ships (examples/ keep their own: they stand
+    alone)."""
+    keep = np.asarray(keep, np.int64).reshape(-1)
+    if not 0 <= start <= length:
+        raise ValueError(f"compact: start={start} must be in [0, length={length}]")
+    if keep.size and (keep.min() < 0 or keep.max() >= length - start):
+        raise ValueError(f"compact: keep indices {keep.tolist()} must be in [0, {length - start})")
+    if keep.size > 1 and np.any(np.diff(keep) <= 0):
+        raise ValueError(f"compact: keep {keep.tolist()} must be strictly increasing (an accepted path)")
+    return keep
+
+
 def check_engine(engine: object) -> list[str]:
     """What `engine` lacks to be an Engine, as readable lines (empty when it conforms).
     The runner calls this before a run so a missing method is a usage-level message,

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
+from conformance.engines.protocol import compact_keep
 from conformance.engines.torch_port import (DTYPES, TorchEngineError, build_model, int4_modules, port_class,
                                             rope_layout)
 from kdtr_format import open_kdtr
@@ -267,10 +268,7 @@ class TorchEngine:
         """Rows start + keep[i] -> start + i in every layer, then truncate (KVCache.compact): through the
         cache's own `compact(start, keep)` (keep: int64 tensor on the model's device) when it has one,
         else by kdtr (listed in done_by_kdtr)."""
-        keep = np.asarray(keep, np.int64).reshape(-1)
-        S = self.cache.get_seq_length()
-        if not 0 <= start <= S or (keep.size and (keep.min() < 0 or keep.max() >= S - start)):
-            raise ValueError(f"compact(start={start}, keep={keep.tolist()}): rows must lie in [start, {S})")
+        keep = compact_keep(start, keep, self.cache.get_seq_length())
         if callable(getattr(self.cache, "compact", None)):
             self.cache.compact(int(start), torch.as_tensor(keep, device=self.device))
             return

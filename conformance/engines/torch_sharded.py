@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from refmodel.stored import read_model
+from conformance.engines.protocol import compact_keep
 from conformance.shard_plan import ShardFault, ShardPlan, rows_of
 from refmodel.model import causal_mask, expert_weights, rope_cos_sin, select_experts, tap_names
 
@@ -311,10 +312,7 @@ class RankEngine:
         return self._forward(ids, positions, mask)
 
     def compact(self, start, keep) -> None:
-        keep = np.asarray(keep, np.int64).reshape(-1)
-        S = self.c_kv[0].shape[0]
-        if not 0 <= start <= S or (keep.size and (keep.min() < 0 or keep.max() >= S - start)):
-            raise ValueError(f"compact(start={start}, keep={keep.tolist()}): rows must lie in [start, {S})")
+        keep = compact_keep(start, keep, self.c_kv[0].shape[0])
         rows = torch.from_numpy(np.concatenate([np.arange(start), start + keep]))
         self.c_kv = [c[rows] for c in self.c_kv]
         self.k_pe = [k[rows] for k in self.k_pe]
