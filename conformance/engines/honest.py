@@ -11,12 +11,11 @@ Legend: T tokens, I in, O out, H heads, S keys, R rope dims.
 """
 from __future__ import annotations
 
-import contextlib
 
 import numpy as np
 
 import refmodel.model as rm
-from conformance.engines.reference_engine import ReferenceEngine
+from conformance.engines.reference_engine import ReferenceEngine, refmodel_swapped
 
 F32 = np.float32
 
@@ -100,16 +99,8 @@ class HonestEngine(ReferenceEngine):
         super().__init__(np.float64 if variant == "float64-everything" else F32)
         self.variant, self.name = variant, f"reference~{variant}"
 
-    @contextlib.contextmanager
     def _swapped(self):
-        saved = {k: getattr(rm, k) for k in SWAPS.get(self.variant, {})}
-        for k, v in SWAPS.get(self.variant, {}).items():
-            setattr(rm, k, v)
-        try:
-            yield
-        finally:
-            for k, v in saved.items():
-                setattr(rm, k, v)
+        return refmodel_swapped(SWAPS.get(self.variant, {}))
 
     def _forward(self, ids, positions, mask=None):
         with self._swapped():

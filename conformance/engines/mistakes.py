@@ -12,7 +12,6 @@ Legend: T tokens, S cache rows, E experts, K top-k, C kv_lora_rank, N out, K_in 
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 
@@ -20,7 +19,7 @@ import numpy as np
 
 import refmodel.model as rm
 from conformance.engines.faults import FaultyEngine
-from conformance.engines.reference_engine import ReferenceEngine
+from conformance.engines.reference_engine import ReferenceEngine, refmodel_swapped
 from kdtr_format import open_kdtr
 from kdtr_format.int4 import bf16_round, bf16_to_float32, unpack_int4
 from refmodel.ddtree import Tree, visibility
@@ -143,10 +142,9 @@ class MistakeEngine(ReferenceEngine):
             self.W[mod + ".weight"] = w.astype(self.np_dtype)
 
     # ------------------------------------------------------------ running
-    @contextlib.contextmanager
     def _swapped(self):
         """The refmodel function this mistake replaces, swapped in for one call."""
-        m, cfg, saved = self.mistake, self.cfg, {}
+        m, cfg = self.mistake, self.cfg
         swap = {}
         if m == "router-softmax":
             swap["sigmoid"] = rm.softmax
@@ -160,14 +158,7 @@ class MistakeEngine(ReferenceEngine):
         elif m in ("numerics-bf16", "numerics-tf32"):
             r = (lambda a: bf16_round(a).astype(np.float32)) if m == "numerics-bf16" else _tf32
             swap["linear"] = lambda x, w: np.einsum("ti,oi->to", r(x), r(w)).astype(x.dtype)
-        for k, v in swap.items():
-            saved[k] = getattr(rm, k)
-            setattr(rm, k, v)
-        try:
-            yield
-        finally:
-            for k, v in saved.items():
-                setattr(rm, k, v)
+        return refmodel_swapped(swap)
 
     def _cos_sin(self, positions):
         cos, sin = super()._cos_sin(positions)

@@ -9,6 +9,7 @@ in float32 with the bundle's own drafter, its router always free).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -20,6 +21,23 @@ from refmodel.ddtree import Tree, build_ddtree, draft_logits, prefill, verify_ro
 from refmodel.drafter import read_drafter
 from refmodel.model import KVCache, block, causal_mask, expert_weights, forward, rope_cos_sin
 from refmodel.stored import read_model, upcast_if_fits
+
+
+@contextlib.contextmanager
+def refmodel_swapped(functions: dict):
+    """refmodel.model's functions named in `functions` replaced by those values inside the block, restored
+    after it however it ends: how the planted-mistake and honest-variant engines change one step of the
+    reference (conformance/engines/mistakes.py, honest.py)."""
+    import refmodel.model as rm
+
+    saved = {k: getattr(rm, k) for k in functions}
+    try:
+        for k, v in functions.items():
+            setattr(rm, k, v)
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(rm, k, v)
 
 
 class ReferenceEngine:
