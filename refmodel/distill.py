@@ -176,17 +176,20 @@ def _corpus_batch(cfg, W, dcfg, s, job):
     return seq, target_features(dcfg, hiddens)
 
 
-_FORKED = None      # (cfg, W, dcfg, s) of the corpus being made, inherited by the forked batch workers
+_FORKED = None      # in a forked batch helper only: (cfg, W, dcfg, s) of the corpus, set by _forked_init
 
 
 def _forked_batch(job):
     return _corpus_batch(*_FORKED, job)
 
 
-def _forked_init(parent: int) -> None:
+def _forked_init(parent: int, work: tuple) -> None:
+    """A batch helper's start: `work` = (cfg, W, dcfg, s), handed over by the fork itself (no pickling)."""
     import signal
 
     from refmodel.pinned import die_with_parent
+    global _FORKED
+    _FORKED = work
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the whole process group: the worker that
     die_with_parent(parent)                        # forked us handles it and ends the pool (no traceback here)
 
@@ -210,10 +213,8 @@ def _map_batches(cfg, W, dcfg, s, jobs, workers, meanwhile=None):
             meanwhile()
         yield from (_corpus_batch(cfg, W, dcfg, s, j) for j in jobs)
         return
-    global _FORKED
-    _FORKED = (cfg, W, dcfg, s)
     pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("fork"), initializer=_forked_init,
-                               initargs=(os.getpid(),))
+                               initargs=(os.getpid(), (cfg, W, dcfg, s)))
     try:
         futures = [pool.submit(_forked_batch, j) for j in jobs]
         if meanwhile:
@@ -224,7 +225,6 @@ def _map_batches(cfg, W, dcfg, s, jobs, workers, meanwhile=None):
         raise WorkerDied(None, "a corpus helper process of the distillation") from None
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
-        _FORKED = None
 
 
 def distill_drafter(cfg, W, dcfg: DrafterConfig, seed: int, steps: int, progress=None,
