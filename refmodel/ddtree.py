@@ -89,6 +89,56 @@ def build_ddtree(draft_logits: np.ndarray, budget: int, topk: int | None = None)
                 visibility(parents), np.array(ranks, i64), np.array(scores, np.float64))
 
 
+# ----------------------------------------------------------------------------------------------------
+# The cost-aware budget (docs/ddtree.md §3a): how many of a built tree's nodes pay for their verify rows
+
+
+def expected_tokens(scores: np.ndarray) -> np.ndarray:
+    """[n + 1]: entry b = the tokens a round commits in expectation when only the first b nodes (heap-pop
+    order) are verified, under the drafter's own factorised distribution: the bonus token plus, per node, the
+    probability that the target's greedy continuation runs through it (exp of its path log-prob)."""
+    return np.concatenate([[1.0], 1.0 + np.cumsum(np.exp(np.asarray(scores, np.float64)))])
+
+
+def cost_aware_nodes(scores: np.ndarray, verify_cost, draft_cost: float = 0.0) -> int:
+    """The b in 0..n that maximises expected tokens per unit cost, expected_tokens(scores)[b] /
+    (draft_cost + verify_cost(b + 1)); verify_cost(T): the cost of one target forward over T rows (root
+    included), in any unit, non-decreasing in T. Ties go to the smaller tree."""
+    gain = expected_tokens(scores)
+    cost = np.array([draft_cost + float(verify_cost(b + 1)) for b in range(len(gain))])
+    if np.any(~np.isfinite(cost)) or np.any(cost <= 0):
+        raise ValueError(f"verify costs must be finite and positive, got {cost.tolist()}")
+    return int(np.argmax(gain / cost))
+
+
+def prune_tree(tree: Tree, b: int) -> Tree:
+    """The tree's first b nodes (heap-pop order): the tree build_ddtree makes with budget b from the same
+    logits (a popped node's parent was popped before it, so any prefix is closed under ancestors)."""
+    if not 0 <= b <= len(tree.tokens):
+        raise ValueError(f"prune_tree: b={b} outside 0..{len(tree.tokens)}")
+    if b == len(tree.tokens):
+        return tree
+    child_maps = [{t: c for t, c in m.items() if c <= b} for m in tree.child_maps[:b + 1]]
+    return Tree(tree.tokens[:b].copy(), tree.depths[:b].copy(), tree.parents[:b + 1].copy(), child_maps,
+                tree.visibility[:b + 1, :b + 1].copy(), tree.ranks[:b].copy(), tree.scores[:b].copy())
+
+
+def verify_cost_table(points: dict[int, float]):
+    """verify_cost(T) interpolated linearly in T between measured {rows: cost} points (at least two),
+    extended linearly past the last two: e.g. the K2.6 layer's verify / AR step ratios of docs/k26-scale.md."""
+    rows = np.array(sorted(points), np.float64)
+    cost = np.array([float(points[r]) for r in sorted(points)])
+    if len(rows) < 2 or rows[0] < 1 or np.any(np.diff(cost) < 0) or np.any(cost <= 0):
+        raise ValueError(f"verify costs {points}: need two or more points at T >= 1, positive, non-decreasing")
+    slope = (cost[-1] - cost[-2]) / (rows[-1] - rows[-2])
+
+    def verify_cost(T: int) -> float:
+        if T <= rows[-1]:
+            return float(np.interp(T, rows, cost))
+        return float(cost[-1] + slope * (T - rows[-1]))
+    return verify_cost
+
+
 def visibility(parents) -> np.ndarray:
     """[n+1, n+1] bool: row i = the ancestors of i (root included) and i itself (docs/ddtree.md §3)."""
     n = len(parents) - 1
@@ -225,15 +275,20 @@ def verify_round(cfg, W, dcfg, dec: Decoder, tree: Tree) -> Round:
 
 
 def generate(cfg, W, prompt, max_new_tokens: int, dcfg=None, DW=None, budget: int = 0,
-             topk: int | None = None, record: bool = True, pos0: int = 0) -> GenResult:
+             topk: int | None = None, record: bool = True, pos0: int = 0, verify_cost=None,
+             draft_cost: float = 0.0) -> GenResult:
     """Greedy speculative generation; budget 0 is plain AR and needs no drafter. The prompt sits at
-    positions pos0.. (module docstring)."""
+    positions pos0.. (module docstring). verify_cost (T rows -> cost): each round's tree is cut to the
+    cost_aware_nodes of its `budget` nodes (the cost-aware budget; the tokens are the same, the rounds and
+    forwards change, so it is a benchmark mode: bundles record the fixed budget's)."""
     if budget > 0 and (dcfg is None or DW is None):
         raise ValueError(f"budget {budget} needs a drafter (dcfg and DW); budget 0 runs plain AR")
     dec = prefill(cfg, W, prompt, dcfg if budget > 0 else None, pos0)
     rounds, P = [], len(prompt)
     while len(dec.out) - P < max_new_tokens:
         tree = draft_tree(W, dcfg, DW, dec, budget, topk)
+        if verify_cost is not None:
+            tree = prune_tree(tree, cost_aware_nodes(tree.scores, verify_cost, draft_cost))
         r = verify_round(cfg, W, dcfg if budget > 0 else None, dec, tree)
         if record:
             rounds.append(r)
