@@ -122,7 +122,11 @@ def test_a_worker_killed_from_outside_ends_gen_with_one_line(tmp_path, victim):
         deadline = time.monotonic() + 120
         while True:
             helpers = _corpus_helpers(gen.pid)
-            workers = [p for p in _descendants(gen.pid) if _pinned(p) and p not in helpers and _cpu_seconds(p) > 3]
+            # the worker is at work once it has forked its corpus helpers (or, without helpers, once it has
+            # computed a while): killed before, it dies of the closed start-up pipe and proves nothing
+            tree = _children()
+            workers = [p for p in _descendants(gen.pid) if _pinned(p) and p not in helpers
+                       and (set(tree.get(p, [])) & set(helpers) or _cpu_seconds(p) > 3)]
             victims = helpers if victim == "corpus helper" else workers
             if victims:
                 break
