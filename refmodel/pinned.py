@@ -99,10 +99,7 @@ def _serve(modules, jobs, queue, parent) -> None:
 
         for m in modules:
             importlib.import_module(m)
-        job = jobs.get()
-        if job is None:                                 # closed without a call
-            return
-        fn, args, kwargs = job
+        fn, args, kwargs = jobs.get()                   # (a worker closed without a call is killed here)
         queue.put(("done", _resolve(fn)(*args, progress=progress, **kwargs)))
     except BaseException as e:  # noqa: BLE001 - any failure is re-raised in the parent
         queue.put(("error", e))
@@ -135,9 +132,9 @@ class WorkerDied(RuntimeError):
 class PinnedWorker:
     """A fresh process under PINNED_ENV, started at once, that imports `modules` while the caller goes on
     (`kdtr gen` starts its worker before it builds the target, so that the worker's start-up overlaps the
-    target's construction), then runs one call. Not a daemon: it forks
-    helpers of its own (refmodel/distill.py make_corpus), which daemons may not; it dies with this process all
-    the same (die_with_parent), and `close` (or leaving the `with` block) kills it if it is still running."""
+    target's construction), then runs one call. Not a daemon: it forks helpers of its own
+    (refmodel/distill.py make_corpus), which daemons may not; it dies with this process all the same
+    (die_with_parent), and `close` (or leaving the `with` block) kills it if it is still running."""
 
     def __init__(self, modules: tuple[str, ...] = ()):
         ctx = mp.get_context("spawn")                  # a new interpreter: the env applies at library load
