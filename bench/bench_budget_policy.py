@@ -23,7 +23,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 BUNDLES = ["model_tiny", "model_int4_tiny", "model_edge", "model_shardable_int4"]
-K26_4K = "1:1,2:1.72,5:2.46,9:3.62,17:5.92,33:10.12"
+# verify / AR step of one K2.6 layer at 4096 cached rows, by rows (1 = the AR step): the H200 run after
+# linear_rows_kernel (docs/k26-scale.md)
+K26_4K = {1: 1.0, 2: 1.72, 5: 2.46, 9: 3.62, 17: 5.92, 33: 10.12}
+K26_4K_TEXT = ",".join(f"{r}:{c:g}" for r, c in K26_4K.items())
 FIXED = (1, 2, 4, 8, 16, 32)
 
 
@@ -31,7 +34,7 @@ def parse_costs(text: str) -> dict[int, float]:
     try:
         return {int(r): float(c) for r, c in (p.split(":") for p in text.split(","))}
     except ValueError:
-        sys.exit(f"--costs {text!r}: give rows:cost pairs separated by commas, e.g. {K26_4K}")
+        sys.exit(f"--costs {text!r}: give rows:cost pairs separated by commas, e.g. {K26_4K_TEXT}")
 
 
 def run(path: str, costs: dict[int, float], draft_cost: float, n_tokens: int) -> dict:
@@ -67,7 +70,7 @@ def run(path: str, costs: dict[int, float], draft_cost: float, n_tokens: int) ->
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("bundles", nargs="*", help="bundles (default: the committed ones)")
-    ap.add_argument("--costs", default=K26_4K, help="verify / AR step by rows, rows:cost,... (default: K2.6, 4K rows)")
+    ap.add_argument("--costs", default=K26_4K_TEXT, help="verify / AR step by rows, rows:cost,... (default: K2.6, 4K rows)")
     ap.add_argument("--draft-cost", type=float, default=0.0, help="cost of one drafter call, in AR steps")
     ap.add_argument("--tokens", type=int, default=32, help="tokens decoded per prompt")
     ap.add_argument("--json", help="write the figures here")

@@ -238,8 +238,9 @@ def distill_drafter(cfg, W, dcfg: DrafterConfig, seed: int, steps: int, progress
     s = dataclasses.replace(settings or DistillSettings(), steps=steps)
     # torch is imported while the corpus helpers (forked before it, so they never load it) compute
     ids_np, feats_np, plens = make_corpus(cfg, W, dcfg, seed, s, progress, meanwhile=_import_torch)
+    import torch
+
     from refmodel import distill_torch
-    torch = distill_torch.torch
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)

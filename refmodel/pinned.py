@@ -89,7 +89,8 @@ def _resolve(fn):
 
 
 def _serve(modules, jobs, queue, parent) -> None:
-    """The child: import `modules` at once (under PINNED_ENV: torch, NumPy), then run the one call `jobs` sends."""
+    """The child: import `modules` at once (their libraries load under PINNED_ENV), then run the one call `jobs`
+    sends."""
     die_with_parent(parent)
 
     def progress(*p):

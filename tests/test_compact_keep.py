@@ -1,5 +1,7 @@
 """compact(start, keep)'s argument check, shared by the torch engines (conformance/engines/protocol.py):
 every bad argument is refused naming its value; a valid accepted path comes back as int64."""
+import re
+
 import numpy as np
 import pytest
 
@@ -21,5 +23,5 @@ def test_an_accepted_path_passes_as_int64():
     (2, [3, 0], 9, "keep [3, 0] must be strictly increasing"),
 ])
 def test_bad_arguments_are_refused_naming_them(start, keep, length, said):
-    with pytest.raises(ValueError, match=r"compact: " + __import__("re").escape(said)):
+    with pytest.raises(ValueError, match="compact: " + re.escape(said)):
         compact_keep(start, keep, length)

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench.bench_budget_policy import K26_4K
 from kdtr_format import open_kdtr
 from refmodel.ddtree import (ar_generate, build_ddtree, cost_aware_nodes, ddtree_generate, expected_tokens,
                              generate, prune_tree, verify_cost_table)
@@ -15,9 +16,6 @@ from refmodel.drafter import read_drafter
 from refmodel.stored import read_model
 
 ROOT = Path(__file__).resolve().parent.parent
-# verify / AR step of one K2.6 layer at 4096 cached rows, by rows (1 = the AR step), measured on the H200
-# (docs/k26-scale.md, the run after linear_rows_kernel)
-K26_4K = {1: 1.0, 2: 1.72, 5: 2.46, 9: 3.62, 17: 5.92, 33: 10.12}
 
 
 def _same_tree(a, b) -> None:
@@ -69,7 +67,7 @@ def test_the_cost_table_interpolates_and_extends():
 
 
 def test_greedy_exactness_under_the_k26_costs():
-    """The committed tiny bundle's first prompt: the cost-aware run gives the golden (AR) tokens, with more
+    """The committed tiny bundle's prompt 1: the cost-aware run gives the golden (AR) tokens, with more
     rounds than the fixed budget and smaller trees."""
     with open_kdtr(ROOT / "bundles" / "model_tiny.kdtr") as f:
         cfg, W = read_model(f)
