@@ -17,9 +17,11 @@ Rows past the real ones are padding (q = 0, scale 0).
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
-from kdtr_format.int4 import Int4LayoutError, scale_bits, scales_as_float, unpack_int4
+from kdtr_format.int4 import Int4LayoutError, scale_bits, scales_as_float
 
 CHUNK_WORDS = 144
 TILE_K = 32                        # columns per chunk (one mma k-step pair)
@@ -48,16 +50,26 @@ def _group_of(qw: np.ndarray, sc: np.ndarray) -> int:
     return g
 
 
-def _pack_rows(u: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    """u uint8 [Np, K] nibbles (Np a multiple of 32), scale float32 [Np, K/32] -> int32 [Np/32, K/32, 144]."""
-    Np, K = u.shape
-    Nb, G = Np // ROWS, K // TILE_K
-    v = (u.reshape(Nb, 2, 16, G, TILE_K) ^ 8).astype(np.uint32)        # q mod 16, [Nb, mt, row, G, col]
-    words = np.zeros((Nb, G, 32, 2, 2), np.uint32)                      # [Nb, G, lane, mt, p]
-    for p in range(2):
-        for n in range(8):
-            rows, cols = WORD_ROW[:, p, n], WORD_COL[:, p, n]           # [lane]
-            words[:, :, :, :, p] |= (v[:, :, rows, :, cols] << (4 * n)).transpose(1, 3, 0, 2)
+def _spread(h: np.ndarray) -> np.ndarray:
+    """uint32 with four nibbles in bits 0..15 -> the same nibbles at bits 0, 8, 16 and 24."""
+    h = (h | (h << np.uint32(8))) & np.uint32(0x00FF00FF)
+    return (h | (h << np.uint32(4))) & np.uint32(0x0F0F0F0F)
+
+
+def _pack_words(qw: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """qw int32 [Np, K/8] of the bundle's words (Np a multiple of 32), scale float32 [Np, K/32] ->
+    int32 [Np/32, K/32, 144]. Word-parallel: the chunk word of (lane 4 g + c, mt, p) takes nibbles 4 (c % 2) ..
+    4 (c % 2) + 3 of the row's words c // 2 (columns 4 c ..) and 2 + c // 2 (columns 16 + 4 c ..) of the group,
+    spreads them to the even and the odd nibbles, and turns u into q mod 16 (u ^ 8, every nibble at once)."""
+    Np, K8 = qw.shape
+    Nb, G = Np // ROWS, K8 // (TILE_K // 8)
+    w = np.ascontiguousarray(qw).view(np.uint32).reshape(Nb, 2, 2, 8, G, 4)   # [Nb, mt, p, g, G, word]
+    words = np.empty((Nb, G, 8, 4, 2, 2), np.uint32)                          # [Nb, G, g, c, mt, p]
+    for c in range(4):
+        shift = np.uint32(16 * (c % 2))
+        lo = _spread((w[..., c // 2] >> shift) & np.uint32(0xFFFF))           # columns 4 c + i
+        hi = _spread((w[..., 2 + c // 2] >> shift) & np.uint32(0xFFFF))       # columns 16 + 4 c + i
+        words[:, :, :, c] = ((lo | (hi << np.uint32(4))) ^ np.uint32(0x88888888)).transpose(0, 4, 3, 1, 2)
     bits = scale_bits(scale).reshape(Nb, ROWS, G)                        # [Nb, row, G] uint16
     sbits = bits[:, SCALE_ROW.reshape(-1), :].transpose(0, 2, 1)        # [Nb, G, 128 = lane x i]
     sbits = sbits.reshape(Nb, G, 8, 4, 4)[:, :, :, 0, :].reshape(Nb, G, 32)  # the 4 lanes of a g read the same
@@ -67,12 +79,16 @@ def _pack_rows(u: np.ndarray, scale: np.ndarray) -> np.ndarray:
     return out
 
 
-def _nibbles_and_scales(qw: np.ndarray, sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(u uint8 [N, K], per-32-column scale float32 [N, K/32]) of one packed weight."""
+PAD_WORD = np.uint32(0x88888888).view(np.int32)    # eight nibbles u = 8: q = 0, the padding rows' weights
+
+
+def _words_and_scales(qw: np.ndarray, sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the words int32 [N, K/8], per-32-column scale float32 [N, K/32]) of one packed weight."""
     g = _group_of(qw, sc)
-    u = (unpack_int4(np.asarray(qw, np.int32)).astype(np.int16) + 8).astype(np.uint8)
+    if np.asarray(qw).dtype != np.int32:
+        raise Int4LayoutError(f"packed INT4 weights must be int32 [out, in/8], got {np.asarray(qw).dtype}")
     s = np.repeat(scales_as_float(np.asarray(sc)).astype(np.float32), g // TILE_K, axis=1)
-    return u, s
+    return np.asarray(qw), s
 
 
 def _pad_rows(a: np.ndarray, n: int, fill) -> np.ndarray:
@@ -85,29 +101,52 @@ def _pad_rows(a: np.ndarray, n: int, fill) -> np.ndarray:
 
 def pack_linear(qw: np.ndarray, sc: np.ndarray) -> np.ndarray:
     """y = W x (mode 0): packed qw int32 [N, K/8], sc [N, K/g] -> int32 [ceil(N/32), K/32, 144]."""
-    u, s = _nibbles_and_scales(qw, sc)
-    Np = -(-u.shape[0] // ROWS) * ROWS
-    return _pack_rows(_pad_rows(u, Np, 8), _pad_rows(s, Np, 0.0))
+    w, s = _words_and_scales(qw, sc)
+    Np = -(-w.shape[0] // ROWS) * ROWS
+    return _pack_words(_pad_rows(w, Np, PAD_WORD), _pad_rows(s, Np, 0.0))
 
 
 def pack_gate_up(qg: np.ndarray, sg: np.ndarray, qu: np.ndarray, su: np.ndarray) -> np.ndarray:
     """silu(Wg x) * (Wu x) (mode 1): gate and up [I, K/8] / [I, K/g] -> int32 [ceil(I/16), K/32, 144]."""
     if qg.shape != qu.shape or sg.shape != su.shape:
         raise Int4LayoutError(f"gate {qg.shape}/{sg.shape} and up {qu.shape}/{su.shape} differ")
-    (ug, s_g), (uu, s_u) = _nibbles_and_scales(qg, sg), _nibbles_and_scales(qu, su)
-    I16 = -(-ug.shape[0] // 16) * 16
-    ug, uu, s_g, s_u = _pad_rows(ug, I16, 8), _pad_rows(uu, I16, 8), _pad_rows(s_g, I16, 0.0), _pad_rows(s_u, I16, 0.0)
-    K = ug.shape[1]
-    u = np.stack([ug.reshape(-1, 16, K), uu.reshape(-1, 16, K)], axis=1).reshape(2 * I16, K)
-    s = np.stack([s_g.reshape(-1, 16, K // TILE_K), s_u.reshape(-1, 16, K // TILE_K)], axis=1).reshape(2 * I16, -1)
-    return _pack_rows(u, s)
+    (wg, s_g), (wu, s_u) = _words_and_scales(qg, sg), _words_and_scales(qu, su)
+    I16 = -(-wg.shape[0] // 16) * 16
+    wg, wu = _pad_rows(wg, I16, PAD_WORD), _pad_rows(wu, I16, PAD_WORD)
+    s_g, s_u = _pad_rows(s_g, I16, 0.0), _pad_rows(s_u, I16, 0.0)
+    K8, G = wg.shape[1], s_g.shape[1]
+    w = np.stack([wg.reshape(-1, 16, K8), wu.reshape(-1, 16, K8)], axis=1).reshape(2 * I16, K8)
+    s = np.stack([s_g.reshape(-1, 16, G), s_u.reshape(-1, 16, G)], axis=1).reshape(2 * I16, G)
+    return _pack_words(w, s)
+
+
+def _over_experts(E: int, pack_one) -> np.ndarray:
+    """[E, Nb, G, 144] of pack_one(e) for e < E, written in place, on up to one thread per CPU: NumPy's
+    integer ufuncs and copies release the GIL, and K2.6 has 384 experts a layer (each about 0.1 s)."""
+    from concurrent.futures import ThreadPoolExecutor
+    if E == 0:
+        raise Int4LayoutError("no experts to pack")
+    first = pack_one(0)
+    out = np.empty((E,) + first.shape, first.dtype)
+    out[0] = first
+
+    def put(e: int) -> None:
+        out[e] = pack_one(e)
+    threads = min(E - 1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    if threads <= 1:
+        for e in range(1, E):
+            put(e)
+    else:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(put, range(1, E)))
+    return out
 
 
 def pack_experts(qw: np.ndarray, sc: np.ndarray) -> np.ndarray:
     """pack_linear over stacked experts [E, N, K/8] / [E, N, K/g] -> [E, Nb, G, 144]."""
-    return np.stack([pack_linear(q, s) for q, s in zip(qw, sc)])
+    return _over_experts(len(qw), lambda e: pack_linear(qw[e], sc[e]))
 
 
 def pack_experts_gate_up(qg, sg, qu, su) -> np.ndarray:
     """pack_gate_up over stacked experts -> [E, Nb, G, 144]."""
-    return np.stack([pack_gate_up(*a) for a in zip(qg, sg, qu, su)])
+    return _over_experts(len(qg), lambda e: pack_gate_up(qg[e], sg[e], qu[e], su[e]))
