@@ -28,8 +28,9 @@ def read_bundle(f, keep_int4: bool) -> tuple[ModelConfig, dict]:
         return cfg, {k: v.astype(np.float32) for k, v in dequantize_model(W).items()}
     out = {}
     for k, v in W.items():
-        if k.endswith(".sc"):
-            out[k] = scale_bits(scales_as_float(np.asarray(f[k])))          # exact: the values are bf16
+        if k.endswith(".sc"):                   # raw bf16 bits as stored; float scales must be bf16 values
+            sc = np.asarray(f[k])
+            out[k] = sc if sc.dtype == np.uint16 else scale_bits(scales_as_float(sc))
         else:
             out[k] = v if k.endswith(".qw") else v.astype(np.float32)
     return cfg, out
