@@ -75,8 +75,10 @@ def _canonical_command(ctx: click.Context) -> str:
 
 @click.command("gen")
 @click.option("--preset", metavar="[" + "|".join(sorted(PRESETS)) + "]", default="tiny", show_default=True,
-              help="Model preset (refmodel.config.PRESETS): tiny (the committed bundles' target), k26-slice "
-                   "(K2.6's true layer shapes, 3 layers), k26 (the full model: listed, refused: too large).")
+              help="Model preset (refmodel.config.PRESETS): tiny (the committed bundles' target), shardable (for "
+                   "TP/EP over 2, 4, 8 ranks), edge and wide (the widths that run every CUDA kernel path), "
+                   "k26-slice (K2.6's true layer shapes, 3 layers), k26 (the full model: listed, refused: too "
+                   "large). docs/golden-bundles.md describes each.")
 @click.option("--quant", type=click.Choice(["fp32", "int4"]), default=None,
               help="fp32 weights, or INT4 W4A16 group-32 (compressed-tensors layout). Default: the model's "
                    "own (--model, --from-checkpoint), fp32 for --preset.")

@@ -118,7 +118,7 @@ class CudaEngine:
             k4 = self._int4_slots(l)[2]
             if k4:
                 M, Z = self._moe_launch(l, T)
-                need += [self.ops.w4a16_need(w[k], M, Z, digits=T > 1) for k in ("gate_up.mma", "down.mma")]
+                need += [self.ops.w4a16_need(w[k], M, Z, digits=T > 1, moe=True) for k in ("gate_up.mma", "down.mma")]
         self.ops.w4a16_reserve(max(p for p, _ in need), max(t for _, t in need))
 
     def _moe_launch(self, l: int, T: int) -> tuple[int, int]:

@@ -267,17 +267,18 @@ class Ops:
         return w4a16_entry(M, numerics)
 
     def w4a16_plan(self, Nb: int, G: int, Z: int, ks: int | None = None, M: int = 1, numerics: str = "fp32",
-                   rows: int | None = None, digits: bool = False) -> tuple[str, int, int]:
+                   rows: int | None = None, digits: bool = False, moe: bool = False) -> tuple[str, int, int]:
         """(entry name, blocks along the output, k splits) of one w4a16_mma launch of M <= 64 tokens. Up to 16
         FP32-faithful tokens: the entry and splits by w4a16_rows_plan, or `rows` row blocks per block where
         given (tests) at their one-wave split; ks, where given, overrides the splits. digits: the int8 digits
-        entries of up to W4A16_DIGITS_TOKENS tokens (the grouped MoE path)."""
-        return self._w4a16_plan(Nb, G, Z, ks, M, numerics, rows, digits)[:3]
+        entries of up to W4A16_DIGITS_TOKENS tokens (the grouped MoE path); moe: the MoE pairs path's row
+        counts and regimes (w4a16_launch)."""
+        return self._w4a16_plan(Nb, G, Z, ks, M, numerics, rows, digits, moe)[:3]
 
-    def _w4a16_plan(self, Nb, G, Z, ks, M, numerics, rows, digits=False) -> tuple[str, int, int, str]:
+    def _w4a16_plan(self, Nb, G, Z, ks, M, numerics, rows, digits=False, moe=False) -> tuple[str, int, int, str]:
         """w4a16_plan and the regime that chose it (W4A16_REGIMES, or "forced" for rows=): w4a16_launch on
-        this GPU's SM count and entry residency."""
-        return w4a16_launch(Nb, G, Z, ks, M, numerics, rows, digits, self._w4_resident, self.sm_count)
+        this GPU's SM count and entry residency; moe: a launch of the MoE pairs path."""
+        return w4a16_launch(Nb, G, Z, ks, M, numerics, rows, digits, self._w4_resident, self.sm_count, moe)
 
     def _w4_resident(self, name: str) -> int:
         """Blocks of kernel `name` resident on the whole GPU at once (shared memory and registers per SM)."""
@@ -313,12 +314,13 @@ class Ops:
         self._reserve("w4a16_mma", partials, tickets, "Ops.w4a16_reserve(*Ops.w4a16_need(...))")
 
     def w4a16_need(self, packed: DevBuf, M: int = 1, Z: int = 1, ks: int | None = None,
-                   numerics: str = "fp32", rows: int | None = None, digits: bool = False) -> tuple[int, int]:
+                   numerics: str = "fp32", rows: int | None = None, digits: bool = False,
+                   moe: bool = False) -> tuple[int, int]:
         """(partials floats, tickets) one w4a16_mma launch over `packed` needs."""
         _, Nb, G, _ = packed.shape
         need = (0, 0)
         for m in {min(M, 64), M % 64 or 64}:                   # the launches of <= 64 tokens
-            _, gx, k = self.w4a16_plan(Nb, G, Z, ks, m, numerics, rows, digits)
+            _, gx, k = self.w4a16_plan(Nb, G, Z, ks, m, numerics, rows, digits, moe)
             if k > 1:
                 need = (max(need[0], Z * k * m * Nb * 32), max(need[1], Z * gx))
         return need
@@ -368,10 +370,11 @@ class Ops:
             Z = 1
             _need(E >= 1 and M >= 1, "w4a16_mma", f"need E >= 1 experts and M >= 1 tokens, got {E}, {M}")
         _need(groups is not None or not digits, "w4a16_mma", "digits=True is the grouped path's (pass groups)")
-        self.w4a16_reserve(*self.w4a16_need(packed, M, Z, ks, numerics, rows, digits))
+        moe = path != "linear"
+        self.w4a16_reserve(*self.w4a16_need(packed, M, Z, ks, numerics, rows, digits, moe))
         for m0 in range(0, M, 64):
             m = min(64, M - m0)
-            name, gx, k, regime = self._w4a16_plan(Nb, G, Z, ks, m, numerics, rows, digits)
+            name, gx, k, regime = self._w4a16_plan(Nb, G, Z, ks, m, numerics, rows, digits, moe)
             self._launch(name, (gx, k, Z), _ptr(x) + 4 * m0 * x_stride,
                          x_stride, packed.ptr, 0 if slot_ids is None else _ptr(slot_ids), S, k0, nk, e_base,
                          int(x_by_slot), m, N, Nb, G, k, _ptr(out) + 4 * m0 * out_stride, out_stride,

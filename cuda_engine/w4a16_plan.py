@@ -33,7 +33,12 @@ W4A16_ROWS_MAX_GROUPS = 64          # the many-row path's k splits at most this 
 # tests/test_cuda_w4a16_grouped.py)
 W4A16_GROUP_TOKENS = (2, 5, 8, 16)
 W4A16_DIGITS_TOKENS = 4
-W4A16_DIGITS_ROWS = {r: "w4a16_mma_i8_m4" + (f"_r{r}" if r > 1 else "") for r in (1, 2, 4, 8)}
+W4A16_DIGITS_ROWS = {r: "w4a16_mma_i8_m4" + (f"_r{r}" if r > 1 else "") for r in (1, 8)}
+# The row counts the MoE paths (pairs at one token, grouped over several) choose from, and their regimes: the
+# single-weight regime "rows" and the 2- and 4-row-block int8 entries serve one weight (the linear path: the
+# benchmark, the kernel tests) and at K2.6's MoE shapes lose to these (docs/cuda-engine.md, "Every entry
+# runs"); so every entry and regime the engine ships is one a committed bundle's verify runs.
+W4A16_MOE_ROWS = (1, 8)
 # The planner's regimes of a w4a16_mma launch (recorded per launch in Ops.w4a16_regimes, named in a run dump's
 # engine_info): w4a16_rows_plan's many-row and single-weight regimes (rows1: 1 row block unsplit at 1-2 tokens;
 # rows: the most row blocks whose one-wave split keeps W4A16_ROWS_MIN_GROUPS; fewest: the family's fewest), the
@@ -82,17 +87,18 @@ def w4a16_rows_plan(Nb: int, G: int, Z: int, resident: int, sm_count: int, M: in
 
 
 def w4a16_rows_regime(Nb: int, G: int, Z: int, resident: int, sm_count: int, M: int = 1,
-                      rows: tuple[int, ...] = (1, 2, 4, 8)) -> tuple[int, int, str]:
-    """w4a16_rows_plan's (row blocks per block, k splits) and the regime that chose them (W4A16_REGIMES)."""
+                      rows: tuple[int, ...] = (1, 2, 4, 8), single: bool = True) -> tuple[int, int, str]:
+    """w4a16_rows_plan's (row blocks per block, k splits) and the regime that chose them (W4A16_REGIMES);
+    single=False (the MoE paths) leaves the single-weight regime "rows" out."""
     most, fewest = max(rows), min(rows)
     top = min(most, 1 << max(0, Nb - 1).bit_length())
     if Z * -(-Nb // most) >= sm_count:
-        top = max(top, fewest)
+        top = max([r for r in rows if r <= top] or [fewest])
         ks = min(-(-G // W4A16_ROWS_MAX_GROUPS), 2 * resident // (Z * -(-Nb // top)))
         return top, max(1, min(ks, W4A16_MAX_SPLITS)), "many_rows"
     if M <= 2 and fewest == 1 and w4a16_splits(Nb * Z, G, resident, sm_count) == 1:
         return 1, 1, "rows1"
-    for r in sorted(rows, reverse=True):
+    for r in sorted(rows, reverse=True) if single else ():
         ks = w4a16_splits(-(-Nb // r) * Z, G, resident, sm_count)
         if fewest < r <= top and G // ks >= W4A16_ROWS_MIN_GROUPS:
             return r, ks, "rows"
@@ -123,13 +129,15 @@ def w4a16_entry(M: int, numerics: str = "fp32") -> tuple[str, int]:
 
 
 def w4a16_launch(Nb: int, G: int, Z: int, ks: int | None, M: int, numerics: str, rows: int | None,
-                 digits: bool, resident_of, sm_count: int) -> tuple[str, int, int, str]:
+                 digits: bool, resident_of, sm_count: int, moe: bool = False) -> tuple[str, int, int, str]:
     """(entry name, blocks along the output, k splits, regime) of one w4a16_mma launch of M <= 64 tokens over
     Nb blocks of 32 rows, G groups and Z (token, slot) pairs or groups: Ops.w4a16_plan's, on a GPU of
     `sm_count` SMs where `resident_of(entry)` blocks of an entry fit at once. Up to 16 FP32-faithful tokens:
     the entry and splits by w4a16_rows_regime, or `rows` row blocks per block where given (tests) at their
     one-wave split; ks, where given, overrides the splits. digits: the int8 digits entries of up to
-    W4A16_DIGITS_TOKENS tokens (the grouped MoE path). The regime: W4A16_REGIMES, or "forced" for rows=."""
+    W4A16_DIGITS_TOKENS tokens (the grouped MoE path). moe: a launch of the MoE paths (pairs or grouped; digits
+    implies it), which choose from W4A16_MOE_ROWS without the "rows" regime. The regime: W4A16_REGIMES, or
+    "forced" for rows=."""
     name, rpb = w4a16_entry(M, numerics)
     regime = "wave" if rows is None else "forced"
     # (the residency of the FP32-faithful entry, a family's first, for both numerics: the bf16 numerics run
@@ -141,7 +149,9 @@ def w4a16_launch(Nb: int, G: int, Z: int, ks: int | None, M: int, numerics: str,
     if numerics == "fp32" and (digits or cap in W4A16_ROWS):
         family = W4A16_DIGITS_ROWS if digits else W4A16_ROWS[cap]
         if rows is None:
-            rpb, k, regime = w4a16_rows_regime(Nb, G, Z, resident, sm_count, M, tuple(family))
+            moe = moe or digits
+            choose = tuple(r for r in family if r in W4A16_MOE_ROWS) if moe else tuple(family)
+            rpb, k, regime = w4a16_rows_regime(Nb, G, Z, resident, sm_count, M, choose, single=not moe)
         else:
             _need(rows in family, f"rows={rows}: choose one of {sorted(family)}")
             rpb, k = rows, w4a16_splits(-(-Nb // rows) * Z, G, resident, sm_count)

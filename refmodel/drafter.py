@@ -54,6 +54,11 @@ DRAFTER_PRESETS = {
                  num_key_value_heads=2, head_dim=48, intermediate_size=288, block_size=16,
                  mask_token_id=600, target_layer_ids=[0, 1, 2], num_target_layers=3,
                  rms_norm_eps=1e-6, rope_theta=10000.0, block_pos_embed=True),
+    # The wide bundle's drafter: its vocabulary of 4160 through the DDTree builder's wide top-K.
+    "wide": dict(hidden_size=64, vocab_size=4160, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, intermediate_size=512, block_size=16,
+                 mask_token_id=4159, target_layer_ids=[0, 1], num_target_layers=2,
+                 rms_norm_eps=1e-6, rope_theta=10000.0, block_pos_embed=True),
     # The real-shape slice's drafter: untrained (no CPU distillation at hidden 7168), as small as the shared
     # embedding allows (one layer fed by the last target layer, MLP 1024, block 4): the bundle's DDTree
     # records exist and are exact; the slice tests the target's shapes, not drafting quality.

@@ -20,12 +20,15 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = ["bundles/model_tiny.kdtr", "bundles/model_int4_tiny.kdtr"]
 EDGE = "bundles/model_edge.kdtr"  # every path the CUDA engine ships (docs/golden-bundles.md, "The edge bundle")
 SHARDABLE = "bundles/model_shardable_int4.kdtr"   # for sharded engines (docs/golden-bundles.md, "The shardable bundle")
-BUNDLES = TINY + [EDGE, SHARDABLE]
+WIDE = "bundles/model_wide.kdtr"  # the entries only K2.6's widths reach (docs/golden-bundles.md, "The wide bundle")
+BUNDLES = TINY + [EDGE, SHARDABLE, WIDE]
 MB = 1 << 20
-SIZE_BUDGET_MB = {"bundles/model_tiny.kdtr": 20, "bundles/model_int4_tiny.kdtr": 20, EDGE: 12, SHARDABLE: 20}
+SIZE_BUDGET_MB = {"bundles/model_tiny.kdtr": 20, "bundles/model_int4_tiny.kdtr": 20, EDGE: 12, SHARDABLE: 20,
+                  WIDE: 12}
 FULL_DEPTH_ROUNDS = 3           # the tiny bundles' coverage aim, each (MANIFEST.md has the figures)
 MIN_NEW_TOKENS = {EDGE: 32,     # the edge bundle's 5 prompts (one of 34 tokens) keep it within 12 MiB; else 64
-                  SHARDABLE: 32}  # the shardable bundle within 20 MiB and the GPU machine's transfer (MANIFEST.md)
+                  SHARDABLE: 32,  # the shardable bundle within 20 MiB and the GPU machine's transfer (MANIFEST.md)
+                  WIDE: 16}       # the wide bundle's vocabulary of 4160 within 12 MiB
 
 
 def manifest_commands() -> dict[str, list[str]]:
@@ -113,6 +116,28 @@ def test_the_edge_bundle_reaches_the_edge_paths():
         assert most >= 9, f"no prefill routes 9 tokens to one expert (most: {most})"
         widest = max(np.diff(f[f"golden/p{i}/ddtree/tree_offsets"]).max() for i in prompts)
         assert widest >= 9, f"no golden tree verify of 9 or more nodes (widest: {widest})"
+
+
+def test_the_wide_bundle_reaches_the_k26_entries():
+    """What the wide bundle is for (docs/golden-bundles.md, "The wide bundle"): on the H200's 132 SMs its MoE
+    decode step and every forward of 2 or more tokens take the fast W4A16 planner's many-row regime on the
+    8-row-block entries, as K2.6's MoE layers do, and its vocabulary takes the DDTree top-K past the in-block
+    sort. The planner is the engine's own (cuda_engine/w4a16_plan.py), at the residency the engine measures
+    there (docs/cuda-engine.md); which entries a verify really ran, the proofs record
+    (tests/test_cuda_entries_ran.py)."""
+    from cuda_engine.drafter import TOPK_SORT_MAX
+    from refmodel.config import ModelConfig
+    from test_cuda_entries_ran import moe_launches
+    with open_kdtr(ROOT / WIDE) as f:
+        cfg = ModelConfig.from_dict(f.metadata["model_config"])
+        assert (f.metadata.get("quantization") or {}).get("method") == "w4a16"
+        assert f.metadata["drafter_config"]["vocab_size"] == cfg.vocab_size > TOPK_SORT_MAX
+        lengths = [len(f[f"golden/p{i}/prompt_ids"]) for i in range(f.metadata["prompts"])]
+    launches = moe_launches(cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts,
+                            cfg.num_experts_per_tok, 132, tokens=sorted({1, *lengths, 33}))
+    gate_up = {(p, name, regime) for p, w, T, name, _, _, regime in launches if w == "gate_up"}
+    assert gate_up == {("pairs", "w4a16_mma_i8_m1_r8", "many_rows"),
+                       ("grouped", "w4a16_mma_i8_m4_r8", "many_rows")}, gate_up
 
 
 @pytest.mark.parametrize("bundle", BUNDLES)

@@ -12,8 +12,8 @@ import pytest
 from cuda_engine.drafter import DRAFTER_SIGNATURES
 from cuda_engine.ops import SIGNATURES
 from cuda_engine.proofs import REPROVE, engine_info, proof_modes, proof_path
-from cuda_engine.w4a16_plan import (W4A16_DIGITS_ROWS, W4A16_ENTRIES, W4A16_PATHS, W4A16_REGIMES, W4A16_ROWS,
-                                    w4a16_groups_cap, w4a16_launch)
+from cuda_engine.w4a16_plan import (W4A16_DIGITS_ROWS, W4A16_ENTRIES, W4A16_MOE_ROWS, W4A16_PATHS, W4A16_REGIMES,
+                                    W4A16_ROWS, w4a16_groups_cap, w4a16_launch)
 
 from cuda_oracle import committed_bundles
 
@@ -21,20 +21,23 @@ PROOFS = [proof_path(b, m) for b in committed_bundles() for m in proof_modes(b)]
 ENGINE_PY = Path(__file__).resolve().parent.parent / "cuda_engine" / "engine.py"
 # The engine launches w4a16_mma on two paths only (cuda_engine/engine.py, checked below): one (token, slot) pair
 # per z at one token, and the grouped path of a forward over several tokens on the int8 digits. On those the
-# planner picks from two families, whatever the shape (checked below): these are the entries the engine ships.
-ENGINE_W4A16 = set(W4A16_ROWS[1].values()) | set(W4A16_DIGITS_ROWS.values())
+# planner picks from two families at the MoE paths' row counts, whatever the shape (checked below): these are
+# the entries the engine ships.
+ENGINE_W4A16 = {W4A16_ROWS[1][r] for r in W4A16_MOE_ROWS} | set(W4A16_DIGITS_ROWS.values())
 W4A16_ALL = ({n for table in W4A16_ENTRIES.values() for _, n in table} | set(W4A16_DIGITS_ROWS.values())
              | {n for family in W4A16_ROWS.values() for n in family.values()})
 # In the kernel module but never launched by the engine: kdtr bench w4a16's floor, and every other w4a16_mma
-# entry: the bf16-activation ones (no engine result is judged in those numerics) and the three-bf16-terms ones
+# entry: the bf16-activation ones (no engine result is judged in those numerics), the three-bf16-terms ones
 # (the linear path and the bf16 terms' grouped variant, which the benchmark and the kernel tests run; the
-# engine runs the int8 digits instead, docs/cuda-engine.md)
+# engine runs the int8 digits instead, docs/cuda-engine.md) and the one-token digits of 2 and 4 row blocks
+# (the linear path's, single weights)
 BENCH_ONLY = {"stream_read_kernel", *(W4A16_ALL - ENGINE_W4A16)}
 SHIPPED = sorted((set(SIGNATURES) | set(DRAFTER_SIGNATURES)) - BENCH_ONLY)
 # The engine's fast W4A16 launches are FP32-faithful and of at most 16 tokens per z (the slot path at one token,
-# the grouped path from two), so their regimes are w4a16_rows_plan's; "wave" (17-64 tokens, bf16) and "forced"
-# (a test's rows=) are not the engine's. Its paths: one pair per z, and groups of pairs.
-ENGINE_REGIMES = [r for r in W4A16_REGIMES if r != "wave"]
+# the grouped path from two), so their regimes are w4a16_rows_plan's of the MoE paths; "rows" (a single
+# weight's), "wave" (17-64 tokens, bf16) and "forced" (a test's rows=) are not the engine's. Its paths: one
+# pair per z, and groups of pairs.
+ENGINE_REGIMES = [r for r in W4A16_REGIMES if r not in ("rows", "wave")]
 ENGINE_PATHS = [p for p in W4A16_PATHS if p != "linear"]
 
 
@@ -74,45 +77,57 @@ def test_the_engine_launches_w4a16_mma_only_on_its_two_paths():
 
 
 def test_the_planner_picks_the_engines_entries_on_those_paths():
-    """On the engine's two paths w4a16_launch picks from the one-token and the digits families only, for any
-    launch shape and GPU size: so no bench-only entry can run in an engine verify."""
-    slot, digits = set(W4A16_ROWS[1].values()), set(W4A16_DIGITS_ROWS.values())
+    """On the engine's two paths w4a16_launch picks from the one-token and the digits families at the MoE
+    paths' row counts only, in the engine's regimes, for any launch shape and GPU size: so no bench-only entry
+    or regime can run in an engine verify."""
+    slot, digits = {W4A16_ROWS[1][r] for r in W4A16_MOE_ROWS}, set(W4A16_DIGITS_ROWS.values())
     for Nb, G, Z, sm, per_sm in itertools.product((1, 2, 3, 5, 9, 64, 128, 224, 300), (1, 6, 9, 16, 64, 224, 1000),
                                                   (1, 4, 8, 9, 40, 131, 132, 400), (132, 188), (1, 2, 3)):
         res = lambda name: per_sm * sm                                       # noqa: E731 - any residency
-        assert w4a16_launch(Nb, G, Z, None, 1, "fp32", None, False, res, sm)[0] in slot
+        name, _, _, regime = w4a16_launch(Nb, G, Z, None, 1, "fp32", None, False, res, sm, moe=True)
+        assert name in slot and regime in ENGINE_REGIMES, (Nb, G, Z, name, regime)
         for M in range(1, 5):
-            assert w4a16_launch(Nb, G, Z, None, M, "fp32", None, True, res, sm)[0] in digits
+            name, _, _, regime = w4a16_launch(Nb, G, Z, None, M, "fp32", None, True, res, sm)
+            assert name in digits and regime in ENGINE_REGIMES, (Nb, G, Z, M, name, regime)
 
 
-def _k26_launches(sm: int) -> set[str]:
-    """(entry, "path:regime") of the engine's MoE launches at K2.6's shapes (hidden 7168, expert width 2048,
-    384 experts top-8): the decode step and every forward of 2..64 tokens (prefill, a tree verify), on a GPU of
-    `sm` SMs with the one-token entry at 3 blocks per SM and the others at 2 (docs/cuda-engine.md)."""
+def moe_launches(D: int, I: int, E: int, K: int, sm: int, moe: bool = True, tokens=range(1, 65)) -> list[tuple]:
+    """(path, weight, T, entry, blocks, k splits, regime) of the engine's fast MoE launches for hidden D, expert
+    width I, E experts top-K: the decode step (T = 1, a pair per z) and every forward of 2..64 tokens (prefill,
+    a tree verify: the grouped path), on a GPU of `sm` SMs with the one-token entry at 3 blocks per SM and the
+    others at 2 (docs/cuda-engine.md); moe=False: as the planner chose before the MoE paths had their own row
+    counts (every row count, the single-weight regime too)."""
     res = lambda name: (3 if name in W4A16_ROWS[1].values() else 2) * sm    # noqa: E731
-    D, I, E, K = 7168, 2048, 384, 8
-    seen = set()
-    for Nb, G in ((-(-I // 16), D // 32), (-(-D // 32), I // 32)):         # gate+up (16 rows a block), down
-        name, _, _, regime = w4a16_launch(Nb, G, K, None, 1, "fp32", None, False, res, sm)
-        seen |= {name, f"pairs:{regime}"}
-        for T in range(2, 65):
-            name, _, _, regime = w4a16_launch(Nb, G, w4a16_groups_cap(T * K, E, 4), None, 4, "fp32", None, True,
-                                              res, sm)
-            seen |= {name, f"grouped:{regime}"}
-    return seen
+    out = []
+    for weight, Nb, G in (("gate_up", -(-I // 16), D // 32), ("down", -(-D // 32), I // 32)):  # 16 rows a block
+        for T in tokens:
+            if T == 1:
+                plan = w4a16_launch(Nb, G, K, None, 1, "fp32", None, False, res, sm, moe=moe)
+            else:
+                digits = W4A16_DIGITS_ROWS if moe else {r: W4A16_DIGITS_ROWS.get(r, f"i8_m4_r{r}") for r in
+                                                        (1, 2, 4, 8)}
+                Z = w4a16_groups_cap(T * K, E, 4)
+                if moe:
+                    plan = w4a16_launch(Nb, G, Z, None, 4, "fp32", None, True, res, sm)
+                else:                                                   # the old planner over 1, 2, 4, 8
+                    from cuda_engine.w4a16_plan import w4a16_rows_regime
+                    r, k, regime = w4a16_rows_regime(Nb, G, Z, res(W4A16_DIGITS_ROWS[1]), sm, 4, (1, 2, 4, 8))
+                    plan = (digits[r], -(-Nb // r), k, regime)
+            out.append(("pairs" if T == 1 else "grouped", weight, T, *plan))
+    return out
 
 
-def test_k26_runs_the_wide_entries_no_bundle_reaches():
-    """Which of the entries and regimes no committed bundle reaches K2.6 itself runs (the H200's 132 SMs and the
-    RTX PRO 6000's 188): the one-token and digits entries of 8 row blocks per block and the many-row regime are
-    its MoE layer's decode and verify; the 2- and 4-row-block entries and the `rows` regime are not (they serve
-    other widths, and the benchmark's single-weight launches). The comment below and docs/cuda-engine.md say
-    what this means for the rule."""
+def test_k26_moe_launches_are_the_same_on_the_moe_paths_row_counts():
+    """What leaving the 2- and 4-row-block entries and the single-weight regime to the linear path costs K2.6:
+    nothing. On the H200's 132 SMs and the RTX PRO 6000's 188, every MoE launch of K2.6's shapes (hidden 7168,
+    expert width 2048, 384 experts top-8; decode and forwards of 2..64 tokens) is the one the planner chose
+    over every row count, and these are the 8-row-block entries in the many-row regime (the wide bundle makes
+    them on the H200: tests/test_bundles.py)."""
     for sm in (132, 188):
-        seen = _k26_launches(sm)
+        now, before = moe_launches(7168, 2048, 384, 8, sm), moe_launches(7168, 2048, 384, 8, sm, moe=False)
+        assert now == before, [(a, b) for a, b in zip(now, before) if a != b][:3]
+        seen = {x for launch in now for x in (launch[3], f"{launch[0]}:{launch[6]}")}
         assert {"w4a16_mma_i8_m1_r8", "w4a16_mma_i8_m4_r8", "pairs:many_rows", "grouped:many_rows"} <= seen, seen
-        assert not seen & {"w4a16_mma_i8_m1_r2", "w4a16_mma_i8_m1_r4", "w4a16_mma_i8_m4_r2", "w4a16_mma_i8_m4_r4",
-                           "pairs:rows", "grouped:rows"}, seen
 
 
 # The rule does not hold yet, and these two tests say so until it does (strict: the day every entry is

@@ -571,7 +571,8 @@ __device__ __forceinline__ void w4a16_mma_body(const float* __restrict__ x, int 
 // w4a16_mma_t3_m<MT> (bf16 terms as columns at 2..8 tokens; from 9 tokens one column per token, fewer warps per
 // row block: the staged x of more tokens holds fewer groups); bf16 activations: w4a16_mma_t1_m<MT>. Up to 16
 // tokens a family of entries covers R = 8 / WS row blocks per block (one token: 1, 2, 4, 8; the bf16 terms:
-// 1, 2, 4, at 16 tokens 2, 4; the family's first entry has no _r suffix), chosen per launch shape by
+// 1, 2, 4, at 16 tokens 2, 4; the int8 digits of up to 4 tokens, the grouped MoE path's: 1, 8; the family's
+// first entry has no _r suffix), chosen per launch shape by
 // w4a16_plan.w4a16_rows_plan: more rows share one block's staged x, fewer blocks to fill the GPU.
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 3)
 w4a16_mma_i8_m1_r1(W4A16_ARGS) { w4a16_mma_body<1, 1, true, 8, 2, true>(W4A16_PASS); }
@@ -583,10 +584,6 @@ extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 3)
 w4a16_mma_i8_m1_r8(W4A16_ARGS) { w4a16_mma_body<1, 1, true, 1, 2, true>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
 w4a16_mma_i8_m4(W4A16_ARGS) { w4a16_mma_body<4, 1, true, 8, 2, true>(W4A16_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
-w4a16_mma_i8_m4_r2(W4A16_ARGS) { w4a16_mma_body<4, 1, true, 4, 2, true>(W4A16_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
-w4a16_mma_i8_m4_r4(W4A16_ARGS) { w4a16_mma_body<4, 1, true, 2, 2, true>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
 w4a16_mma_i8_m4_r8(W4A16_ARGS) { w4a16_mma_body<4, 1, true, 1, 2, true>(W4A16_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
