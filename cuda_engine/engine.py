@@ -17,6 +17,7 @@ import os
 
 import numpy as np
 
+from conformance.engines.protocol import compact_keep
 from cuda_engine.build import engine_source_hash
 from cuda_engine.device import CudaEngineError, DevBuf, device_info, driver
 from cuda_engine.drafter import read_drafter
@@ -211,13 +212,7 @@ class CudaEngine:
         return self._forward(ids, positions, mask)
 
     def compact(self, start, keep) -> None:
-        keep = np.asarray(keep, np.int64).reshape(-1)
-        if not 0 <= start <= self.length:
-            raise ValueError(f"compact: start={start} must be in [0, length={self.length}]")
-        if keep.size and (keep.min() < 0 or keep.max() >= self.length - start):
-            raise ValueError(f"compact: keep indices {keep.tolist()} must be in [0, {self.length - start})")
-        if keep.size > 1 and np.any(np.diff(keep) <= 0):
-            raise ValueError(f"compact: keep {keep.tolist()} must be strictly increasing (an accepted path)")
+        keep = compact_keep(start, keep, self.length)         # the protocol's one check of the arguments
         if keep.size:
             self.buf["keep"].set(keep.astype(np.int32))
             self.ops.kv_compact(self.cache["ckv"], self.cache["kpe"], self.buf["keep"], keep.size, start)
