@@ -136,8 +136,9 @@ def w4a16_launch(Nb: int, G: int, Z: int, ks: int | None, M: int, numerics: str,
     the entry and splits by w4a16_rows_regime, or `rows` row blocks per block where given (tests) at their
     one-wave split; ks, where given, overrides the splits. digits: the int8 digits entries of up to
     W4A16_DIGITS_TOKENS tokens (the grouped MoE path). moe: a launch of the MoE paths (pairs or grouped; digits
-    implies it), which choose from W4A16_MOE_ROWS without the "rows" regime. The regime: W4A16_REGIMES, or
-    "forced" for rows=."""
+    implies it): the int8 digits entries there choose from W4A16_MOE_ROWS without the "rows" regime (the bf16
+    terms' grouped entries, which only the benchmark and the kernel tests launch, keep their families). The
+    regime: W4A16_REGIMES, or "forced" for rows=."""
     name, rpb = w4a16_entry(M, numerics)
     regime = "wave" if rows is None else "forced"
     # (the residency of the FP32-faithful entry, a family's first, for both numerics: the bf16 numerics run
@@ -149,7 +150,7 @@ def w4a16_launch(Nb: int, G: int, Z: int, ks: int | None, M: int, numerics: str,
     if numerics == "fp32" and (digits or cap in W4A16_ROWS):
         family = W4A16_DIGITS_ROWS if digits else W4A16_ROWS[cap]
         if rows is None:
-            moe = moe or digits
+            moe = (moe or digits) and (digits or cap == 1)      # the int8 families (the bf16 terms: bench-only)
             choose = tuple(r for r in family if r in W4A16_MOE_ROWS) if moe else tuple(family)
             rpb, k, regime = w4a16_rows_regime(Nb, G, Z, resident, sm_count, M, choose, single=not moe)
         else:

@@ -12,8 +12,8 @@ import pytest
 from cuda_engine.drafter import DRAFTER_SIGNATURES
 from cuda_engine.ops import SIGNATURES
 from cuda_engine.proofs import REPROVE, engine_info, proof_modes, proof_path
-from cuda_engine.w4a16_plan import (W4A16_DIGITS_ROWS, W4A16_ENTRIES, W4A16_MOE_ROWS, W4A16_PATHS, W4A16_REGIMES,
-                                    W4A16_ROWS, w4a16_groups_cap, w4a16_launch)
+from cuda_engine.w4a16_plan import (W4A16_DIGITS_ROWS, W4A16_ENTRIES, W4A16_GROUP_TOKENS, W4A16_MOE_ROWS, W4A16_PATHS,
+                                    W4A16_REGIMES, W4A16_ROWS, w4a16_groups_cap, w4a16_launch)
 
 from cuda_oracle import committed_bundles
 
@@ -89,6 +89,8 @@ def test_the_planner_picks_the_engines_entries_on_those_paths():
         for M in range(1, 5):
             name, _, _, regime = w4a16_launch(Nb, G, Z, None, M, "fp32", None, True, res, sm)
             assert name in digits and regime in ENGINE_REGIMES, (Nb, G, Z, M, name, regime)
+        for M in W4A16_GROUP_TOKENS:             # the bf16 terms' grouped entries (bench-only) keep their rows
+            assert w4a16_launch(Nb, G, Z, None, M, "fp32", None, False, res, sm, moe=True)[0] in BENCH_ONLY
 
 
 def moe_launches(D: int, I: int, E: int, K: int, sm: int, moe: bool = True, tokens=range(1, 65)) -> list[tuple]:
