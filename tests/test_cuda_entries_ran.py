@@ -132,19 +132,11 @@ def test_k26_moe_launches_are_the_same_on_the_moe_paths_row_counts():
         assert {"w4a16_mma_i8_m1_r8", "w4a16_mma_i8_m4_r8", "pairs:many_rows", "grouped:many_rows"} <= seen, seen
 
 
-# The rule does not hold yet, and these two tests say so until it does (strict: the day every entry is
-# reached they fail, and the markers must go). Measured from the committed proofs (made on the H200 at
-# b4a6c02: the tiny, INT4, edge and shardable bundles, both --w4a16 modes): 7 shipped entries and 2 regimes ran
-# in no verify. The row-count entries (i8_m1_r2/4/8, i8_m4_r2/4/8) and the "rows" and "many_rows" regimes are
-# chosen only at launch shapes far wider than a committed bundle's (many_rows: Z * ceil(Nb / 8) >= the SM
-# count, i.e. a decode over more than 4096 output rows at top-8; rows: at least 16 groups per k split); K2.6
-# runs i8_m1_r8, i8_m4_r8 and many_rows in every MoE layer (test above), the real-shape slice reaches them, and
-# it is too large to commit. ddtree_topk_kernel runs only for vocabularies over TOPK_SORT_MAX (K2.6: 163840).
-# Reaching them needs a committed bundle that makes those shapes, or the entries go (docs/cuda-engine.md).
-GAP = "known gap: entries and regimes no committed bundle reaches (comment above; docs/cuda-engine.md)"
+# The rule holds since the wide bundle (proofs made on the H200 at 0626ba4): every shipped entry and the MoE
+# paths' regimes ran in a committed-bundle verify; the wide bundle's fast-mode proof alone ran i8_m1_r8,
+# i8_m4_r8, many_rows (pairs and grouped) and ddtree_topk_kernel (docs/cuda-engine.md, "Every entry runs").
 
 
-@pytest.mark.xfail(strict=True, reason=GAP)
 def test_every_shipped_kernel_entry_ran_in_a_proof():
     ran = set().union(*(i["kernels_ran"] for i in records()))
     missing = [n for n in SHIPPED if n not in ran]
@@ -152,7 +144,6 @@ def test_every_shipped_kernel_entry_ran_in_a_proof():
                          f"({', '.join(missing)}): reach them with a bundle or delete them")
 
 
-@pytest.mark.xfail(strict=True, reason=GAP)
 def test_every_planner_regime_and_path_ran_in_a_proof():
     keys = set().union(*(i["w4a16_regimes"] for i in records()))
     regimes, paths = {k.split(":")[1] for k in keys}, {k.split(":")[0] for k in keys}
