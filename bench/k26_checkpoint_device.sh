@@ -16,8 +16,9 @@
 #   largest process; OUTDIR/gen.mem: the machine's used memory sampled every 2 s, forked prompt workers
 #   included), the bundle's figures (OUTDIR/gen.figures.json);
 # - verify: `kdtr verify --engine cuda --w4a16 fast` and `--w4a16 plain` (OUTDIR/verify.fast.json,
-#   OUTDIR/verify.plain.json); verify-fast and verify-plain: one of them (measured at d768561: plain 144 s;
-#   fast did not finish its load within 585 s, the single-threaded repack of 768 experts);
+#   OUTDIR/verify.plain.json); verify-fast and verify-plain: one of them (measured at 0626ba4: fast 157 s,
+#   plain 129 s, both in one 10-minute command; at d768561 fast did not finish its load within 585 s: the
+#   single-threaded repack of 768 experts, since made word-parallel and threaded);
 # - all (the default): the three in turn; a phase whose output exists is skipped (delete it to redo).
 # Free disk is checked before synth and gen. Everything goes to OUTDIR/log; the exit status is 1 when a step
 # failed. Each phase is meant to fit one 10-minute device command (estimates: docs/golden-bundles.md,
