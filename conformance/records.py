@@ -15,6 +15,9 @@ from refmodel.model import tap_names
 BUNDLE_SCHEMA = "kdtr-bundle/2"     # /2: decode-step attn_out, position_offsets, the long-position prompt
 DUMP_SCHEMA = "kdtr-run-dump/1"
 DUMP_ROUTING = ("held", "free")    # metadata "routing": how the run's expert sets were chosen
+# Optional in a run's live DDTree group (p{i}/ddtree_live/): the node budget the engine chose per round (a
+# cost-aware budget, at most the bundle's), int64 [rounds] (docs/run-dump.md §5)
+LIVE_BUDGET = "round_budget"
 
 
 class BundleSchemaError(KdtrError):

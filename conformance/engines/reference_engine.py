@@ -14,10 +14,11 @@ import os
 
 import numpy as np
 
-from conformance.records import live_records
+from conformance.records import LIVE_BUDGET, live_records
 from kdtr_format import open_kdtr
 from refmodel.config import ModelConfig
-from refmodel.ddtree import Tree, build_ddtree, draft_logits, prefill, verify_round
+from refmodel.ddtree import (Tree, build_ddtree, cost_aware_nodes, draft_logits, prefill, prune_tree,
+                             verify_cost_table, verify_round)
 from refmodel.drafter import read_drafter
 from refmodel.model import KVCache, block, causal_mask, expert_weights, forward, rope_cos_sin
 from refmodel.stored import read_model, upcast_if_fits
@@ -117,9 +118,17 @@ class ReferenceEngine:
         dec = prefill(self.cfg, self.W, np.asarray(prompt_ids, np.int64), self.dcfg, int(pos0))
         P, rounds = len(prompt_ids), []
         while len(dec.out) - P < n_tokens:
-            tree = self.build_tree(draft_logits(self.W, self.dcfg, self.DW, dec), budget, topk)
+            tree = self.cut_tree(self.build_tree(draft_logits(self.W, self.dcfg, self.DW, dec), budget, topk))
             rounds.append(verify_round(self.cfg, self.W, self.dcfg, dec, tree))
-        return live_records(dec.out[P:P + n_tokens], rounds, dec.counters.target_forwards)
+        return self.records(live_records(dec.out[P:P + n_tokens], rounds, dec.counters.target_forwards), rounds)
+
+    def records(self, live: dict, rounds: list) -> dict:
+        """The live records as they go to the judge (CostAwareReference adds its per-round budgets)."""
+        return live
+
+    def cut_tree(self, tree: Tree) -> Tree:
+        """The tree this engine verifies: the one it built (CostAwareReference cuts it)."""
+        return tree
 
     def build_tree(self, draft_logits: np.ndarray, budget: int, topk: int | None) -> Tree:
         """The engine's tree builder: the reference's (a fault may plant another)."""
@@ -138,3 +147,23 @@ class ReferenceEngine:
         taps = {}
         block(cfg, self.W, layer, h, cos, sin, cache, mask, False, taps)
         return taps
+
+
+class CostAwareReference(ReferenceEngine):
+    """The reference with a cost-aware tree budget (docs/ddtree.md §3a): each round's tree, built with the
+    bundle's budget, is cut to the node count that maximises expected tokens per unit cost under the
+    drafter's own probabilities (refmodel.ddtree.cost_aware_nodes), for a verify cost per forward of T rows
+    given as {rows: cost} points (refmodel.ddtree.verify_cost_table; e.g. a GPU engine's measured times) and
+    a drafter cost; it declares each round's budget (`round_budget`, docs/run-dump.md §5). The stream stays
+    the golden one (greedy exactness); the rounds and forwards change."""
+    name = "reference-cost-aware"
+
+    def __init__(self, verify_cost: dict, draft_cost: float = 0.0, dtype=np.float32):
+        super().__init__(dtype)
+        self.verify_cost, self.draft_cost = verify_cost_table(verify_cost), float(draft_cost)
+
+    def cut_tree(self, tree: Tree) -> Tree:
+        return prune_tree(tree, cost_aware_nodes(tree.scores, self.verify_cost, self.draft_cost))
+
+    def records(self, live: dict, rounds: list) -> dict:
+        return {**live, LIVE_BUDGET: np.asarray([len(r.tree_tokens) for r in rounds], np.int64)}

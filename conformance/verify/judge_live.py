@@ -7,8 +7,10 @@
   input there is the same, whatever the earlier rounds were) has the golden tree; where it differs, the
   first differing node must be a near-tie of the golden drafter (conformance/verify/tree_ties.py), else the
   check fails naming the round. On an equal tree the accepted path, the target's argmax on it and the
-  bonus equal the golden ones. The records must also be self-consistent: each round's accepted path and
-  bonus are the walk of its verify argmax over its tree, and the rounds produce the stream;
+  bonus equal the golden ones. An engine that declares its own per-round budget (`round_budget`, a
+  cost-aware budget) may verify the golden tree's first round_budget nodes: the path and bonus are then
+  judged against the golden argmax on those rows. The records must also be self-consistent: each round's
+  accepted path and bonus are the walk of its verify argmax over its tree, and the rounds produce the stream;
 - `target_forwards`: the reported counters agree with the records, always (counters = [1 + rounds,
   rounds]: one prefill and one verify forward per round); and the live count against the golden count,
   exact when every round had the golden tree (then the runs are the same), reported otherwise (a
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from conformance.records import LIVE_BUDGET
 from conformance.report.verdict import CheckResult
 from conformance.verify.context import Prompt
 from conformance.verify.judge_ddtree import path_logits_check
@@ -112,6 +115,14 @@ def _walk(tok, par, post) -> tuple[list, int]:
     return walk(children, post)
 
 
+def _pruned(gtok, gpar, tok, par, budget: int) -> bool:
+    """Whether a live tree is the golden tree cut to the round's declared budget: its first `budget` nodes in
+    the heap-pop order both lay out (a popped node's parent precedes it, so any prefix is a tree), shorter
+    than the golden one (docs/ddtree.md §3a)."""
+    k = len(tok)
+    return k - 1 == budget < len(gtok) - 1 and np.array_equal(gtok[:k], tok) and np.array_equal(gpar[:k], par)
+
+
 def _trees_check(pr: Prompt, out: dict, drafts: GoldenDrafts,
                  tie_row: int | None = None) -> tuple[CheckResult, bool]:
     """(the `trees` check, whether every live round was a golden round with the golden tree, judged in
@@ -129,7 +140,8 @@ def _trees_check(pr: Prompt, out: dict, drafts: GoldenDrafts,
     bonus, tokens = np.asarray(out[p + "round_bonus"]), np.asarray(out[p + "tokens"])
     start, stream = pr.P, [int(tokens[0])]
     m = {"rounds": R, "golden_rounds": len(go) - 1, "compared": 0, "equal": 0, "near_ties": [], "not_comparable": 0,
-         "after_routing_tie": 0}
+         "after_routing_tie": 0, "pruned": 0}
+    budgets = out.get(p + LIVE_BUDGET)                # the engine's own per-round budgets, when it declares them
     moved = lambda row: tie_row is not None and row >= tie_row  # noqa: E731 - may a routing near-tie move it
 
     def fail(r, msg):
@@ -154,6 +166,20 @@ def _trees_check(pr: Prompt, out: dict, drafts: GoldenDrafts,
         at = f"golden round {gr}, position {start - len(acc)}"
         if not (np.array_equal(gtok, tok) and np.array_equal(gpar, par)) and moved(start - len(acc) - 1):
             m["after_routing_tie"] += 1                                  # drafted from rows a near-tie moves
+            continue
+        cut = budgets is not None and _pruned(gtok, gpar, tok, par, int(budgets[r]))
+        if cut:                                  # the first round_budget nodes of the golden tree, as declared
+            m["pruned"] += 1
+            gpost = np.asarray(f[g + "ddtree/verify_argmax"][gl])[:len(tok)]
+            want, wbonus = _walk(tok, par, gpost)                        # the golden argmax on those rows
+            if moved(start - len(acc) + len(want) - 1):
+                m["after_routing_tie"] += 1
+                continue
+            if acc.tolist() != want or not np.array_equal(post[acc], gpost[acc]) or int(bonus[r]) != wbonus:
+                return fail(r, f"({at}) the golden tree's first {len(tok) - 1} nodes (its budget {int(budgets[r])})"
+                               f", but accepted rows {acc.tolist()}, argmax {post[acc].tolist()} and bonus "
+                               f"{int(bonus[r])} where the golden argmax on them gives {want}, "
+                               f"{gpost[want].tolist()} and {wbonus}")
             continue
         if not (np.array_equal(gtok, tok) and np.array_equal(gpar, par)):
             lp = drafts.log_probs(i, gr)
@@ -185,6 +211,9 @@ def _trees_check(pr: Prompt, out: dict, drafts: GoldenDrafts,
     msg = "" if not m["near_ties"] else "; ".join(
         f"round {t['round']} (golden round {t['golden_round']}) differs at node {t['row']}: a near-tie of the "
         f"golden drafter, golden score gap {t['gap']:.3g} <= {t['bound']:.3g}, allowed" for t in m["near_ties"])
+    if m["pruned"]:
+        msg += ("; " if msg else "") + (f"{m['pruned']} round(s) verified the golden tree's first nodes, as many as "
+                                        f"the engine's declared budget for the round: path and bonus judged on them")
     if m["not_comparable"]:
         msg += ("; " if msg else "") + f"{m['not_comparable']} round(s) start where no golden round does, not compared"
     if m["after_routing_tie"]:

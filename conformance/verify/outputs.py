@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from conformance.records import numeric_keys, prompts_of
+from conformance.records import LIVE_BUDGET, numeric_keys, prompts_of
 from kdtr_format import bf16_to_float32
 from refmodel.config import ModelConfig
 
@@ -35,6 +35,8 @@ OWN_TREES = ("ddtree/tree_tokens", "ddtree/tree_parents")
 LIVE = "ddtree_live"
 LIVE_RECORDS = ("tokens", "tree_tokens", "tree_parents", "verify_argmax", "accepted", "accepted_offsets",
                 "round_bonus", "counters", "path_logits")
+# Optional in the live group: LIVE_BUDGET (conformance/records.py), the engine's budget per round, so a
+# round's tree may be the first round_budget nodes of the golden tree (judge_live.py).
 
 
 def has_live(out: dict, i: int) -> bool:
@@ -139,7 +141,28 @@ def _prompt_problems(f, i: int, out: dict, dtype: str, cfg: ModelConfig) -> list
             if c.p + f"{LIVE}/{name}" not in out:
                 c.bad(f"{LIVE}/{name}", f"is missing: the {LIVE} group holds all of {', '.join(LIVE_RECORDS)}")
         _ddtree_problems(f, g, c, n, V, LIVE)
+        if c.p + f"{LIVE}/{LIVE_BUDGET}" in out:
+            _budget_problems(f, c)
     return c.problems
+
+
+def _budget_problems(f, c: _Checker) -> None:
+    """The live group's optional per-round budgets: int [R], each in 0 .. the bundle's budget, each round's
+    tree within its budget."""
+    q = f"{LIVE}/{LIVE_BUDGET}"
+    b = c.get(q, "int", (None,))
+    o, par = c.out.get(c.p + f"{LIVE}/accepted_offsets"), c.out.get(c.p + f"{LIVE}/tree_parents")
+    if b is None or o is None or par is None:
+        return
+    top = int(f.metadata["ddtree"]["budget"])
+    nodes = np.diff(np.append(np.nonzero(np.asarray(par) == -1)[0], len(par))) - 1
+    if len(b) != len(o) - 1:
+        c.bad(q, f"has {len(b)} rounds, accepted_offsets {len(o) - 1}")
+    elif np.any(b < 0) or np.any(b > top):
+        c.bad(q, f"budgets must lie in 0 .. {top} (the bundle's budget); got {b[:8].tolist()}...")
+    elif len(nodes) == len(b) and np.any(nodes > b):
+        r = int(np.nonzero(nodes > b)[0][0])
+        c.bad(q, f"round {r}: its tree has {int(nodes[r])} nodes, over its budget {int(b[r])}")
 
 
 def _argmax_problems(c: _Checker, toks, logits) -> None:
