@@ -151,3 +151,14 @@ def test_every_planner_regime_and_path_ran_in_a_proof():
               [f"path {p}" for p in ENGINE_PATHS if p not in paths]
     assert not missing, (f"the fast W4A16 planner's {', '.join(missing)} ran in no committed-bundle verify "
                          f"(ran: {', '.join(sorted(keys))}): reach them with a bundle or delete them")
+
+
+def test_no_proof_ran_what_the_engine_does_not_ship():
+    """The other direction: no committed-bundle verify launched a bench-only entry, the linear path, or a
+    regime the MoE paths leave out. (It does not prove the `moe` flag Ops.w4a16_mma passes to the planner: at
+    the committed bundles' shapes the planner over every row count picks the same launches.)"""
+    infos = records()
+    ran = set().union(*(i["kernels_ran"] for i in infos)) & BENCH_ONLY
+    keys = {k for i in infos for k in i["w4a16_regimes"]}
+    odd = {k for k in keys if k.split(":")[0] not in ENGINE_PATHS or k.split(":")[1] not in ENGINE_REGIMES}
+    assert not ran and not odd, (sorted(ran), sorted(odd))

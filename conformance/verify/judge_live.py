@@ -115,12 +115,16 @@ def _walk(tok, par, post) -> tuple[list, int]:
     return walk(children, post)
 
 
-def _pruned(gtok, gpar, tok, par, budget: int) -> bool:
-    """Whether a live tree is the golden tree cut to the round's declared budget: its first `budget` nodes in
-    the heap-pop order both lay out (a popped node's parent precedes it, so any prefix is a tree), shorter
-    than the golden one (docs/ddtree.md §3a)."""
+def _is_prefix(gtok, gpar, tok, par) -> bool:
+    """Whether a live tree is the golden tree's first nodes in the heap-pop order both lay out (a popped
+    node's parent precedes it, so any prefix is a tree), fewer of them (docs/ddtree.md §3a)."""
     k = len(tok)
-    return k - 1 == budget < len(gtok) - 1 and np.array_equal(gtok[:k], tok) and np.array_equal(gpar[:k], par)
+    return k < len(gtok) and np.array_equal(gtok[:k], tok) and np.array_equal(gpar[:k], par)
+
+
+def _pruned(gtok, gpar, tok, par, budget: int) -> bool:
+    """Whether a live tree is the golden tree cut to the round's declared budget: its first `budget` nodes."""
+    return len(tok) - 1 == budget and _is_prefix(gtok, gpar, tok, par)
 
 
 def _trees_check(pr: Prompt, out: dict, drafts: GoldenDrafts,
@@ -181,6 +185,11 @@ def _trees_check(pr: Prompt, out: dict, drafts: GoldenDrafts,
                                f"{int(bonus[r])} where the golden argmax on them gives {want}, "
                                f"{gpost[want].tolist()} and {wbonus}")
             continue
+        if _is_prefix(gtok, gpar, tok, par):     # cut, but not as declared: say what the rule needs
+            return fail(r, f"({at}) the golden tree's first {len(tok) - 1} nodes, a cut tree, but " + (
+                "the engine declares no ddtree_live/round_budget: an engine that cuts its trees reports each "
+                "round's budget (docs/run-dump.md §5)" if budgets is None else
+                f"its declared round_budget is {int(budgets[r])}: a cut tree has exactly round_budget nodes"))
         if not (np.array_equal(gtok, tok) and np.array_equal(gpar, par)):
             lp = drafts.log_probs(i, gr)
             if lp is None or drafts.problem:

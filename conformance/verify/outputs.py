@@ -159,7 +159,8 @@ def _budget_problems(f, c: _Checker) -> None:
     if len(b) != len(o) - 1:
         c.bad(q, f"has {len(b)} rounds, accepted_offsets {len(o) - 1}")
     elif np.any(b < 0) or np.any(b > top):
-        c.bad(q, f"budgets must lie in 0 .. {top} (the bundle's budget); got {b[:8].tolist()}...")
+        c.bad(q, f"budgets must lie in 0 .. {top} (the bundle's budget); got {b[:8].tolist()}"
+                 f"{'...' if len(b) > 8 else ''}")
     elif len(nodes) == len(b) and np.any(nodes > b):
         r = int(np.nonzero(nodes > b)[0][0])
         c.bad(q, f"round {r}: its tree has {int(nodes[r])} nodes, over its budget {int(b[r])}")
