@@ -71,7 +71,9 @@ class Engine(Protocol):
         records of docs/run-dump.md §2, names relative to the `ddtree_live/` group: tokens [n_tokens],
         tree_tokens and tree_parents (its trees in the bundle's layout, a root row first per round),
         verify_argmax, accepted, accepted_offsets, round_bonus, counters [target forwards, rounds] and
-        path_logits. The runner calls it after the golden replay when the engine has it."""
+        path_logits; and round_budget [rounds] when the engine cuts its trees to a budget of its own (a
+        cost-aware budget, docs/ddtree.md §3a). The runner calls it after the golden replay when the engine
+        has it."""
 
     def hold_routing(self, ids: dict[int, np.ndarray] | None) -> None:
         """Optional: the expert sets the NEXT prefill/decode/verify_tree call computes its MoE layers with,
