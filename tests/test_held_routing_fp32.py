@@ -298,3 +298,15 @@ def test_an_engine_that_echoes_the_held_ids_cannot_hide_a_wrong_router(near_tie_
     failed = [c.name for c in v.checks if c.status == "fail"]
     assert v.exit_code != ExitCode.OK, failed
     assert any(n.endswith("/topk_ids") for n in failed), failed
+
+
+def test_a_cost_aware_engine_passes_with_its_cut_rounds_after_the_near_tie_left_unjudged(near_tie_bundle):
+    """The cost-aware reference (its trees cut, docs/ddtree.md §3a) on the near-tie bundle: a cut round that
+    commits tokens the near-tie routing row may move is counted `after_routing_tie`, as an uncut one is."""
+    from bench.bench_budget_policy import K26_4K
+    from conformance.engines.reference_engine import CostAwareReference
+    v = verify(near_tie_bundle[0], engine=CostAwareReference(K26_4K))
+    assert v.exit_code == ExitCode.OK, not_passed(v)[:5]
+    trees = next(c for c in v.checks if c.name == f"p{PROMPT}/{LIVE}/trees")
+    print(f"\ncost-aware on the near-tie bundle: {trees.metrics}")
+    assert trees.metrics["pruned"] >= 1 and trees.metrics["after_routing_tie"] >= 1, trees.metrics
