@@ -127,7 +127,7 @@ def test_the_wide_bundle_reaches_the_k26_entries():
     (tests/test_cuda_entries_ran.py)."""
     from cuda_engine.drafter import TOPK_SORT_MAX
     from refmodel.config import ModelConfig
-    from test_cuda_entries_ran import moe_launches
+    from cuda_oracle import moe_launches
     with open_kdtr(ROOT / WIDE) as f:
         cfg = ModelConfig.from_dict(f.metadata["model_config"])
         assert (f.metadata.get("quantization") or {}).get("method") == "w4a16"

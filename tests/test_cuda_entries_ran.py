@@ -13,9 +13,9 @@ from cuda_engine.drafter import DRAFTER_SIGNATURES
 from cuda_engine.ops import SIGNATURES
 from cuda_engine.proofs import REPROVE, engine_info, proof_modes, proof_path
 from cuda_engine.w4a16_plan import (W4A16_DIGITS_ROWS, W4A16_ENTRIES, W4A16_GROUP_TOKENS, W4A16_MOE_ROWS, W4A16_PATHS,
-                                    W4A16_REGIMES, W4A16_ROWS, w4a16_groups_cap, w4a16_launch)
+                                    W4A16_REGIMES, W4A16_ROWS, w4a16_launch)
 
-from cuda_oracle import committed_bundles
+from cuda_oracle import committed_bundles, moe_launches
 
 PROOFS = [proof_path(b, m) for b in committed_bundles() for m in proof_modes(b)]
 ENGINE_PY = Path(__file__).resolve().parent.parent / "cuda_engine" / "engine.py"
@@ -91,32 +91,6 @@ def test_the_planner_picks_the_engines_entries_on_those_paths():
             assert name in digits and regime in ENGINE_REGIMES, (Nb, G, Z, M, name, regime)
         for M in W4A16_GROUP_TOKENS:             # the bf16 terms' grouped entries (bench-only) keep their rows
             assert w4a16_launch(Nb, G, Z, None, M, "fp32", None, False, res, sm, moe=True)[0] in BENCH_ONLY
-
-
-def moe_launches(D: int, I: int, E: int, K: int, sm: int, moe: bool = True, tokens=range(1, 65)) -> list[tuple]:
-    """(path, weight, T, entry, blocks, k splits, regime) of the engine's fast MoE launches for hidden D, expert
-    width I, E experts top-K: the decode step (T = 1, a pair per z) and every forward of 2..64 tokens (prefill,
-    a tree verify: the grouped path), on a GPU of `sm` SMs with the one-token entry at 3 blocks per SM and the
-    others at 2 (docs/cuda-engine.md); moe=False: as the planner chose before the MoE paths had their own row
-    counts (every row count, the single-weight regime too)."""
-    res = lambda name: (3 if name in W4A16_ROWS[1].values() else 2) * sm    # noqa: E731
-    out = []
-    for weight, Nb, G in (("gate_up", -(-I // 16), D // 32), ("down", -(-D // 32), I // 32)):  # 16 rows a block
-        for T in tokens:
-            if T == 1:
-                plan = w4a16_launch(Nb, G, K, None, 1, "fp32", None, False, res, sm, moe=moe)
-            else:
-                digits = W4A16_DIGITS_ROWS if moe else {r: W4A16_DIGITS_ROWS.get(r, f"i8_m4_r{r}") for r in
-                                                        (1, 2, 4, 8)}
-                Z = w4a16_groups_cap(T * K, E, 4)
-                if moe:
-                    plan = w4a16_launch(Nb, G, Z, None, 4, "fp32", None, True, res, sm)
-                else:                                                   # the old planner over 1, 2, 4, 8
-                    from cuda_engine.w4a16_plan import w4a16_rows_regime
-                    r, k, regime = w4a16_rows_regime(Nb, G, Z, res(W4A16_DIGITS_ROWS[1]), sm, 4, (1, 2, 4, 8))
-                    plan = (digits[r], -(-Nb // r), k, regime)
-            out.append(("pairs" if T == 1 else "grouped", weight, T, *plan))
-    return out
 
 
 def test_k26_moe_launches_are_the_same_on_the_moe_paths_row_counts():

@@ -168,29 +168,17 @@ def _trees_check(pr: Prompt, out: dict, drafts: GoldenDrafts,
         gl = slice(go[gr], go[gr + 1])
         gtok, gpar = np.asarray(f[g + "ddtree/tree_tokens"][gl]), np.asarray(f[g + "ddtree/tree_parents"][gl])
         at = f"golden round {gr}, position {start - len(acc)}"
-        if not (np.array_equal(gtok, tok) and np.array_equal(gpar, par)) and moved(start - len(acc) - 1):
+        same = np.array_equal(gtok, tok) and np.array_equal(gpar, par)
+        if not same and moved(start - len(acc) - 1):
             m["after_routing_tie"] += 1                                  # drafted from rows a near-tie moves
             continue
-        cut = budgets is not None and _pruned(gtok, gpar, tok, par, int(budgets[r]))
-        if cut:                                  # the first round_budget nodes of the golden tree, as declared
-            m["pruned"] += 1
-            gpost = np.asarray(f[g + "ddtree/verify_argmax"][gl])[:len(tok)]
-            want, wbonus = _walk(tok, par, gpost)                        # the golden argmax on those rows
-            if moved(start - len(acc) + len(want) - 1):
-                m["after_routing_tie"] += 1
-                continue
-            if acc.tolist() != want or not np.array_equal(post[acc], gpost[acc]) or int(bonus[r]) != wbonus:
-                return fail(r, f"({at}) the golden tree's first {len(tok) - 1} nodes (its budget {int(budgets[r])})"
-                               f", but accepted rows {acc.tolist()}, argmax {post[acc].tolist()} and bonus "
-                               f"{int(bonus[r])} where the golden argmax on them gives {want}, "
-                               f"{gpost[want].tolist()} and {wbonus}")
-            continue
-        if _is_prefix(gtok, gpar, tok, par):     # cut, but not as declared: say what the rule needs
+        cut = not same and budgets is not None and _pruned(gtok, gpar, tok, par, int(budgets[r]))
+        if not same and not cut and _is_prefix(gtok, gpar, tok, par):   # cut, but not as declared
             return fail(r, f"({at}) the golden tree's first {len(tok) - 1} nodes, a cut tree, but " + (
                 "the engine declares no ddtree_live/round_budget: an engine that cuts its trees reports each "
                 "round's budget (docs/run-dump.md §5)" if budgets is None else
                 f"its declared round_budget is {int(budgets[r])}: a cut tree has exactly round_budget nodes"))
-        if not (np.array_equal(gtok, tok) and np.array_equal(gpar, par)):
+        if not same and not cut:
             lp = drafts.log_probs(i, gr)
             if lp is None or drafts.problem:
                 return fail(r, f"({at}) the tree differs from the golden one and no near-tie can be assessed: "
@@ -200,19 +188,25 @@ def _trees_check(pr: Prompt, out: dict, drafts: GoldenDrafts,
                 return fail(r, f"({at}) the tree differs from the golden one at {d.why}")
             m["near_ties"].append({"round": r, "golden_round": gr, "row": d.row, "gap": d.gap, "bound": d.bound})
             continue
-        m["equal"] += 1
-        gacc = np.asarray(f[g + "ddtree/accepted"][ga[gr]:ga[gr + 1]])
+        # the golden tree, or its first round_budget nodes as declared: the golden verification on those rows
+        m["equal" if same else "pruned"] += 1
+        gpost = np.asarray(f[g + "ddtree/verify_argmax"][gl])
+        if same:
+            gacc, gbonus = np.asarray(f[g + "ddtree/accepted"][ga[gr]:ga[gr + 1]]), int(f[g + "ddtree/round_bonus"][gr])
+        else:                                    # the walk of the golden argmax over the cut tree's rows
+            walked, gbonus = _walk(tok, par, gpost[:len(tok)])
+            gacc = np.asarray(walked)
         if moved(start - len(acc) + len(gacc) - 1):                      # verified on rows a near-tie moves
             m["after_routing_tie"] += 1
             continue
-        gpost = np.asarray(f[g + "ddtree/verify_argmax"][gl])
+        what = "the golden tree" if same else f"the golden tree's first {len(tok) - 1} nodes (its declared budget)"
         if not np.array_equal(acc, gacc):
-            return fail(r, f"({at}) the golden tree, but accepted rows {acc.tolist()} where golden {gacc.tolist()}")
+            return fail(r, f"({at}) {what}, but accepted rows {acc.tolist()} where golden {gacc.tolist()}")
         if not np.array_equal(post[acc], gpost[gacc]):
-            return fail(r, f"({at}) target argmax on the accepted path {post[acc].tolist()}, golden "
+            return fail(r, f"({at}) {what}: target argmax on the accepted path {post[acc].tolist()}, golden "
                            f"{gpost[gacc].tolist()}")
-        if int(bonus[r]) != int(f[g + "ddtree/round_bonus"][gr]):
-            return fail(r, f"({at}) bonus {int(bonus[r])}, golden {int(f[g + 'ddtree/round_bonus'][gr])}")
+        if int(bonus[r]) != gbonus:
+            return fail(r, f"({at}) {what}: bonus {int(bonus[r])}, golden {gbonus}")
     if stream[:len(tokens)] != tokens.tolist() or len(stream) < len(tokens):
         return fail(R - 1, "the rounds' accepted tokens and bonuses do not make up the reported stream")
     if m["near_ties"]:
