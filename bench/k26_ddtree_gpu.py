@@ -155,6 +155,16 @@ def _graph_us(ops, fn, reps: int, note: dict | None = None) -> float:
             g.destroy()
 
 
+def _mla_core(e, l: int, T: int) -> None:
+    """The absorbed-MLA call of CudaEngine._layer alone (q_b, rope + W_uk, scores, p c_kv, merge + W_uv): the
+    attention part less the fused q_a/kv_a projection, the latent norms and o_proj."""
+    c, b, w = e.cfg, e.buf, e.layers[l]
+    e.ops.mla_attention(b["cq"], w["q_b"], b["q"].view(l), b["positions"], e.inv_freq, c.rope_attention_factor,
+                        w["w_uk"], w["w_uv"], e.cache["ckv"].view(l), e.cache["kpe"].view(l), e.meta,
+                        b["mask"] if T > 1 else None, e.S_cap, b["scores"], e.S_cap, b["partials"], b["qs"], b["o"], T,
+                        c.qk_rope_head_dim, c.softmax_scale)
+
+
 def _copy_gbps(e, reps: int):
     """GB/s of one stream read over layer 0's gate+up stack (6.4 GB, far past the L2): the copy floor the
     MoE half is set against (as in `kdtr bench w4a16`); None if it failed."""
@@ -213,7 +223,7 @@ def measure(shapes: dict, contexts, layers: int = 3, reps: int = 5, share: float
             cases = [("ar", 0, np.array([-1]))] + [(r, b, shapes[b]) for r in ("router", "correlated") for b in budgets]
             for routing, b, parents in cases:
                 m = {"layer": l, "context": cached, "routing": routing, "budget": b, "rows": len(parents),
-                     "us_layer": None, "us_moe": None, "distinct_routed": None, "error": None}
+                     "us_layer": None, "us_moe": None, "us_mla": None, "distinct_routed": None, "error": None}
                 res["measurements"].append(m)
                 if time.perf_counter() - t_start > time_budget_s:
                     m["error"] = "skipped: past the time budget"
@@ -229,6 +239,7 @@ def measure(shapes: dict, contexts, layers: int = 3, reps: int = 5, share: float
                     ids = e.buf["slot_ids"].view(l).get((T, K + 1))[:, :K]
                     m["distinct_routed"] = int(np.unique(ids).size)
                     m["us_moe"] = _graph_us(e.ops, lambda: _moe_half(e, l, T), reps, res)
+                    m["us_mla"] = _graph_us(e.ops, lambda: _mla_core(e, l, T), reps, res)
                 except Exception as ex:  # noqa: BLE001 - fail soft: record it, measure the rest
                     m["error"] = f"{type(ex).__name__}: {ex}"[:400]
                 progress(_line(m))
@@ -243,4 +254,5 @@ def _line(m: dict) -> str:
     if m["error"]:
         return f"  L{m['layer']} ctx {m['context']} {m['routing']} b{m['budget']}: {m['error']}"
     return (f"  L{m['layer']} ctx {m['context']} {m['routing']:>10} b{m['budget']:<3} rows {m['rows']:3d}: layer "
-            f"{m['us_layer']:8.1f} us, MoE half {m['us_moe']:8.1f} us, {m['distinct_routed']} routed experts")
+            f"{m['us_layer']:8.1f} us, MoE half {m['us_moe']:8.1f} us, MLA core {m['us_mla']:8.1f} us, "
+            f"{m['distinct_routed']} routed experts")

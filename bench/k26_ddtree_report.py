@@ -56,13 +56,14 @@ def summarize(gpu: dict) -> list[dict]:
                 us = float(np.mean([m["us_layer"] for m in sel]))
                 with_moe = [m for m in sel if m["us_moe"] is not None]
                 moe = [m["us_moe"] for m in with_moe]
+                mla = [m["us_mla"] for m in sel if m.get("us_mla") is not None]
                 dist = float(np.mean([m["distinct_routed"] for m in sel]))
                 nbytes = layer_bytes(dist, sel[0]["rows"], ctx)
                 floor = (dist + K26["n_shared_experts"]) * expert_bytes() / copy / 1e3 if copy else None
                 out.append({"context": ctx, "routing": routing, "budget": b, "rows": sel[0]["rows"],
                             "layers": len(sel), "us_layer": us, "us_moe": float(np.mean(moe)) if moe else None,
                             "us_attention": float(np.mean([m["us_layer"] - m["us_moe"] for m in with_moe]))
-                            if moe else None, "distinct_routed": dist,
+                            if moe else None, "us_mla": float(np.mean(mla)) if mla else None, "distinct_routed": dist,
                             "bytes": nbytes, "gbps": nbytes / us / 1e3, "ar_us": ar_us, "moe_floor_us": floor,
                             "moe_over_floor": float(np.mean(moe)) / floor if moe and floor else None,
                             "verify_over_ar": us / ar_us if ar_us else None})
@@ -172,10 +173,12 @@ def table(r: dict) -> str:
                      + ("" if g.get("complete") else ", INCOMPLETE"))
         lines.append(f"  copy bandwidth {_f(g.get('copy_gbps'), '.0f')} GB/s; MoE/floor: the MoE half over its "
                      f"experts' bytes at that bandwidth")
-        lines.append("  ctx    routing     b rows  layer us    MoE us   attn us  experts    GB/s MoE/floor  verify/AR")
+        lines.append("  attn us: the layer less the MoE half; MLA us: the absorbed-MLA launches alone (q_b .. W_uv)")
+        lines.append("  ctx    routing     b rows  layer us    MoE us   attn us    MLA us  experts    GB/s MoE/floor  verify/AR")
         for s in r["summary"]:
             lines.append(f"  {s['context']:<6} {s['routing']:<10} {s['budget']:>2} {s['rows']:>4} {s['us_layer']:9.1f} "
-                         f"{_f(s['us_moe'], '9.1f')} {_f(s['us_attention'], '9.1f')} {s['distinct_routed']:8.1f} "
+                         f"{_f(s['us_moe'], '9.1f')} {_f(s['us_attention'], '9.1f')} {_f(s.get('us_mla'), '9.1f')} "
+                         f"{s['distinct_routed']:8.1f} "
                          f"{s['gbps']:7.0f} {_f(s.get('moe_over_floor'), '9.2f')} {_f(s['verify_over_ar'], '10.2f')}")
         errors = [m for m in g["measurements"] if m["error"] and not m["error"].startswith("skipped")]
         lines += [f"  error: L{m['layer']} ctx {m['context']} {m['routing']} b{m['budget']}: {m['error']}"

@@ -68,11 +68,11 @@ step kdtr bench ddtree $COMMITTED --json "$OUT_DIR/bench.ddtree.json"
 # (hazards on shared memory only, ~50x slower), one kernel family at a time: the fast W4A16 kernels (the
 # activation terms staged in shared memory; their split-K tickets and partials are global memory, which
 # racecheck does not see: the bit-identity tests over repeated and graph-replayed runs cover those), the
-# DDTree builder (top-K sort and heap in shared memory), the attention kernel and the grouped MoE path's work list
+# DDTree builder (top-K sort and heap in shared memory), the attention kernels (their GEMM tiles in shared memory) and the grouped MoE path's work list
 # (its scans and placement in shared memory). Last: the slowest steps.
 step timeout 240 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
     python3 -c 'from cli.main import main; main()' verify bundles/model_int4_tiny.kdtr --engine cuda
-for k in w4a16_mma ddtree_ mla_attention_kernel moe_group; do
+for k in w4a16_mma ddtree_ mla_ moe_group; do
     step timeout 150 compute-sanitizer --tool racecheck --kernel-name kns=$k --error-exitcode 9 \
         python3 -c 'from cli.main import main; main()' verify bundles/model_int4_tiny.kdtr --engine cuda
 done

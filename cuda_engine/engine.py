@@ -21,7 +21,7 @@ from conformance.engines.protocol import compact_keep
 from cuda_engine.build import engine_source_hash
 from cuda_engine.device import CudaEngineError, DevBuf, device_info, driver
 from cuda_engine.drafter import read_drafter
-from cuda_engine.ops import ATTN_MAX_C, ATTN_MAX_N, ATTN_MAX_Q, ATTN_MAX_R, ATTN_MAX_SPLIT, MOE_MAX_SLOTS, ROUTER_MAX_E, ROUTER_MAX_GROUPS, Ops
+from cuda_engine.ops import ATTN_MAX_C, ATTN_MAX_N, ATTN_MAX_R, MOE_MAX_SLOTS, ROUTER_MAX_E, ROUTER_MAX_GROUPS, Ops
 from cuda_engine.w4a16_plan import w4a16_group_tokens, w4a16_groups_cap
 from cuda_engine.weights import layer_arrays, load_weights
 from refmodel.config import ModelConfig
@@ -37,7 +37,6 @@ def check_config(cfg: ModelConfig) -> None:
         ("kv_lora_rank", cfg.kv_lora_rank, ATTN_MAX_C),
         ("qk_rope_head_dim", cfg.qk_rope_head_dim, ATTN_MAX_R),
         ("qk_nope_head_dim", cfg.qk_nope_head_dim, ATTN_MAX_N),
-        ("q_lora_rank", cfg.q_lora_rank, ATTN_MAX_Q),
         ("n_routed_experts", cfg.n_routed_experts, ROUTER_MAX_E),
         ("n_group", cfg.n_group, ROUTER_MAX_GROUPS),
         ("num_experts_per_tok + n_shared_experts", cfg.num_experts_per_tok + cfg.n_shared_experts, MOE_MAX_SLOTS),
@@ -155,9 +154,9 @@ class CudaEngine:
                              ("act", (T_cap * S, I), f), ("y_slots", (T_cap * S, D), f), ("final", (T_cap, D), f),
                              ("logits", (T_cap, c.vocab_size), f), ("ids", (T_cap,), i), ("positions", (T_cap,), i),
                              ("argmax", (T_cap,), i), ("keep", (T_cap,), i), ("mask", (T_cap, S_cap), f),
-                             ("scores", (T_cap * H, S_cap), f), ("partials", (T_cap * H * ATTN_MAX_SPLIT, C + 2), f)):
+                             ("scores", (T_cap * H, S_cap), f), ("qs", (T_cap * H, C + R), f),
+                             ("partials", (self.ops.attn_partials_rows(T_cap, H, C, S_cap), C + 2), f)):
             self.buf[k] = DevBuf(shape, dt)
-        self.buf["tickets"] = DevBuf.from_array(np.zeros(T_cap * H, i))   # attention's split merge: zero between launches
         self.buf["dense_slots"] = DevBuf.from_array(np.zeros(T_cap, i))
         # the grouped MoE path's work list (ops.moe_group): 1 + 3 Z + pairs entries, Z <= pairs <= T_cap S
         self.buf["groups"] = DevBuf((1 + 4 * T_cap * S,), i)
@@ -362,7 +361,7 @@ class CudaEngine:
         # absorbed MLA over the latent cache (q_b_proj, q rope, W_uk and W_uv inside), then o_proj
         o.mla_attention(b["cq"], w["q_b"], q, b["positions"], self.inv_freq, c.rope_attention_factor, w["w_uk"],
                         w["w_uv"], ckv, kpe, self.meta, b["mask"] if masked else None, self.S_cap, b["scores"],
-                        self.S_cap, b["partials"], b["tickets"], b["o"], T, R, c.softmax_scale)                    # [T, Q] -> [T, H, U]
+                        self.S_cap, b["partials"], b["qs"], b["o"], T, R, c.softmax_scale)                    # [T, Q] -> [T, H, U]
         o.linear(b["o"], w["o_proj"], b["attn_out"].view(l), T, H * U, D)             # [T, H U] -> [T, D]
         o.add_rms_norm(h_in, b["attn_out"].view(l), b["resid_attn"].view(l), w["post_ln"], b["mlp_in"].view(l),
                        T, c.rms_norm_eps)

@@ -19,7 +19,8 @@ from cuda_engine.w4a16_plan import (W4A16_DIGITS_ROWS, W4A16_DIGITS_TOKENS, W4A1
 
 WARPS_PER_BLOCK = 8                 # kernels/common.cuh
 BLOCK = (32 * WARPS_PER_BLOCK, 1, 1)
-ATTN_MAX_C, ATTN_MAX_R, ATTN_MAX_N, ATTN_MAX_Q, ATTN_MAX_SPLIT = 512, 128, 256, 2048, 8   # kernels/attention.cu
+ATTN_MAX_C, ATTN_MAX_R, ATTN_MAX_N, ATTN_MAX_SPLIT = 512, 128, 256, 32   # kernels/attention.cu
+ATTN_TILE, ATTN_TOKENS = 64, 8      # kernels/attention.cu: the GEMM tile; tokens per qprep / merge_uv block
 ROUTER_MAX_E, ROUTER_MAX_GROUPS, MOE_MAX_SLOTS = 1024, 64, 64   # kernels/moe.cu
 LINEAR_ROWS = 8                   # kernels/linear.cu, linear_rows_kernel: rows per warp
 COMBINE_DSLICE = 32 * WARPS_PER_BLOCK   # kernels/moe.cu: the elements of a row one combine block owns
@@ -34,7 +35,10 @@ SIGNATURES = {
     "linear_kernel": "PPPiiiiqqq",
     "linear_rows_kernel": "PPPiiiiiqqq",
     "mla_latent_kernel": "PiiiPPfPPPPPPPd",
-    "mla_attention_kernel": "PiPPPPdPPPPPPiPiPPPiiiiif",
+    "mla_qprep_kernel": "PPPdPPiiiii",
+    "mla_scores_kernel": "PPPPPiPiiiiif",
+    "mla_pv_kernel": "PiPPPiii",
+    "mla_merge_uv_kernel": "PiPPiiii",
     "kv_compact_kernel": "PPPiiiii",
     "router_kernel": "PPiPPPPiiiiiifPPP",
     "swiglu_gate_up_kernel": "PPPPPiiiiii",
@@ -179,28 +183,47 @@ class Ops:
         self._launch("mla_latent_kernel", (T,), _ptr(qkv), Q, C, R, w_q.ptr, w_kv.ptr, eps, _ptr(cq), _ptr(lat),
                      _ptr(ckv_layer), _ptr(kpe_layer), meta.ptr, positions.ptr, inv_freq.ptr, attn_factor)
 
+    def attn_splits(self, T: int, H: int, C: int, S_cap: int) -> int:
+        """The chunks mla_pv_kernel splits the cache rows into for T tokens: enough blocks for two per SM,
+        at most ATTN_MAX_SPLIT and one per ATTN_TILE rows of the cache capacity; fixed per (T, H, C, S_cap),
+        so a launch shape always sums in the same order."""
+        blocks = -(-T * H // ATTN_TILE) * -(-C // ATTN_TILE)
+        return max(1, min(ATTN_MAX_SPLIT, -(-2 * self.sm_count // blocks), -(-S_cap // ATTN_TILE)))
+
+    def attn_partials_rows(self, T_cap: int, H: int, C: int, S_cap: int) -> int:
+        """Rows of [C + 2] floats the partials scratch needs for any forward of 1 .. T_cap tokens."""
+        return max(self.attn_splits(T, H, C, S_cap) * T * H for T in range(1, T_cap + 1))
+
     def mla_attention(self, cq, w_qb: DevBuf, q, positions: DevBuf, inv_freq: DevBuf, attn_factor: float,
                       w_uk: DevBuf, w_uv: DevBuf, c_kv, k_pe, meta: DevBuf, mask, mask_stride: int, scores: DevBuf,
-                      S_cap: int, partials: DevBuf, tickets: DevBuf, o, T: int, R: int, scale: float) -> None:
+                      S_cap: int, partials: DevBuf, qs: DevBuf, o, T: int, R: int, scale: float) -> None:
         """o [T, H, U] over the cache rows, from c_q [T, Q]: q = c_q W_qb^T [T, H, N + R] (q_pe roped; written to
-        `q`); w_qb [H (N + R), Q], w_uk [H, N, C], w_uv [H, U, C]. The rows are split over enough blocks to
-        fill the GPU (at most ATTN_MAX_SPLIT per token and head; a fixed number per (T, H): deterministic)."""
+        `q`); w_qb [H (N + R), Q], w_uk [H, N, C], w_uv [H, U, C]. Five launches (kernels/attention.cu): the
+        q_b GEMV/GEMM, rope + W_uk absorption into qs [T H, C + R], the scores GEMM over every query row at
+        once, the chunked p c_kv GEMM with its partial softmax, and the chunk merge + W_uv."""
         H, N, C = w_uk.shape
         U, Q = w_uv.shape[1], w_qb.shape[1]
         _need(w_uv.shape == (H, U, C) and w_qb.shape == (H * (N + R), Q), "mla_attention",
               f"w_uv {w_uv.shape} != [H={H}, U, C={C}] or w_qb {w_qb.shape} != [{H * (N + R)}, Q]")
-        _need(C <= ATTN_MAX_C and R <= ATTN_MAX_R and N <= ATTN_MAX_N and Q <= ATTN_MAX_Q, "mla_attention",
+        _need(C <= ATTN_MAX_C and R <= ATTN_MAX_R and N <= ATTN_MAX_N, "mla_attention",
               f"kv_lora_rank={C} (max {ATTN_MAX_C}), qk_rope_head_dim={R} (max {ATTN_MAX_R}), "
-              f"qk_nope_head_dim={N} (max {ATTN_MAX_N}), q_lora_rank={Q} (max {ATTN_MAX_Q})")
-        _need(inv_freq.shape == (R // 2,), "mla_attention", f"inv_freq {inv_freq.shape} != ({R // 2},)")
+              f"qk_nope_head_dim={N} (max {ATTN_MAX_N})")
+        _need(R % 2 == 0 and inv_freq.shape == (R // 2,), "mla_attention", f"R={R} must be even, inv_freq "
+              f"{inv_freq.shape} != ({R // 2},)")
         _need(scores.nbytes >= T * H * S_cap * 4, "mla_attention", f"scores scratch {scores.shape} < [{T * H}, {S_cap}]")
-        n_split = min(ATTN_MAX_SPLIT, max(1, self.sm_count // (T * H)))
-        _need(partials.nbytes >= T * H * n_split * (C + 2) * 4 and tickets.nbytes >= T * H * 4, "mla_attention",
-              f"partials {partials.shape} < [{T * H * n_split}, {C + 2}] or tickets {tickets.shape} < [{T * H}]")
-        self._launch("mla_attention_kernel", (T * H, n_split), _ptr(cq), Q, w_qb.ptr, _ptr(q), positions.ptr,
-                     inv_freq.ptr, attn_factor, w_uk.ptr,
-                     w_uv.ptr, _ptr(c_kv), _ptr(k_pe), meta.ptr, 0 if mask is None else _ptr(mask), mask_stride,
-                     scores.ptr, S_cap, partials.ptr, tickets.ptr, _ptr(o), H, C, R, N, U, scale)
+        _need(qs.nbytes >= T * H * (C + R) * 4, "mla_attention", f"qs scratch {qs.shape} < [{T * H}, {C + R}]")
+        n_split = self.attn_splits(T, H, C, S_cap)
+        _need(partials.nbytes >= n_split * T * H * (C + 2) * 4, "mla_attention",
+              f"partials {partials.shape} < [{n_split * T * H}, {C + 2}]")
+        self.linear(cq, w_qb, q, T, Q, H * (N + R))
+        tok_blocks, row_tiles = -(-T // ATTN_TOKENS), -(-T * H // ATTN_TILE)
+        self._launch("mla_qprep_kernel", (H, tok_blocks), _ptr(q), positions.ptr, inv_freq.ptr, attn_factor,
+                     w_uk.ptr, qs.ptr, T, H, N, R, C)
+        self._launch("mla_scores_kernel", (row_tiles, -(-S_cap // ATTN_TILE)), qs.ptr, _ptr(c_kv), _ptr(k_pe),
+                     meta.ptr, 0 if mask is None else _ptr(mask), mask_stride, scores.ptr, S_cap, T, H, C, R, scale)
+        self._launch("mla_pv_kernel", (row_tiles * -(-C // ATTN_TILE), n_split), scores.ptr, S_cap, _ptr(c_kv),
+                     meta.ptr, partials.ptr, T, H, C)
+        self._launch("mla_merge_uv_kernel", (H, tok_blocks), partials.ptr, n_split, w_uv.ptr, _ptr(o), T, H, C, U)
 
     def kv_compact(self, cache_ckv: DevBuf, cache_kpe: DevBuf, keep: DevBuf, n: int, start: int) -> None:
         L, S_cap, C = cache_ckv.shape

@@ -162,6 +162,8 @@ def attention_oracle(q, w_uk, w_uv, ckv, kpe, mask, scale, N):
     (2, 2, 64, 16, 32, 32, 96, 255, False),                       # 257 rows: score passes of 32 rows + 1
     (1, 64, 512, 64, 128, 128, 1536, 300, False),                 # K2.6 decode
     (4, 64, 512, 64, 128, 128, 1536, 257, True),                  # K2.6 tree verify
+    (1, 64, 512, 64, 128, 128, 1536, 5000, False),                # K2.6 decode, 32 chunks of 160 rows
+    (9, 16, 512, 64, 128, 128, 1536, 1111, True),                 # 2 token blocks, 3 row tiles, the chunks by SM count
 ])
 def test_mla_attention(ops, T, H, C, R, N, U, Q, S0, tree):
     rng = np.random.default_rng(T * H + C)
@@ -186,13 +188,14 @@ def test_mla_attention(ops, T, H, C, R, N, U, Q, S0, tree):
     mask_d = dev(np.pad(mask, ((0, 0), (0, 3)), constant_values=-np.inf).astype(np.float32)) if tree else None
     scores = dev(np.zeros((T * H, S_cap), np.float32))
     o, q_d = dev(np.zeros((T, H, U), np.float32)), dev(np.zeros((T, H, N + R), np.float32))
-    from cuda_engine.ops import ATTN_MAX_SPLIT
-
-    partials, tickets = dev(np.zeros((T * H * ATTN_MAX_SPLIT, C + 2), np.float32)), dev(np.zeros(T * H, np.int32))
-    run(ops, ops.mla_attention, dev(cq), dev(w_qb), q_d, dev(positions, np.int32), dev(inv_freq), 1.0, dev(w_uk),
-        dev(w_uv), ckv_d, kpe_d, dev(np.array([S0, 0, 0, 0], np.int32)), mask_d, S_cap, scores, S_cap, partials,
-        tickets, o, T, R, scale)
-    np.testing.assert_array_equal(tickets.get(), 0)              # left ready for the next launch
+    qs = dev(np.zeros((T * H, C + R), np.float32))
+    partials = dev(np.zeros((ops.attn_splits(T, H, C, S_cap) * T * H, C + 2), np.float32))
+    args = (dev(cq), dev(w_qb), q_d, dev(positions, np.int32), dev(inv_freq), 1.0, dev(w_uk), dev(w_uv), ckv_d, kpe_d,
+            dev(np.array([S0, 0, 0, 0], np.int32)), mask_d, S_cap, scores, S_cap, partials, qs, o, T, R, scale)
+    run(ops, ops.mla_attention, *args)
+    first = o.get()
+    run(ops, ops.mla_attention, *args)                            # the same launch again: the same bits
+    np.testing.assert_array_equal(o.get(), first)
     f64 = lambda a: a.astype(np.float64)  # noqa: E731
     angle = np.einsum("t,r->tr", positions.astype(np.float64), inv_freq)            # the oracle's rope_cos_sin
     cos, sin = np.cos(angle), np.sin(angle)

@@ -1,170 +1,251 @@
-// MLA attention in the absorbed latent form over the latent cache, per (token, head) and split of the rows:
-//   q = W_qb[h] c_q;  q_pe <- rope(q_pe);  q written out (the `q` tap)   [Q] -> [A]; rope.cuh
-//   q_lat = q_nope @ W_uk[h]                                            [N] -> [C]
-//   score[s] = (q_lat . c_kv[s] + q_pe . k_pe[s]) * scale + mask(t, s)
-//   p = softmax(score);  o_lat = sum_s p[s] c_kv[s];  o = W_uv[h] @ o_lat   [C] -> [U]
-// Contract (float32): c_q [T, Q] (the normed q latent), W_qb [H * A, Q] (q_b_proj); out q [T, H, A],
-// q_nope at 0..N-1 and q_pe at N..A-1 of each head, q_pe rotated at positions[t] (int32 [T], device) with
-// inv_freq float64 [R/2]; w_uk [H, N, C] and w_uv [H, U, C] (kv_b_proj split per head, as stored); this
-// layer's cache c_kv [S_cap, C], k_pe [S_cap, R], rows 0 .. S-1 valid, S = meta[0] + T (meta[0] = rows
-// cached before this forward, read on the device so a replayed graph follows the cache); mask: NULL =
-// causal (token t sees rows s <= meta[0] + t), else additive float32 [T, mask_stride] (0 visible, -inf
-// hidden: DDTree verification); scores: scratch [T * H, S_cap]; partials: scratch
-// [T * H * gridDim.y, C + 2]; tickets: int [T * H], zero before the launch (the kernel leaves them zero);
-// o [T, H, U].
-// Launch: grid (T * H, n_split), block BLOCK_THREADS, static shared memory ~31 KB at the limits below.
-// Split over the cache rows (flash-decoding): at decode there are only H blocks of (token, head), too few
-// for the GPU, so the host gives each n_split (<= ATTN_MAX_SPLIT) blocks, each owning a contiguous chunk
-// of rows: local max, local exp-sum and unnormalised o_lat go to `partials`; the last block of a
-// (token, head) to finish (a ticket counter elects it; the counter only elects, it orders no arithmetic)
-// merges the chunks in chunk order, then applies W_uv. Every split recomputes q (cheap next to the rows).
-// Work split inside a block, for memory-level parallelism (the block is latency-bound): rows of W_qb,
-// cache rows and rows of W_uv use 8-lane groups (4 rows per warp at once); q_lat and o_lat split their sum
-// over n (resp. s) across the 8 warps, then add the 8 partial rows in order.
-// Determinism: every sum has a fixed order for a given launch shape (loops, butterflies, trees, chunks).
-// Limits: C <= ATTN_MAX_C, R <= ATTN_MAX_R, N <= ATTN_MAX_N, Q <= ATTN_MAX_Q (shared arrays; K2.6: 512,
-// 64, 128, 1536).
+// MLA attention in the absorbed latent form over the latent cache, as four launches after q = W_qb c_q
+// (ops.linear, which writes the `q` tap's pre-rope values):
+//   1. mla_qprep_kernel:  q_pe <- rope(q_pe) in place (the `q` tap); qs[t, h] = [q_nope @ W_uk[h] | q_pe]
+//   2. mla_scores_kernel: scores[t h, s] = qs[t, h] . [c_kv[s] | k_pe[s]] * scale + mask(t, s)
+//   3. mla_pv_kernel:     per chunk j of the rows: m_j = max_s score, l_j = sum_s p, o_j = sum_s p c_kv[s],
+//                         p = exp(score - m_j) (flash-decoding's partial softmax)
+//   4. mla_merge_uv_kernel: o_lat = sum_j exp(m_j - M) o_j / L (chunk order), o = W_uv[h] @ o_lat
+// Why four: every (token, head) query shares one latent cache, so the scores and p c_kv are two GEMMs over
+// all T H query rows at once; each cache tile is loaded once per 64 query rows, not once per (token, head)
+// as a per-head kernel would (64 times per token at K2.6, ~23 GB at 33 rows and 4K cached rows). W_uk[h]
+// and W_uv[h] are read once per 8 tokens.
+// Contract (float32): q [T, H, A] (A = N + R; q_nope at 0..N-1, q_pe at N..A-1 of each head), q_pe rotated
+// at positions[t] (int32 [T], device) with inv_freq float64 [R/2]; w_uk [H, N, C] and w_uv [H, U, C]
+// (kv_b_proj split per head, as stored); qs: scratch [T H, C + R]; this layer's cache c_kv [S_cap, C],
+// k_pe [S_cap, R], rows 0 .. S-1 valid, S = meta[0] + T (meta[0] = rows cached before this forward, read on
+// the device so a replayed graph follows the cache); mask: NULL = causal (token t sees rows s <= meta[0] +
+// t), else additive float32 [T, mask_stride] (0 visible, -inf hidden: DDTree verification); scores:
+// scratch [T H, S_cap]; partials: scratch [n_split, T H, C + 2] (m, l, o_j); o [T, H, U].
+// Determinism: every sum has a fixed order for a given launch shape (k loops in order, fixed butterflies,
+// chunks merged in chunk order); n_split is fixed per (T, H, C, S_cap) on the host and the chunk bounds
+// follow S on the device.
+// Limits: C <= ATTN_MAX_C, R <= ATTN_MAX_R, N <= ATTN_MAX_N, n_split <= ATTN_MAX_SPLIT (K2.6: 512, 64, 128).
 #include "common.cuh"
 #include "rope.cuh"
 
 #define ATTN_MAX_C 512
 #define ATTN_MAX_R 128
 #define ATTN_MAX_N 256
-#define ATTN_MAX_Q 2048
-#define ATTN_MAX_SPLIT 8
-#define ROW_LANES 8                         // lanes that share one row in the row-dot passes
+#define ATTN_MAX_SPLIT 32
+#define ATTN_TOKENS 8                         // tokens per block in qprep and merge_uv: W_uk[h], W_uv[h] read once for them
+#define TILE 64                               // the GEMMs' 64 x 64 output tile, 4 x 4 per thread
+#define KSTEP 16                              // the GEMMs' k step (shared tiles [KSTEP][TILE + 4])
+#define TPAD 4
+#define ROW_LANES 8                           // lanes that share one row of W_uv in merge_uv
 
-// dot of the block's 8-lane group with row r of W (row length n, smem vector v); full sums on lane g == 0
-__device__ __forceinline__ float group_dot(const float* __restrict__ v, const float* __restrict__ row, int n, int g) {
-    float acc = 0.0f;
-    for (int i = g; i < n; i += ROW_LANES) acc += v[i] * row[i];
-    for (int off = ROW_LANES / 2; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-    return acc;
+// 1. grid (H, ceil(T / ATTN_TOKENS))
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
+mla_qprep_kernel(float* __restrict__ q, const int* __restrict__ positions, const double* __restrict__ inv_freq,
+                 double attn_factor, const float* __restrict__ w_uk, float* __restrict__ qs, int T, int H, int N,
+                 int R, int C) {
+    __shared__ float qn[ATTN_TOKENS][ATTN_MAX_N];
+    const int h = blockIdx.x, t0 = blockIdx.y * ATTN_TOKENS, nt = min(ATTN_TOKENS, T - t0), A = N + R, K = C + R;
+    for (int i = threadIdx.x; i < ATTN_TOKENS * N; i += blockDim.x) {   // tokens past T: zeros
+        const int tt = i / N, n = i % N;
+        qn[tt][n] = tt < nt ? q[((size_t)(t0 + tt) * H + h) * A + n] : 0.0f;
+    }
+    for (int i = threadIdx.x; i < nt * (R / 2); i += blockDim.x) {   // rope q_pe: the tap and qs
+        const int tt = i / (R / 2), p = i % (R / 2);
+        float* qp = q + ((size_t)(t0 + tt) * H + h) * A + N + 2 * p;
+        float y0, y1;
+        rope_pair(qp[0], qp[1], (double)positions[t0 + tt], inv_freq[p], attn_factor, &y0, &y1);
+        qp[0] = y0;
+        qp[1] = y1;
+        float* d = qs + ((size_t)(t0 + tt) * H + h) * K + C + 2 * p;
+        d[0] = y0;
+        d[1] = y1;
+    }
+    __syncthreads();
+    const float* wk = w_uk + (size_t)h * N * C;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {        // q_lat[tt, c] = sum_n q_nope[tt, n] W_uk[h, n, c]
+        float acc[ATTN_TOKENS];
+#pragma unroll
+        for (int tt = 0; tt < ATTN_TOKENS; ++tt) acc[tt] = 0.0f;
+        for (int n = 0; n < N; ++n) {
+            const float w = wk[(size_t)n * C + c];
+#pragma unroll
+            for (int tt = 0; tt < ATTN_TOKENS; ++tt) acc[tt] += qn[tt][n] * w;
+        }
+#pragma unroll
+        for (int tt = 0; tt < ATTN_TOKENS; ++tt)
+            if (tt < nt) qs[((size_t)(t0 + tt) * H + h) * K + c] = acc[tt];
+    }
 }
 
+// 2. grid (ceil(T H / TILE), ceil(S_cap / TILE)): query tiles vary fastest, so the blocks in flight share
+// their cache tiles through L2. Tiles at or past S = meta[0] + T exit.
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
-mla_attention_kernel(const float* __restrict__ cq, int Q, const float* __restrict__ w_qb, float* __restrict__ q,
-                     const int* __restrict__ positions, const double* __restrict__ inv_freq,
-                     double attn_factor, const float* __restrict__ w_uk, const float* __restrict__ w_uv,
-                     const float* __restrict__ c_kv, const float* __restrict__ k_pe,
-                     const int* __restrict__ meta, const float* __restrict__ mask, int mask_stride,
-                     float* __restrict__ scores, int S_cap, float* __restrict__ partials, int* __restrict__ tickets,
-                     float* __restrict__ o, int H, int C, int R, int N, int U, float scale) {
-    __shared__ float cqs[ATTN_MAX_Q];
-    __shared__ float qn[ATTN_MAX_N];
-    __shared__ float qs[ATTN_MAX_C + ATTN_MAX_R];   // q_lat then q_pe
-    __shared__ float ol[ATTN_MAX_C];
-    __shared__ float part[WARPS_PER_BLOCK][ATTN_MAX_C];
-    __shared__ float buf[BLOCK_THREADS];
-    __shared__ float chunk_w[ATTN_MAX_SPLIT];
-    __shared__ int is_last;
-    const int th = blockIdx.x, t = th / H, h = th % H, A = N + R, split = blockIdx.y, n_split = gridDim.y;
-    const int T = gridDim.x / H, S0 = meta[0], S = S0 + T;
-    const int chunk = (S + n_split - 1) / n_split, s_lo = min(S, split * chunk), s_hi = min(S, s_lo + chunk);
-    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
-    const int g = lane % ROW_LANES, rows_per_pass = BLOCK_THREADS / ROW_LANES;
-    for (int i = threadIdx.x; i < Q; i += blockDim.x) cqs[i] = cq[(size_t)t * Q + i];
-    __syncthreads();
-    float* qr = q + (size_t)th * A;                           // split 0 writes the q tap
-    for (int a0 = 0; a0 < A; a0 += rows_per_pass) {          // q = W_qb[h] c_q
-        const int a = a0 + threadIdx.x / ROW_LANES;
-        const float acc = group_dot(cqs, w_qb + ((size_t)h * A + min(a, A - 1)) * Q, Q, g);
-        if (a < A && g == 0) {
-            if (a < N) qn[a] = acc;
-            else qs[C + a - N] = acc;
-            if (a < N && split == 0) qr[a] = acc;
+mla_scores_kernel(const float* __restrict__ qs, const float* __restrict__ c_kv, const float* __restrict__ k_pe,
+                  const int* __restrict__ meta, const float* __restrict__ mask, int mask_stride,
+                  float* __restrict__ scores, int S_cap, int T, int H, int C, int R, float scale) {
+    __shared__ __align__(16) float As[KSTEP][TILE + TPAD];
+    __shared__ __align__(16) float Bs[KSTEP][TILE + TPAD];
+    const int S0 = meta[0], S = S0 + T, TH = T * H, K = C + R;
+    const int r0 = blockIdx.x * TILE, s0 = blockIdx.y * TILE;
+    if (s0 >= S) return;
+    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    float acc[4][4] = {};
+    for (int k0 = 0; k0 < K; k0 += KSTEP) {
+#pragma unroll
+        for (int j = 0; j < TILE * KSTEP / BLOCK_THREADS; ++j) {
+            const int e = threadIdx.x + j * BLOCK_THREADS, i = e / KSTEP, kk = e % KSTEP, k = k0 + kk;
+            const int r = r0 + i, s = s0 + i;
+            As[kk][i] = (r < TH && k < K) ? qs[(size_t)r * K + k] : 0.0f;
+            Bs[kk][i] = (s < S && k < K) ? (k < C ? c_kv[(size_t)s * C + k] : k_pe[(size_t)s * R + k - C]) : 0.0f;
         }
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < KSTEP; ++kk) {
+            const float4 a = *reinterpret_cast<const float4*>(&As[kk][ty * 4]);
+            const float4 b = *reinterpret_cast<const float4*>(&Bs[kk][tx * 4]);
+            const float av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int jj = 0; jj < 4; ++jj) acc[i][jj] += av[i] * bv[jj];
+        }
+        __syncthreads();
     }
-    __syncthreads();
-    for (int i = threadIdx.x; i < R / 2; i += blockDim.x) {  // rope on q_pe
-        float y0, y1;
-        rope_pair(qs[C + 2 * i], qs[C + 2 * i + 1], (double)positions[t], inv_freq[i], attn_factor, &y0, &y1);
-        qs[C + 2 * i] = y0;
-        qs[C + 2 * i + 1] = y1;
-        if (split == 0) { qr[N + 2 * i] = y0; qr[N + 2 * i + 1] = y1; }
-    }
-    const float* wk = w_uk + (size_t)h * N * C;
-    for (int c = lane; c < C; c += WARP_SIZE) {              // q_lat: warp w sums n = w (mod 8)
-        float acc = 0.0f;
-        for (int n = warp; n < N; n += WARPS_PER_BLOCK) acc += qn[n] * wk[(size_t)n * C + c];
-        part[warp][c] = acc;
-    }
-    __syncthreads();
-    for (int c = threadIdx.x; c < C; c += blockDim.x) {
-        float acc = 0.0f;
-        for (int w = 0; w < WARPS_PER_BLOCK; ++w) acc += part[w][c];
-        qs[c] = acc;
-    }
-    __syncthreads();
-
-    float* sc = scores + (size_t)th * S_cap;
-    for (int s0 = s_lo; s0 < s_hi; s0 += rows_per_pass) {    // scores of this chunk's rows
-        const int s = min(s0 + threadIdx.x / ROW_LANES, s_hi - 1);
-        const float acc = group_dot(qs, c_kv + (size_t)s * C, C, g) + group_dot(qs + C, k_pe + (size_t)s * R, R, g);
-        if (s0 + threadIdx.x / ROW_LANES < s_hi && g == 0) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int r = r0 + ty * 4 + i, t = r / H;
+        if (r >= TH) continue;
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj) {
+            const int s = s0 + tx * 4 + jj;
+            if (s >= S) continue;
             const float m = mask ? mask[(size_t)t * mask_stride + s] : (s <= S0 + t ? 0.0f : -INFINITY);
-            sc[s] = acc * scale + m;
+            scores[(size_t)r * S_cap + s] = acc[i][jj] * scale + m;
         }
     }
-    __syncthreads();
-    float mx = -INFINITY;                                     // this chunk's max and exp-sum
-    for (int s = s_lo + threadIdx.x; s < s_hi; s += blockDim.x) mx = fmaxf(mx, sc[s]);
-    mx = block_max(mx, buf);
-    float sum = 0.0f;
-    for (int s = s_lo + threadIdx.x; s < s_hi; s += blockDim.x) {
-        const float e = (mx == -INFINITY) ? 0.0f : expf(sc[s] - mx);
-        sc[s] = e;
-        sum += e;
-    }
-    sum = block_sum(sum, buf);                                // ends with a barrier: sc is complete
-    float* mine = partials + ((size_t)th * n_split + split) * (C + 2);
-    for (int c = lane; c < C; c += WARP_SIZE) {              // unnormalised o_lat of the chunk
-        float acc = 0.0f;
-        for (int s = s_lo + warp; s < s_hi; s += WARPS_PER_BLOCK) acc += sc[s] * c_kv[(size_t)s * C + c];
-        part[warp][c] = acc;
-    }
-    __syncthreads();
-    for (int c = threadIdx.x; c < C; c += blockDim.x) {
-        float acc = 0.0f;
-        for (int w = 0; w < WARPS_PER_BLOCK; ++w) acc += part[w][c];
-        if (n_split == 1) ol[c] = acc; else mine[2 + c] = acc;
-    }
-    if (n_split > 1) {                                        // publish, elect the last block, merge
-        if (threadIdx.x == 0) { mine[0] = mx; mine[1] = sum; }
-        __threadfence();
-        __syncthreads();
-        if (threadIdx.x == 0) is_last = atomicAdd(&tickets[th], 1) == n_split - 1;
-        __syncthreads();
-        if (!is_last) return;
-        __threadfence();
-        const float* all = partials + (size_t)th * n_split * (C + 2);
-        if (threadIdx.x == 0) {
-            float M = -INFINITY, L = 0.0f;
-            for (int j = 0; j < n_split; ++j) M = fmaxf(M, __ldcg(all + j * (C + 2)));
-            for (int j = 0; j < n_split; ++j) {
-                const float mj = __ldcg(all + j * (C + 2));
-                chunk_w[j] = (mj == -INFINITY) ? 0.0f : expf(mj - M);
-                L += chunk_w[j] * __ldcg(all + j * (C + 2) + 1);
-            }
-            for (int j = 0; j < n_split; ++j) chunk_w[j] = L > 0.0f ? chunk_w[j] / L : 0.0f;
-            tickets[th] = 0;                                  // ready for the next launch (graph replays)
-        }
-        __syncthreads();
-        for (int c = threadIdx.x; c < C; c += blockDim.x) {
-            float acc = 0.0f;
-            for (int j = 0; j < n_split; ++j) acc += chunk_w[j] * __ldcg(all + j * (C + 2) + 2 + c);
-            ol[c] = acc;
-        }
-    } else {
-        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-        for (int c = threadIdx.x; c < C; c += blockDim.x) ol[c] *= inv;
-    }
-    __syncthreads();
+}
 
-    const float* wv = w_uv + (size_t)h * U * C;              // o = W_uv o_lat
-    for (int u0 = 0; u0 < U; u0 += rows_per_pass) {
+// 3. grid (ceil(T H / TILE) * ceil(C / TILE), n_split): chunk j owns rows [j chunk, (j + 1) chunk) of the
+// S rows, chunk = ceil(S / n_split) rounded up to KSTEP. Blocks of one (row tile, chunk) share their
+// scores; the column tiles vary fastest, so the cache chunk is shared through L2.
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
+mla_pv_kernel(const float* __restrict__ scores, int S_cap, const float* __restrict__ c_kv,
+              const int* __restrict__ meta, float* __restrict__ partials, int T, int H, int C) {
+    __shared__ __align__(16) float As[KSTEP][TILE + TPAD];
+    __shared__ __align__(16) float Bs[KSTEP][TILE + TPAD];
+    __shared__ float row_max[TILE];
+    const int S = meta[0] + T, TH = T * H, n_split = gridDim.y, split = blockIdx.y;
+    const int c_tiles = (C + TILE - 1) / TILE, r0 = (blockIdx.x / c_tiles) * TILE, c0 = (blockIdx.x % c_tiles) * TILE;
+    const int per = (S + n_split - 1) / n_split, chunk = (per + KSTEP - 1) / KSTEP * KSTEP;
+    const int s_lo = min(S, split * chunk), s_hi = min(S, s_lo + chunk);
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    for (int i = warp; i < TILE; i += WARPS_PER_BLOCK) {       // the chunk's max per row: a warp per row
+        const int r = r0 + i;
+        float m = -INFINITY;
+        if (r < TH)
+            for (int s = s_lo + lane; s < s_hi; s += WARP_SIZE) m = fmaxf(m, scores[(size_t)r * S_cap + s]);
+        m = warp_max(m);
+        if (lane == 0) row_max[i] = m;
+    }
+    __syncthreads();
+    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    float acc[4][4] = {};
+    float lsum[TILE * KSTEP / BLOCK_THREADS] = {};            // this thread's column kk of rows i = e / KSTEP
+    for (int k0 = s_lo; k0 < s_hi; k0 += KSTEP) {
+#pragma unroll
+        for (int j = 0; j < TILE * KSTEP / BLOCK_THREADS; ++j) {
+            const int e = threadIdx.x + j * BLOCK_THREADS, i = e / KSTEP, kk = e % KSTEP, s = k0 + kk, r = r0 + i;
+            float p = 0.0f;
+            if (r < TH && s < s_hi) {
+                const float x = scores[(size_t)r * S_cap + s], m = row_max[i];
+                p = (m == -INFINITY) ? 0.0f : expf(x - m);
+            }
+            As[kk][i] = p;
+            lsum[j] += p;
+            const int kb = e / TILE, cb = e % TILE, sb = k0 + kb, c = c0 + cb;
+            Bs[kb][cb] = (sb < s_hi && c < C) ? c_kv[(size_t)sb * C + c] : 0.0f;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < KSTEP; ++kk) {
+            const float4 a = *reinterpret_cast<const float4*>(&As[kk][ty * 4]);
+            const float4 b = *reinterpret_cast<const float4*>(&Bs[kk][tx * 4]);
+            const float av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int jj = 0; jj < 4; ++jj) acc[i][jj] += av[i] * bv[jj];
+        }
+        __syncthreads();
+    }
+    float* part = partials + (size_t)split * TH * (C + 2);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int r = r0 + ty * 4 + i;
+        if (r >= TH) continue;
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj) {
+            const int c = c0 + tx * 4 + jj;
+            if (c < C) part[(size_t)r * (C + 2) + 2 + c] = acc[i][jj];
+        }
+    }
+    // l per row: the KSTEP threads of a row (consecutive lanes) add their columns in a fixed butterfly
+#pragma unroll
+    for (int j = 0; j < TILE * KSTEP / BLOCK_THREADS; ++j) {
+        float l = lsum[j];
+        for (int off = KSTEP / 2; off > 0; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
+        const int i = (threadIdx.x + j * BLOCK_THREADS) / KSTEP, r = r0 + i;
+        if (c0 == 0 && threadIdx.x % KSTEP == 0 && r < TH) {
+            part[(size_t)r * (C + 2)] = row_max[i];
+            part[(size_t)r * (C + 2) + 1] = l;
+        }
+    }
+}
+
+// 4. grid (H, ceil(T / ATTN_TOKENS))
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
+mla_merge_uv_kernel(const float* __restrict__ partials, int n_split, const float* __restrict__ w_uv,
+                    float* __restrict__ o, int T, int H, int C, int U) {
+    __shared__ float ol[ATTN_TOKENS][ATTN_MAX_C];
+    __shared__ float wts[ATTN_TOKENS][ATTN_MAX_SPLIT];
+    const int h = blockIdx.x, t0 = blockIdx.y * ATTN_TOKENS, nt = min(ATTN_TOKENS, T - t0), TH = T * H;
+    const size_t pstride = (size_t)TH * (C + 2);
+    if (threadIdx.x < nt) {                                   // chunk weights exp(m_j - M) / L, chunk order
+        const int tt = threadIdx.x;
+        const float* p = partials + ((size_t)(t0 + tt) * H + h) * (C + 2);
+        float M = -INFINITY, L = 0.0f;
+        for (int j = 0; j < n_split; ++j) M = fmaxf(M, p[j * pstride]);
+        for (int j = 0; j < n_split; ++j) {
+            const float mj = p[j * pstride];
+            wts[tt][j] = (mj == -INFINITY) ? 0.0f : expf(mj - M);
+            L += wts[tt][j] * p[j * pstride + 1];
+        }
+        for (int j = 0; j < n_split; ++j) wts[tt][j] = L > 0.0f ? wts[tt][j] / L : 0.0f;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < ATTN_TOKENS * C; i += blockDim.x) {   // tokens past T: zeros
+        const int tt = i / C, c = i % C;
+        float acc = 0.0f;
+        if (tt < nt) {
+            const float* p = partials + ((size_t)(t0 + tt) * H + h) * (C + 2) + 2 + c;
+            for (int j = 0; j < n_split; ++j) acc += wts[tt][j] * p[j * pstride];
+        }
+        ol[tt][c] = acc;
+    }
+    __syncthreads();
+    const int g = threadIdx.x % ROW_LANES, rows_per_pass = BLOCK_THREADS / ROW_LANES;
+    const float* wv = w_uv + (size_t)h * U * C;
+    for (int u0 = 0; u0 < U; u0 += rows_per_pass) {           // o[t, h, u] = W_uv[h, u] . o_lat[t]
         const int u = u0 + threadIdx.x / ROW_LANES;
-        const float acc = group_dot(ol, wv + (size_t)min(u, U - 1) * C, C, g);
-        if (u < U && g == 0) o[(size_t)th * U + u] = acc;
+        const float* row = wv + (size_t)min(u, U - 1) * C;
+        float acc[ATTN_TOKENS];
+#pragma unroll
+        for (int tt = 0; tt < ATTN_TOKENS; ++tt) acc[tt] = 0.0f;
+        for (int c = g; c < C; c += ROW_LANES) {
+            const float w = row[c];
+#pragma unroll
+            for (int tt = 0; tt < ATTN_TOKENS; ++tt) acc[tt] += ol[tt][c] * w;
+        }
+#pragma unroll
+        for (int tt = 0; tt < ATTN_TOKENS; ++tt) {
+            float a = acc[tt];
+            for (int off = ROW_LANES / 2; off > 0; off >>= 1) a += __shfl_xor_sync(0xffffffffu, a, off);
+            if (u < U && g == 0 && tt < nt) o[((size_t)(t0 + tt) * H + h) * U + u] = a;
+        }
     }
 }
