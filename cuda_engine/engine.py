@@ -155,7 +155,7 @@ class CudaEngine:
                              ("logits", (T_cap, c.vocab_size), f), ("ids", (T_cap,), i), ("positions", (T_cap,), i),
                              ("argmax", (T_cap,), i), ("keep", (T_cap,), i), ("mask", (T_cap, S_cap), f),
                              ("scores", (T_cap * H, S_cap), f), ("qs", (T_cap * H, C + R), f),
-                             ("partials", (self.ops.attn_partials_rows(T_cap, H, C, S_cap), C + 2), f)):
+                             ("partials", (self.ops.attn_partials_rows(T_cap, H, C), C + 2), f)):
             self.buf[k] = DevBuf(shape, dt)
         self.buf["dense_slots"] = DevBuf.from_array(np.zeros(T_cap, i))
         # the grouped MoE path's work list (ops.moe_group): 1 + 3 Z + pairs entries, Z <= pairs <= T_cap S

@@ -40,7 +40,7 @@ SIGNATURES = {
     "mla_pv_kernel": "PiPPPiii",
     "mla_merge_uv_kernel": "PiPPiiii",
     "kv_compact_kernel": "PPPiiiii",
-    "router_kernel": "PPiPPPPiiiiiifPPP",
+    "router_kernel": "PPPPiiiiiifPPP",
     "swiglu_gate_up_kernel": "PPPPPiiiiii",
     "expert_down_kernel": "PPPPiiiiii",
     "w4a16_gate_up_kernel": "PPPPPPPiiiiiii",
@@ -183,16 +183,16 @@ class Ops:
         self._launch("mla_latent_kernel", (T,), _ptr(qkv), Q, C, R, w_q.ptr, w_kv.ptr, eps, _ptr(cq), _ptr(lat),
                      _ptr(ckv_layer), _ptr(kpe_layer), meta.ptr, positions.ptr, inv_freq.ptr, attn_factor)
 
-    def attn_splits(self, T: int, H: int, C: int, S_cap: int) -> int:
-        """The chunks mla_pv_kernel splits the cache rows into for T tokens: enough blocks for two per SM,
-        at most ATTN_MAX_SPLIT and one per ATTN_TILE rows of the cache capacity; fixed per (T, H, C, S_cap),
-        so a launch shape always sums in the same order."""
+    def attn_splits(self, T: int, H: int, C: int) -> int:
+        """The chunks mla_pv_kernel splits the cache rows into for T tokens: enough blocks for two per SM, at most
+        ATTN_MAX_SPLIT. It depends on (T, H, C) and the GPU alone, not on the cache's capacity, so a forward sums
+        in the same order whatever the buffers have grown to (empty chunks cost a block that exits early)."""
         blocks = -(-T * H // ATTN_TILE) * -(-C // ATTN_TILE)
-        return max(1, min(ATTN_MAX_SPLIT, -(-2 * self.sm_count // blocks), -(-S_cap // ATTN_TILE)))
+        return max(1, min(ATTN_MAX_SPLIT, -(-2 * self.sm_count // blocks)))
 
-    def attn_partials_rows(self, T_cap: int, H: int, C: int, S_cap: int) -> int:
+    def attn_partials_rows(self, T_cap: int, H: int, C: int) -> int:
         """Rows of [C + 2] floats the partials scratch needs for any forward of 1 .. T_cap tokens."""
-        return max(self.attn_splits(T, H, C, S_cap) * T * H for T in range(1, T_cap + 1))
+        return max(self.attn_splits(T, H, C) * T * H for T in range(1, T_cap + 1))
 
     def mla_attention(self, cq, w_qb: DevBuf, q, positions: DevBuf, inv_freq: DevBuf, attn_factor: float,
                       w_uk: DevBuf, w_uv: DevBuf, c_kv, k_pe, meta: DevBuf, mask, mask_stride: int, scores: DevBuf,
@@ -212,7 +212,7 @@ class Ops:
               f"{inv_freq.shape} != ({R // 2},)")
         _need(scores.nbytes >= T * H * S_cap * 4, "mla_attention", f"scores scratch {scores.shape} < [{T * H}, {S_cap}]")
         _need(qs.nbytes >= T * H * (C + R) * 4, "mla_attention", f"qs scratch {qs.shape} < [{T * H}, {C + R}]")
-        n_split = self.attn_splits(T, H, C, S_cap)
+        n_split = self.attn_splits(T, H, C)
         _need(partials.nbytes >= n_split * T * H * (C + 2) * 4, "mla_attention",
               f"partials {partials.shape} < [{n_split * T * H}, {C + 2}]")
         self.linear(cq, w_qb, q, T, Q, H * (N + R))
@@ -243,7 +243,8 @@ class Ops:
               f"n_routed_experts={E} (max {ROUTER_MAX_E}), n_group={n_group} (max {ROUTER_MAX_GROUPS})")
         _need((own_ids is None) == (own_w is None), "router", "own_ids and own_w come together")
         null = lambda b: 0 if b is None else _ptr(b)  # noqa: E731 - an absent optional buffer: a null pointer
-        self._launch("router_kernel", (T,), _ptr(x), gate.ptr, D, bias.ptr, _ptr(scores), _ptr(slot_ids),
+        self.linear(x, gate, scores, T, D, E)                  # the logits, into scores (the kernel makes them sigmoid)
+        self._launch("router_kernel", (T,), bias.ptr, _ptr(scores), _ptr(slot_ids),
                      _ptr(slot_w), E, K, S, n_group, topk_group, int(norm_topk_prob), scale, null(held),
                      null(own_ids), null(own_w))
 

@@ -189,7 +189,7 @@ def test_mla_attention(ops, T, H, C, R, N, U, Q, S0, tree):
     scores = dev(np.zeros((T * H, S_cap), np.float32))
     o, q_d = dev(np.zeros((T, H, U), np.float32)), dev(np.zeros((T, H, N + R), np.float32))
     qs = dev(np.zeros((T * H, C + R), np.float32))
-    partials = dev(np.zeros((ops.attn_splits(T, H, C, S_cap) * T * H, C + 2), np.float32))
+    partials = dev(np.zeros((ops.attn_splits(T, H, C) * T * H, C + 2), np.float32))
     args = (dev(cq), dev(w_qb), q_d, dev(positions, np.int32), dev(inv_freq), 1.0, dev(w_uk), dev(w_uv), ckv_d, kpe_d,
             dev(np.array([S0, 0, 0, 0], np.int32)), mask_d, S_cap, scores, S_cap, partials, qs, o, T, R, scale)
     run(ops, ops.mla_attention, *args)

@@ -29,9 +29,11 @@
 #define ATTN_MAX_SPLIT 32
 #define ATTN_TOKENS 8                         // tokens per block in qprep and merge_uv: W_uk[h], W_uv[h] read once for them
 #define TILE 64                               // the GEMMs' 64 x 64 output tile, 4 x 4 per thread
-#define KSTEP 16                              // the GEMMs' k step (shared tiles [KSTEP][TILE + 4])
+#define KSTEP 32                              // the GEMMs' k step (shared tiles [KSTEP][TILE + 4])
+#define LOADS (TILE * KSTEP / BLOCK_THREADS)   // elements of each tile a thread loads per k step
 #define TPAD 4
 #define ROW_LANES 8                           // lanes that share one row of W_uv in merge_uv
+#define GEMM_BLOCKS_PER_SM 2                  // the two GEMMs: registers capped at 128 so two blocks share an SM
 
 // 1. grid (H, ceil(T / ATTN_TOKENS))
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
@@ -74,7 +76,7 @@ mla_qprep_kernel(float* __restrict__ q, const int* __restrict__ positions, const
 
 // 2. grid (ceil(T H / TILE), ceil(S_cap / TILE)): query tiles vary fastest, so the blocks in flight share
 // their cache tiles through L2. Tiles at or past S = meta[0] + T exit.
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, GEMM_BLOCKS_PER_SM)
 mla_scores_kernel(const float* __restrict__ qs, const float* __restrict__ c_kv, const float* __restrict__ k_pe,
                   const int* __restrict__ meta, const float* __restrict__ mask, int mask_stride,
                   float* __restrict__ scores, int S_cap, int T, int H, int C, int R, float scale) {
@@ -85,15 +87,26 @@ mla_scores_kernel(const float* __restrict__ qs, const float* __restrict__ c_kv, 
     if (s0 >= S) return;
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
     float acc[4][4] = {};
+    float ra[LOADS], rb[LOADS];                               // the next k step's tiles, in flight during the FMAs
+    auto load = [&](int k0) {
+#pragma unroll
+        for (int j = 0; j < LOADS; ++j) {
+            const int e = threadIdx.x + j * BLOCK_THREADS, i = e / KSTEP, k = k0 + e % KSTEP;
+            const int r = r0 + i, s = s0 + i;
+            ra[j] = (r < TH && k < K) ? qs[(size_t)r * K + k] : 0.0f;
+            rb[j] = (s < S && k < K) ? (k < C ? c_kv[(size_t)s * C + k] : k_pe[(size_t)s * R + k - C]) : 0.0f;
+        }
+    };
+    load(0);
     for (int k0 = 0; k0 < K; k0 += KSTEP) {
 #pragma unroll
-        for (int j = 0; j < TILE * KSTEP / BLOCK_THREADS; ++j) {
-            const int e = threadIdx.x + j * BLOCK_THREADS, i = e / KSTEP, kk = e % KSTEP, k = k0 + kk;
-            const int r = r0 + i, s = s0 + i;
-            As[kk][i] = (r < TH && k < K) ? qs[(size_t)r * K + k] : 0.0f;
-            Bs[kk][i] = (s < S && k < K) ? (k < C ? c_kv[(size_t)s * C + k] : k_pe[(size_t)s * R + k - C]) : 0.0f;
+        for (int j = 0; j < LOADS; ++j) {
+            const int e = threadIdx.x + j * BLOCK_THREADS;
+            As[e % KSTEP][e / KSTEP] = ra[j];
+            Bs[e % KSTEP][e / KSTEP] = rb[j];
         }
         __syncthreads();
+        if (k0 + KSTEP < K) load(k0 + KSTEP);
 #pragma unroll
         for (int kk = 0; kk < KSTEP; ++kk) {
             const float4 a = *reinterpret_cast<const float4*>(&As[kk][ty * 4]);
@@ -123,7 +136,7 @@ mla_scores_kernel(const float* __restrict__ qs, const float* __restrict__ c_kv, 
 // 3. grid (ceil(T H / TILE) * ceil(C / TILE), n_split): chunk j owns rows [j chunk, (j + 1) chunk) of the
 // S rows, chunk = ceil(S / n_split) rounded up to KSTEP. Blocks of one (row tile, chunk) share their
 // scores; the column tiles vary fastest, so the cache chunk is shared through L2.
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, GEMM_BLOCKS_PER_SM)
 mla_pv_kernel(const float* __restrict__ scores, int S_cap, const float* __restrict__ c_kv,
               const int* __restrict__ meta, float* __restrict__ partials, int T, int H, int C) {
     __shared__ __align__(16) float As[KSTEP][TILE + TPAD];
@@ -145,22 +158,33 @@ mla_pv_kernel(const float* __restrict__ scores, int S_cap, const float* __restri
     __syncthreads();
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
     float acc[4][4] = {};
-    float lsum[TILE * KSTEP / BLOCK_THREADS] = {};            // this thread's column kk of rows i = e / KSTEP
-    for (int k0 = s_lo; k0 < s_hi; k0 += KSTEP) {
+    float lsum[LOADS] = {};                                   // this thread's column kk of rows i = e / KSTEP
+    float ra[LOADS], rb[LOADS];                               // the next k step's tiles, in flight during the FMAs
+    auto load = [&](int k0) {
 #pragma unroll
-        for (int j = 0; j < TILE * KSTEP / BLOCK_THREADS; ++j) {
-            const int e = threadIdx.x + j * BLOCK_THREADS, i = e / KSTEP, kk = e % KSTEP, s = k0 + kk, r = r0 + i;
+        for (int j = 0; j < LOADS; ++j) {
+            const int e = threadIdx.x + j * BLOCK_THREADS, i = e / KSTEP, s = k0 + e % KSTEP, r = r0 + i;
             float p = 0.0f;
             if (r < TH && s < s_hi) {
                 const float x = scores[(size_t)r * S_cap + s], m = row_max[i];
                 p = (m == -INFINITY) ? 0.0f : expf(x - m);
             }
-            As[kk][i] = p;
+            ra[j] = p;
             lsum[j] += p;
-            const int kb = e / TILE, cb = e % TILE, sb = k0 + kb, c = c0 + cb;
-            Bs[kb][cb] = (sb < s_hi && c < C) ? c_kv[(size_t)sb * C + c] : 0.0f;
+            const int sb = k0 + e / TILE, c = c0 + e % TILE;
+            rb[j] = (sb < s_hi && c < C) ? c_kv[(size_t)sb * C + c] : 0.0f;
+        }
+    };
+    if (s_lo < s_hi) load(s_lo);
+    for (int k0 = s_lo; k0 < s_hi; k0 += KSTEP) {
+#pragma unroll
+        for (int j = 0; j < LOADS; ++j) {
+            const int e = threadIdx.x + j * BLOCK_THREADS;
+            As[e % KSTEP][e / KSTEP] = ra[j];
+            Bs[e / TILE][e % TILE] = rb[j];
         }
         __syncthreads();
+        if (k0 + KSTEP < s_hi) load(k0 + KSTEP);
 #pragma unroll
         for (int kk = 0; kk < KSTEP; ++kk) {
             const float4 a = *reinterpret_cast<const float4*>(&As[kk][ty * 4]);
@@ -186,7 +210,7 @@ mla_pv_kernel(const float* __restrict__ scores, int S_cap, const float* __restri
     }
     // l per row: the KSTEP threads of a row (consecutive lanes) add their columns in a fixed butterfly
 #pragma unroll
-    for (int j = 0; j < TILE * KSTEP / BLOCK_THREADS; ++j) {
+    for (int j = 0; j < LOADS; ++j) {
         float l = lsum[j];
         for (int off = KSTEP / 2; off > 0; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
         const int i = (threadIdx.x + j * BLOCK_THREADS) / KSTEP, r = r0 + i;
@@ -205,17 +229,20 @@ mla_merge_uv_kernel(const float* __restrict__ partials, int n_split, const float
     __shared__ float wts[ATTN_TOKENS][ATTN_MAX_SPLIT];
     const int h = blockIdx.x, t0 = blockIdx.y * ATTN_TOKENS, nt = min(ATTN_TOKENS, T - t0), TH = T * H;
     const size_t pstride = (size_t)TH * (C + 2);
-    if (threadIdx.x < nt) {                                   // chunk weights exp(m_j - M) / L, chunk order
-        const int tt = threadIdx.x;
-        const float* p = partials + ((size_t)(t0 + tt) * H + h) * (C + 2);
-        float M = -INFINITY, L = 0.0f;
-        for (int j = 0; j < n_split; ++j) M = fmaxf(M, p[j * pstride]);
-        for (int j = 0; j < n_split; ++j) {
-            const float mj = p[j * pstride];
-            wts[tt][j] = (mj == -INFINITY) ? 0.0f : expf(mj - M);
-            L += wts[tt][j] * p[j * pstride + 1];
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    for (int tt = warp; tt < nt; tt += WARPS_PER_BLOCK) {      // chunk weights exp(m_j - M) / L: a warp per token,
+        const float* p = partials + ((size_t)(t0 + tt) * H + h) * (C + 2);   // lane j' holds chunks j' + 32 i
+        float M = -INFINITY;
+        for (int j = lane; j < n_split; j += WARP_SIZE) M = fmaxf(M, p[j * pstride]);
+        M = warp_max(M);
+        float L = 0.0f;
+        for (int j = lane; j < n_split; j += WARP_SIZE) {
+            const float mj = p[j * pstride], w = (mj == -INFINITY) ? 0.0f : expf(mj - M);
+            wts[tt][j] = w;
+            L += w * p[j * pstride + 1];
         }
-        for (int j = 0; j < n_split; ++j) wts[tt][j] = L > 0.0f ? wts[tt][j] / L : 0.0f;
+        L = warp_sum(L);
+        for (int j = lane; j < n_split; j += WARP_SIZE) wts[tt][j] = L > 0.0f ? wts[tt][j] / L : 0.0f;
     }
     __syncthreads();
     for (int i = threadIdx.x; i < ATTN_TOKENS * C; i += blockDim.x) {   // tokens past T: zeros

@@ -20,7 +20,8 @@ linear_kernel(const float* __restrict__ x, const float* __restrict__ W, float* _
     const float* xr = x + b * x_bstride + (size_t)t * x_stride;
     const float* wr = W + b * w_bstride + (size_t)o * I;
     float acc = 0.0f;
-    for (int i = lane; i < I; i += WARP_SIZE) acc += xr[i] * wr[i];
+#pragma unroll 8
+    for (int i = lane; i < I; i += WARP_SIZE) acc += xr[i] * wr[i];   // unrolled: 8 loads in flight, sums in order
     acc = warp_sum(acc);
     if (lane == 0) y[b * y_bstride + (size_t)t * y_stride + o] = acc;
 }
@@ -48,7 +49,8 @@ linear_rows_kernel(const float* __restrict__ x, const float* __restrict__ W, flo
     float acc[LINEAR_ROWS];
 #pragma unroll
     for (int r = 0; r < LINEAR_ROWS; ++r) acc[r] = 0.0f;
-    for (int i = lane; i < I; i += WARP_SIZE) {
+#pragma unroll 4
+    for (int i = lane; i < I; i += WARP_SIZE) {               // unrolled: loads in flight, each row's sum in order
         const float w = wr[i];
 #pragma unroll
         for (int r = 0; r < LINEAR_ROWS; ++r)

@@ -5,15 +5,14 @@
 // slot K (when n_shared_experts = 1) holds the shared expert, stacked after the routed ones at id E,
 // weight 1. Expert weights are stacked: gate/up [E', I, D], down [E', D, I] (E' = E + n_shared).
 //
-//   router_kernel:         logits = gate x[t] (mlp.gate.weight [E, D], a warp per expert row: one launch
-//                          for the router GEMV and the selection); scores = sigmoid(logits) [T, E];
-//                          choice = scores + bias (selection only);
+//   router_kernel:         scores [T, E] holds the logits gate x[t] on entry (ops.linear, mlp.gate.weight [E, D]:
+//                          a warp per expert row over many blocks; one block per token streaming the gate was
+//                          11 MB through one SM per token at K2.6's 384 x 7168, ~200 us); scores =
+//                          sigmoid(logits) in place [T, E]; choice = scores + bias (selection only);
 //                          with n_group > 1 keep the topk_group groups with the largest top-2 sums;
 //                          top-K of choice, ties to the lower id; weights = scores[ids], renormalised
 //                          (sum + 1e-20) if norm_topk_prob, times routed_scaling_factor.
-//                          Launch grid (T), block BLOCK_THREADS. One block per token streams the gate rows:
-//                          a launch saved for the golden models' small routers; at K2.6's 384 x 7168 (11 MB
-//                          per token through one SM) a separate GEMV would be the faster choice.
+//                          Launch grid (T), block BLOCK_THREADS;
 //                          warp 0 selects: K rounds of a warp
 //                          argmax with ties to the lower id (the oracle's stable order).
 //                          Held routing (optional; the conformance runner's hold_routing): own_ids/own_w
@@ -62,8 +61,7 @@
 #define MOE_GROUP_MAX_E (ROUTER_MAX_E + 1)
 
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
-router_kernel(const float* __restrict__ x, const float* __restrict__ gate, int D, const float* __restrict__ bias,
-              float* __restrict__ scores, int* __restrict__ slot_ids, float* __restrict__ slot_w, int E, int K, int S,
+router_kernel(const float* __restrict__ bias, float* __restrict__ scores, int* __restrict__ slot_ids, float* __restrict__ slot_w, int E, int K, int S,
               int n_group,
               int topk_group, int norm_topk_prob, float routed_scaling_factor, const int* __restrict__ held,
               int* __restrict__ own_ids, float* __restrict__ own_w) {
@@ -75,17 +73,12 @@ router_kernel(const float* __restrict__ x, const float* __restrict__ gate, int D
     __shared__ float w_sel[MOE_MAX_SLOTS];
     __shared__ int id_sel[MOE_MAX_SLOTS];
     const int t = blockIdx.x, lane = threadIdx.x % WARP_SIZE;
-    const float* xr = x + (size_t)t * D;
-    for (int e = threadIdx.x / WARP_SIZE; e < E; e += WARPS_PER_BLOCK) {
-        float acc = 0.0f;
-        for (int d = lane; d < D; d += WARP_SIZE) acc += xr[d] * gate[(size_t)e * D + d];
-        const float s = sigmoid(warp_sum(acc));
-        if (lane == 0) {
-            scores[(size_t)t * E + e] = s;
-            ssc[e] = s;
-            choice[e] = s + bias[e];
-            taken[e] = 0;
-        }
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {       // the logits in, the sigmoid scores out, in place
+        const float s = sigmoid(scores[(size_t)t * E + e]);
+        scores[(size_t)t * E + e] = s;
+        ssc[e] = s;
+        choice[e] = s + bias[e];
+        taken[e] = 0;
     }
     __syncthreads();
     if (threadIdx.x >= WARP_SIZE) return;                     // selection: warp 0
