@@ -20,7 +20,7 @@ from cuda_engine.w4a16_plan import (W4A16_DIGITS_ROWS, W4A16_DIGITS_TOKENS, W4A1
 WARPS_PER_BLOCK = 8                 # kernels/common.cuh
 BLOCK = (32 * WARPS_PER_BLOCK, 1, 1)
 ATTN_MAX_C, ATTN_MAX_R, ATTN_MAX_N, ATTN_MAX_SPLIT = 512, 128, 256, 32   # kernels/attention.cu
-ATTN_TILE, ATTN_TOKENS = 64, 8      # kernels/attention.cu: the GEMM tile; tokens per qprep / merge_uv block
+ATTN_TILE, ATTN_TOKENS, ATTN_MERGE_U = 64, 8, 64   # kernels/attention.cu: GEMM tile; tokens per qprep / merge_uv block; W_uv rows per merge_uv block
 ROUTER_MAX_E, ROUTER_MAX_GROUPS, MOE_MAX_SLOTS = 1024, 64, 64   # kernels/moe.cu
 LINEAR_ROWS = 8                   # kernels/linear.cu, linear_rows_kernel: rows per warp
 COMBINE_DSLICE = 32 * WARPS_PER_BLOCK   # kernels/moe.cu: the elements of a row one combine block owns
@@ -217,13 +217,13 @@ class Ops:
               f"partials {partials.shape} < [{n_split * T * H}, {C + 2}]")
         self.linear(cq, w_qb, q, T, Q, H * (N + R))
         tok_blocks, row_tiles = -(-T // ATTN_TOKENS), -(-T * H // ATTN_TILE)
-        self._launch("mla_qprep_kernel", (H, tok_blocks), _ptr(q), positions.ptr, inv_freq.ptr, attn_factor,
+        self._launch("mla_qprep_kernel", (H, tok_blocks, -(-C // BLOCK[0])), _ptr(q), positions.ptr, inv_freq.ptr, attn_factor,
                      w_uk.ptr, qs.ptr, T, H, N, R, C)
         self._launch("mla_scores_kernel", (row_tiles, -(-S_cap // ATTN_TILE)), qs.ptr, _ptr(c_kv), _ptr(k_pe),
                      meta.ptr, 0 if mask is None else _ptr(mask), mask_stride, scores.ptr, S_cap, T, H, C, R, scale)
         self._launch("mla_pv_kernel", (row_tiles * -(-C // ATTN_TILE), n_split), scores.ptr, S_cap, _ptr(c_kv),
                      meta.ptr, partials.ptr, T, H, C)
-        self._launch("mla_merge_uv_kernel", (H, tok_blocks), partials.ptr, n_split, w_uv.ptr, _ptr(o), T, H, C, U)
+        self._launch("mla_merge_uv_kernel", (H, tok_blocks, -(-U // ATTN_MERGE_U)), partials.ptr, n_split, w_uv.ptr, _ptr(o), T, H, C, U)
 
     def kv_compact(self, cache_ckv: DevBuf, cache_kpe: DevBuf, keep: DevBuf, n: int, start: int) -> None:
         L, S_cap, C = cache_ckv.shape

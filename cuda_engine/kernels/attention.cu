@@ -33,9 +33,10 @@
 #define LOADS (TILE * KSTEP / BLOCK_THREADS)   // elements of each tile a thread loads per k step
 #define TPAD 4
 #define ROW_LANES 8                           // lanes that share one row of W_uv in merge_uv
+#define MERGE_U 64                            // rows of W_uv per merge_uv block
 #define GEMM_BLOCKS_PER_SM 2                  // the two GEMMs: registers capped at 128 so two blocks share an SM
 
-// 1. grid (H, ceil(T / ATTN_TOKENS))
+// 1. grid (H, ceil(T / ATTN_TOKENS), ceil(C / BLOCK_THREADS)): a thread per latent column c; slice z = 0 ropes
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
 mla_qprep_kernel(float* __restrict__ q, const int* __restrict__ positions, const double* __restrict__ inv_freq,
                  double attn_factor, const float* __restrict__ w_uk, float* __restrict__ qs, int T, int H, int N,
@@ -46,7 +47,7 @@ mla_qprep_kernel(float* __restrict__ q, const int* __restrict__ positions, const
         const int tt = i / N, n = i % N;
         qn[tt][n] = tt < nt ? q[((size_t)(t0 + tt) * H + h) * A + n] : 0.0f;
     }
-    for (int i = threadIdx.x; i < nt * (R / 2); i += blockDim.x) {   // rope q_pe: the tap and qs
+    for (int i = threadIdx.x; blockIdx.z == 0 && i < nt * (R / 2); i += blockDim.x) {   // rope q_pe: the tap, qs
         const int tt = i / (R / 2), p = i % (R / 2);
         float* qp = q + ((size_t)(t0 + tt) * H + h) * A + N + 2 * p;
         float y0, y1;
@@ -59,11 +60,13 @@ mla_qprep_kernel(float* __restrict__ q, const int* __restrict__ positions, const
     }
     __syncthreads();
     const float* wk = w_uk + (size_t)h * N * C;
-    for (int c = threadIdx.x; c < C; c += blockDim.x) {        // q_lat[tt, c] = sum_n q_nope[tt, n] W_uk[h, n, c]
+    const int c = blockIdx.z * BLOCK_THREADS + threadIdx.x;
+    if (c < C) {                                              // q_lat[tt, c] = sum_n q_nope[tt, n] W_uk[h, n, c]
         float acc[ATTN_TOKENS];
 #pragma unroll
         for (int tt = 0; tt < ATTN_TOKENS; ++tt) acc[tt] = 0.0f;
-        for (int n = 0; n < N; ++n) {
+#pragma unroll 8
+        for (int n = 0; n < N; ++n) {                          // unrolled: W_uk loads in flight, sums in order
             const float w = wk[(size_t)n * C + c];
 #pragma unroll
             for (int tt = 0; tt < ATTN_TOKENS; ++tt) acc[tt] += qn[tt][n] * w;
@@ -221,7 +224,8 @@ mla_pv_kernel(const float* __restrict__ scores, int S_cap, const float* __restri
     }
 }
 
-// 4. grid (H, ceil(T / ATTN_TOKENS))
+// 4. grid (H, ceil(T / ATTN_TOKENS), ceil(U / MERGE_U)): each block merges its tokens' chunks (cheap, from L2)
+// and applies MERGE_U rows of W_uv[h]
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
 mla_merge_uv_kernel(const float* __restrict__ partials, int n_split, const float* __restrict__ w_uv,
                     float* __restrict__ o, int T, int H, int C, int U) {
@@ -250,6 +254,7 @@ mla_merge_uv_kernel(const float* __restrict__ partials, int n_split, const float
         float acc = 0.0f;
         if (tt < nt) {
             const float* p = partials + ((size_t)(t0 + tt) * H + h) * (C + 2) + 2 + c;
+#pragma unroll 4
             for (int j = 0; j < n_split; ++j) acc += wts[tt][j] * p[j * pstride];
         }
         ol[tt][c] = acc;
@@ -257,13 +262,15 @@ mla_merge_uv_kernel(const float* __restrict__ partials, int n_split, const float
     __syncthreads();
     const int g = threadIdx.x % ROW_LANES, rows_per_pass = BLOCK_THREADS / ROW_LANES;
     const float* wv = w_uv + (size_t)h * U * C;
-    for (int u0 = 0; u0 < U; u0 += rows_per_pass) {           // o[t, h, u] = W_uv[h, u] . o_lat[t]
+    const int u_end = min(U, (int)(blockIdx.z + 1) * MERGE_U);
+    for (int u0 = blockIdx.z * MERGE_U; u0 < u_end; u0 += rows_per_pass) {   // o[t, h, u] = W_uv[h, u] . o_lat[t]
         const int u = u0 + threadIdx.x / ROW_LANES;
-        const float* row = wv + (size_t)min(u, U - 1) * C;
+        const float* row = wv + (size_t)min(u, u_end - 1) * C;
         float acc[ATTN_TOKENS];
 #pragma unroll
         for (int tt = 0; tt < ATTN_TOKENS; ++tt) acc[tt] = 0.0f;
-        for (int c = g; c < C; c += ROW_LANES) {
+#pragma unroll 8
+        for (int c = g; c < C; c += ROW_LANES) {              // unrolled: W_uv loads in flight, sums in order
             const float w = row[c];
 #pragma unroll
             for (int tt = 0; tt < ATTN_TOKENS; ++tt) acc[tt] += ol[tt][c] * w;
@@ -272,7 +279,7 @@ mla_merge_uv_kernel(const float* __restrict__ partials, int n_split, const float
         for (int tt = 0; tt < ATTN_TOKENS; ++tt) {
             float a = acc[tt];
             for (int off = ROW_LANES / 2; off > 0; off >>= 1) a += __shfl_xor_sync(0xffffffffu, a, off);
-            if (u < U && g == 0 && tt < nt) o[((size_t)(t0 + tt) * H + h) * U + u] = a;
+            if (u < u_end && g == 0 && tt < nt) o[((size_t)(t0 + tt) * H + h) * U + u] = a;
         }
     }
 }
