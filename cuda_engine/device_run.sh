@@ -68,15 +68,19 @@ step kdtr bench ddtree $COMMITTED --json "$OUT_DIR/bench.ddtree.json"
 # (hazards on shared memory only, ~50x slower), one kernel family at a time: the fast W4A16 kernels (the
 # activation terms staged in shared memory; their split-K tickets and partials are global memory, which
 # racecheck does not see: the bit-identity tests over repeated and graph-replayed runs cover those), the
-# DDTree builder (top-K sort and heap in shared memory), the attention kernels (their GEMM tiles in shared memory) and the grouped MoE path's work list
+# DDTree builder (top-K sort and heap in shared memory) and the grouped MoE path's work list
 # (its scans and placement in shared memory). Last: the slowest steps.
 step timeout 240 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
     python3 -c 'from cli.main import main; main()' verify bundles/model_int4_tiny.kdtr --engine cuda
-for k in w4a16_mma ddtree_ mla_ moe_group; do
+for k in w4a16_mma ddtree_ moe_group; do
     step timeout 150 compute-sanitizer --tool racecheck --kernel-name kns=$k --error-exitcode 9 \
         python3 -c 'from cli.main import main; main()' verify bundles/model_int4_tiny.kdtr --engine cuda
 done
 step kdtr verify bundles/model_tiny.kdtr --engine auto
+# racecheck over the attention kernels' own GPU tests (9 shapes, K2.6's included): over a whole verify their GEMM
+# tiles' shared-memory traffic keeps racecheck past 150 s
+step timeout 150 compute-sanitizer --tool racecheck --kernel-name kns=mla_ --error-exitcode 9 \
+    python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_kernels.py -k mla_attention
 # racecheck over the entries of 1..5 tokens with 1, 2, 4 and 8 row blocks per block through their GPU tests,
 # every launch shape they have (the INT4 verify above runs only those its own shapes pick)
 step timeout 240 compute-sanitizer --tool racecheck --kernel-name kns=w4a16_mma --error-exitcode 9 \
