@@ -1,6 +1,8 @@
-"""Run a CPU computation in a child process whose math libraries are pinned to code paths that give the same
+"""Run a CPU computation in a child process whose math libraries are pinned to code paths meant to give the same
 floating-point bits on every x86-64 CPU with AVX2, Intel or AMD, with or without AVX-512
-(docs/golden-bundles.md, "Regeneration on other CPUs").
+(docs/golden-bundles.md, "Regeneration on other CPUs"). Measured not to hold across vendors: an AMD EPYC with
+AVX-512 distilled other drafter bits than an Intel Xeon did, with every float64 golden the same (that section,
+"Measured: the pin across vendors"; the training's MKL calls are the first suspect).
 
 Why: each library picks its kernels by the CPU it finds, and hundreds of optimiser steps turn a last-bit
 difference into a different drafter. Three libraries take part in distillation, each pinned here:

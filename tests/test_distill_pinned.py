@@ -1,6 +1,7 @@
-"""What the pin promises (refmodel/pinned.py, docs/golden-bundles.md "Regeneration on other CPUs"): distillation,
+"""What the pin aims at (refmodel/pinned.py, docs/golden-bundles.md "Regeneration on other CPUs"): distillation,
 its float64 corpus and its trained weights, gives the same bits on every x86-64 CPU with AVX2, Intel or AMD,
-with or without AVX-512.
+with or without AVX-512. Measured: it holds within a vendor's emulated settings (this test), not across vendors
+(an AMD EPYC and an Intel Xeon distil different drafters; that doc's "Measured: the pin across vendors").
 
 How it is tested: a small distillation runs pinned under every instruction-set setting this machine can emulate
 (its native one, AVX-512 here; MKL allowed only AVX2; glibc's dispatch without AVX-512; all at once) and must
