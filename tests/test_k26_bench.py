@@ -150,7 +150,8 @@ def _fake_gpu(budgets=(1, 2)) -> dict:
         for b in budgets:
             for routing, us in (("router", 100.0 * (1 + b)), ("correlated", 50.0 * (2 + b))):
                 ms.append({"layer": l, "context": 4096, "routing": routing, "budget": b, "rows": b + 1,
-                           "us_layer": us + l, "us_moe": us / 2, "distinct_routed": 8 * (b + 1), "error": None})
+                           "us_layer": us + l, "us_moe": us / 2, "us_mla": us / 4 + l, "distinct_routed": 8 * (b + 1),
+                           "error": None})
     ms.append({"layer": 1, "context": 32768, "routing": "ar", "budget": 0, "rows": 1, "us_layer": None,
                "us_moe": None, "distinct_routed": None, "error": "skipped: past the time budget"})
     ms.append({"layer": 1, "context": 32768, "routing": "router", "budget": 1, "rows": 2, "us_layer": 5.0,
@@ -170,6 +171,8 @@ def test_summary_projection_and_table_of_a_device_result(rounds):
     assert router[2]["us_layer"] == pytest.approx(300.5) and router[2]["ar_us"] == pytest.approx(100.5)
     assert router[2]["verify_over_ar"] == pytest.approx(300.5 / 100.5)
     assert router[1]["us_attention"] == pytest.approx(200.5 - 100.0)
+    assert router[1]["us_mla"] == pytest.approx(50.5)                    # the MLA launches' mean over the layers
+    assert [x["us_mla"] for x in r["summary"] if x["routing"] == "ar"] == [None]   # not measured there: empty
     assert router[2]["bytes"] == pytest.approx(k.layer_bytes(24, 3, 4096))
     assert router[2]["moe_over_floor"] == pytest.approx(150.0 / (25 * k.expert_bytes() / 4000.0 / 1e3))
     aim = {(a["aim"].split(", ")[2], a["aim"].split(", ")[3]): a for a in r["aims"]}
@@ -191,6 +194,7 @@ def test_summary_projection_and_table_of_a_device_result(rounds):
     assert bb["speedup"]["2"] == pytest.approx(acc["published GSM8K"]["tau"][2] / ratio_b[2])
     text = rp.table(r)
     assert "verify/AR" in text and f"b={p['best_budget']}" in text and "published GSM8K" in text
+    assert "MLA us" in text and f"{router[1]['us_mla']:9.1f}" in text
 
 
 def test_cli_host_half_writes_the_json(tmp_path):
