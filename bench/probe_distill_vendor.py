@@ -18,22 +18,12 @@ a probe, not the training `kdtr gen` runs: switching would change every committe
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
-
-
-def _digest(d: dict) -> str:
-    import numpy as np
-    h = hashlib.sha256()
-    for k in sorted(d):
-        h.update(k.encode())
-        h.update(np.ascontiguousarray(d[k]).tobytes())
-    return h.hexdigest()
 
 
 def _route_through_numpy():
@@ -87,7 +77,7 @@ def _probe(route: str, branch: str, steps: int, progress=None):
         from refmodel.distill import distill_drafter, make_corpus
         from refmodel.weights import init_weights
         from test_ddtree_verify import MICRO, MICRO_DRAFTER
-        from test_distill_pinned import SMALL
+        from test_distill_pinned import SMALL, _digest
 
         import torch  # noqa: F401 - loaded before the route patches it
         if route == "openblas":
