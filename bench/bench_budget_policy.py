@@ -31,10 +31,12 @@ FIXED = (1, 2, 4, 8, 16, 32)
 
 
 def parse_costs(text: str) -> dict[int, float]:
+    from refmodel.ddtree import parse_verify_costs
+
     try:
-        return {int(r): float(c) for r, c in (p.split(":") for p in text.split(","))}
-    except ValueError:
-        sys.exit(f"--costs {text!r}: give rows:cost pairs separated by commas, e.g. {K26_4K_TEXT}")
+        return parse_verify_costs(text)
+    except ValueError as e:
+        sys.exit(f"--costs: {e}")
 
 
 def run(path: str, costs: dict[int, float], draft_cost: float, n_tokens: int) -> dict:

@@ -117,7 +117,15 @@ def ddtree_cmd(bundles, tokens, repeats, json_path, k26, k26_quick, k26_share, k
                                                                          for k, v in b["round_gpu_us"].items()))
         split = ", ".join(f"{k} {v:.0f}" for k, v in b["round_us"].items())
         click.echo(f"  a round (us, synchronised per phase): {split}; {b['host_syncs_per_round']:.1f} host syncs")
-        click.echo(f"  DDTree stream == AR stream on every prompt: {b['all_streams_equal_ar']}")
+        ca = b["cost_aware"]
+        click.echo(f"  cost-aware budget (prices measured here): {ca['tokens_per_s']:9.0f} tokens/s   speedup "
+                   f"{ca['speedup']:.2f}x ({ca['vs_fixed']:.2f}x the fixed budget's); {ca['nodes_per_round']:.1f} "
+                   f"nodes per round, {ca['target_forwards_per_token']:.3f} target forwards per token")
+        if ca["price_us"]:
+            p = ca["price_us"]
+            click.echo("    its price (us): draft " + f"{p['draft']:.0f}, verify by rows " +
+                       ", ".join(f"{r}: {c:.0f}" for r, c in p["verify"].items()))
+        click.echo(f"  DDTree streams (fixed and cost-aware) == AR stream on every prompt: {b['all_streams_equal_ar']}")
     if json_path:
         _write_json(json_path, r, "kdtr bench ddtree")
     if not all(b["all_streams_equal_ar"] for b in r["bundles"]):

@@ -31,6 +31,17 @@ from kdtr_format.paths import same_file
 @click.option("--w4a16", type=click.Choice(W4A16_MODES),
               help="--engine cuda: INT4 expert kernels: fast (tensor cores, FP32-faithful; the default), plain "
                    "(the packed weights as stored), dense (dequantized at load). docs/cuda-engine.md.")
+@click.option("--ddtree-budget", type=click.Choice(["fixed", "cost-aware"]),
+              help="The live DDTree's tree budget (--engine cuda or reference): fixed = the bundle's every round "
+                   "(the default); cost-aware = each tree cut to the nodes that pay for their verify rows, "
+                   "priced by this GPU's measured verify times (cuda) or by --ddtree-costs; each round's budget "
+                   "is declared and judged (docs/ddtree.md §3a).")
+@click.option("--ddtree-costs", metavar="ROWS:COST,...",
+              help="With --ddtree-budget cost-aware: the verify cost of a forward over ROWS rows, any unit, e.g. "
+                   "1:1,2:1.72,5:2.46,9:3.62,17:5.92,33:10.12 (one K2.6 layer at 4096 cached rows, in AR steps; "
+                   "docs/k26-scale.md); interpolated between the points.")
+@click.option("--ddtree-draft-cost", type=click.FloatRange(min=0),
+              help="With --ddtree-costs: the drafter's cost per round in the same unit (default 0).")
 @click.option("--profile", type=click.Choice(PROFILES),
               help="Tolerance profile the bundle derived (fp32, bf16); default: the engine's dtype.")
 @click.option("--dump", type=InputPath(dir_okay=False),
@@ -64,7 +75,7 @@ from kdtr_format.paths import same_file
                    "least this fraction of the checks the bundle defines; `full` = 1. Default: skipped "
                    "taps are allowed, and reported.")
 @click.option("-v", "--verbose", is_flag=True, help="List every check, not only failures.")
-def verify_cmd(bundles, engine_name, dtype, module_path, w4a16, profile, dump, dump_dir, tp, ep, save_dump_dir, rules,
+def verify_cmd(bundles, engine_name, dtype, module_path, w4a16, ddtree_budget, ddtree_costs, ddtree_draft_cost, profile, dump, dump_dir, tp, ep, save_dump_dir, rules,
                json_path, junit_path, html_path, save_dump, require_coverage, verbose):
     """Verify an engine against golden BUNDLES: every tap of every layer, the AR token stream and
     the DDTree rounds. Exit 0 pass, 1 numeric, 2 usage (or a report not written), 3 tokens, 4 DDTree,
@@ -86,8 +97,15 @@ def verify_cmd(bundles, engine_name, dtype, module_path, w4a16, profile, dump, d
         raise click.UsageError("--dump judges one run against one bundle: pass a single BUNDLE")
     if dump and dump_dir:
         raise click.UsageError("--dump judges one run dump, --dump-dir a sharded run's rank dumps: pass one of them")
+    ddtree = _ddtree_options(ddtree_budget, ddtree_costs, ddtree_draft_cost)
     if dump or dump_dir:
         _refuse_engine_options(engine_name, dtype, module_path, w4a16, tp, ep, "--dump" if dump else "--dump-dir")
+        if ddtree:
+            raise click.UsageError(f"{'--dump' if dump else '--dump-dir'} judges a run already made: the "
+                                   f"--ddtree-* options configure an engine run, drop them")
+    if ddtree and (tp is not None or ep is not None):
+        raise click.UsageError("--ddtree-budget and its costs apply to --engine cuda or reference, not to a sharded "
+                               "--tp/--ep run")
     if dump_dir and len(bundles) > 1:
         raise click.UsageError("--dump-dir judges one run against one bundle: pass a single BUNDLE")
     if dump_dir and (save_dump or save_dump_dir):
@@ -104,7 +122,7 @@ def verify_cmd(bundles, engine_name, dtype, module_path, w4a16, profile, dump, d
     request = Request(bundles=list(bundles), save_dump_dirs=per_bundle(save_dump_dir, list(bundles)),
                       outputs={"json": paths["--json"], "junit": paths["--junit"], "html": paths["--html"],
                                "save_dump": paths["--save-dump"]},
-                      engine=engine_name, dtype=dtype, module=module_path, w4a16=w4a16, tp=tp, ep=ep, dump=dump,
+                      engine=engine_name, dtype=dtype, module=module_path, w4a16=w4a16, ddtree=ddtree, tp=tp, ep=ep, dump=dump,
                       dump_dir=dump_dir, overrides=overrides, profile=profile, require_coverage=coverage,
                       verbose=verbose)
     try:        # the console's own lines (the verdicts): stdout, unless a report takes it
@@ -112,6 +130,26 @@ def verify_cmd(bundles, engine_name, dtype, module_path, w4a16, profile, dump, d
     except RequestError as e:
         raise click.UsageError(str(e)) from None
     sys.exit(int(worst))
+
+
+def _ddtree_options(budget, costs_text, draft_cost) -> dict | None:
+    """The --ddtree-* options as pick_engine's `ddtree` (None when none is given); a usage error names a bad
+    cost table, or costs given without the cost-aware budget."""
+    if budget is None and costs_text is None and draft_cost is None:
+        return None
+    if budget != "cost-aware" and (costs_text is not None or draft_cost is not None):
+        raise click.UsageError("--ddtree-costs and --ddtree-draft-cost price the cost-aware budget: add "
+                               "--ddtree-budget cost-aware")
+    if draft_cost is not None and costs_text is None:
+        raise click.UsageError("--ddtree-draft-cost is in the unit of --ddtree-costs: give both (without them the "
+                               "CUDA engine measures its own)")
+    from refmodel.ddtree import parse_verify_costs
+
+    try:
+        costs = parse_verify_costs(costs_text) if costs_text is not None else None
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--ddtree-costs") from None
+    return {"budget": budget or "fixed", "costs": costs, "draft_cost": draft_cost or 0.0}
 
 
 def _stdout_report(reports: dict, n_bundles: int) -> bool:

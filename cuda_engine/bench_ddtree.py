@@ -18,7 +18,9 @@ mask + target forward as a graph, the tree/argmax/logits copies back: the round'
 and host_other (records); its total is a little larger than the untimed run's. Last, the device time of
 the round graph and of each of its parts captured and replayed alone (compaction + drafter ingest,
 drafter block, top-K, builder, verify, walk), CUDA events over back-to-back replays. `speedup_after_prefill` leaves out each run's prompt forward
-(the same lean prefill in both, measured in the timed run).
+(the same lean prefill in both, measured in the timed run). The cost-aware budget (docs/ddtree.md §3a) runs
+too: each round's tree cut to the nodes worth their verify rows under the prices this engine measured on this
+GPU in its first cost-aware run (the warm-up; `price_us`), rounds one by one (two syncs each).
 """
 from __future__ import annotations
 
@@ -124,6 +126,7 @@ def ddtree_speed(bundles, n_tokens: int = 128, repeats: int = 3, progress=None) 
         host_s, gpu, pre_s = 0.0, {}, 0.0
         rows, ar_s, dd_s, toks, ar_fw, dd_fw, rounds, syncs = [], 0.0, 0.0, 0, 0, 0, 0, 0
         split = dict.fromkeys(PHASES + ("prefill", "host_other"), 0.0)
+        ca_s, ca_fw, ca_nodes, ca_rounds, price = 0.0, 0, 0, 0, None
         for k, (prompt, pos0) in enumerate(prompts):
             ar_tokens = _ar_run(e, prompt, pos0, n_tokens, read=True)
             _, warm = ddtree_run(e, prompt, pos0, n_tokens, builder="device")
@@ -132,6 +135,10 @@ def ddtree_speed(bundles, n_tokens: int = 128, repeats: int = 3, progress=None) 
             t_dd = _best(lambda: ddtree_run(e, prompt, pos0, n_tokens, builder="device"), repeats)
             ddtree_run(e, prompt, pos0, n_tokens, builder="host")
             t_host = _best(lambda: ddtree_run(e, prompt, pos0, n_tokens, builder="host"), repeats)
+            e.ddtree_budget = "cost-aware"                                 # its price measured by the first run
+            _, ca = ddtree_run(e, prompt, pos0, n_tokens, builder="device")
+            t_ca = _best(lambda: ddtree_run(e, prompt, pos0, n_tokens, builder="device"), repeats)
+            e.ddtree_budget = "fixed"
             _, timed = ddtree_run(e, prompt, pos0, n_tokens, timing=True, builder="device")
             for ph, s in timed["seconds"].items():
                 split[ph] += s
@@ -141,7 +148,13 @@ def ddtree_speed(bundles, n_tokens: int = 128, repeats: int = 3, progress=None) 
             pre = timed["seconds"]["prefill"]
             rows.append({"prompt": k, "pos0": int(pos0), "prompt_len": len(prompt), "ar_s": t_ar, "ddtree_s": t_dd, "ddtree_host_builder_s": t_host,
                          "speedup": t_ar / t_dd, "ddtree_target_forwards": warm["target_forwards"],
-                         "rounds": warm["rounds"], "same_stream_as_ar": bool(same)})
+                         "rounds": warm["rounds"], "same_stream_as_ar": bool(same),
+                         "cost_aware_s": t_ca, "cost_aware_speedup": t_ar / t_ca,
+                         "cost_aware_target_forwards": ca["target_forwards"],
+                         "cost_aware_nodes_per_round": float(np.mean(ca["budgets"])) if ca["budgets"] else 0.0,
+                         "cost_aware_same_stream_as_ar": ca["tokens"] == ar_tokens})
+            ca_s, ca_fw, ca_nodes = ca_s + t_ca, ca_fw + ca["target_forwards"], ca_nodes + sum(ca["budgets"])
+            ca_rounds, price = ca_rounds + ca["rounds"], ca.get("price")
             ar_s, dd_s, toks, host_s = ar_s + t_ar, dd_s + t_dd, toks + n_tokens, host_s + t_host
             pre_s += pre
             ar_fw, dd_fw = ar_fw + n_tokens, dd_fw + warm["target_forwards"]
@@ -160,5 +173,8 @@ def ddtree_speed(bundles, n_tokens: int = 128, repeats: int = 3, progress=None) 
             "tokens_per_round": toks / n_rounds, "host_syncs_per_round": syncs / n_rounds,
             "round_us": {ph: 1e6 * s / n_rounds for ph, s in split.items() if ph != "prefill"},
             "prefill_us_per_prompt": 1e6 * split["prefill"] / max(len(prompts), 1),
-            "all_streams_equal_ar": all(r["same_stream_as_ar"] for r in rows)})
+            "all_streams_equal_ar": all(r["same_stream_as_ar"] and r["cost_aware_same_stream_as_ar"] for r in rows),
+            "cost_aware": {"tokens_per_s": toks / ca_s, "speedup": ar_s / ca_s, "vs_fixed": dd_s / ca_s,
+                           "target_forwards_per_token": ca_fw / toks, "nodes_per_round": ca_nodes / max(ca_rounds, 1),
+                           "price_us": price}})
     return res

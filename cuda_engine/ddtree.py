@@ -34,10 +34,14 @@ from cuda_engine.ddtree_io import RoundCopy, pack_tree_inputs, unpack_tree
 from cuda_engine.device import CudaEngineError, DevBuf, driver
 from cuda_engine.drafter import (HEAP_SMEM_MAX, CudaDrafter, build_tree, heap_smem_bytes, prepare_kernels, read_drafter,
                                  tree_mask)
-from refmodel.ddtree import Round, Tree, _root_only, build_ddtree, live_records, walk
+from conformance.records import LIVE_BUDGET
+from refmodel.ddtree import (Round, Tree, _root_only, build_ddtree, cost_aware_nodes, live_records, prune_tree,
+                             verify_cost_table, walk)
 
 PHASES = ("draft", "build", "verify", "walk", "compact")
 BUILDERS = ("device", "host")
+BUDGETS = ("fixed", "cost-aware")     # the bundle's budget every round, or each tree cut by its price (below)
+CALIBRATION_ROWS = (1, 2, 3, 5, 9, 17, 33, 65, 129)   # verify rows timed for the measured price (and the tree's)
 
 
 def tree_rows(budget: int, L: int, K: int) -> int:
@@ -52,6 +56,47 @@ def tree_rows(budget: int, L: int, K: int) -> int:
         if total >= budget:
             return budget + 1
     return total + 1
+
+
+def node_scores(tree: Tree, lp: np.ndarray) -> np.ndarray:
+    """[n] float64: the path log-probs of a device-built tree's nodes (refmodel.ddtree.Tree.scores, which the
+    device builder does not send back), from the builder's per-depth top-K log-probs lp [L, K], formed as
+    build_ddtree forms them (a first child from its parent, a sibling from the sibling ranked just above it),
+    so the same bits as the host builder's scores."""
+    n = len(tree.tokens)
+    s = np.zeros(n + 1, np.float64)
+    sibling = {}                                          # (parent, rank) -> node index
+    for i in range(1, n + 1):
+        p, d, r = int(tree.parents[i]), int(tree.depths[i - 1]), int(tree.ranks[i - 1])
+        if r == 0:
+            s[i] = s[p] + float(lp[d - 1, 0])                 # the root's score is 0
+        else:
+            s[i] = s[sibling[(p, r - 1)]] - float(lp[d - 1, r - 1]) + float(lp[d - 1, r])
+        sibling[(p, r)] = i
+    return s[1:]
+
+
+class Price:
+    """What a cost-aware round pays (docs/ddtree.md §3a, docs/cuda-engine.md "The cost-aware budget"):
+    verify_us {rows: cost} of one target forward over that many rows, and draft_us per round (drafter block +
+    tree builder), in one unit. source: "measured" (this engine on this GPU, timed once per run: the first
+    round's draft, and the verify graphs over a chain at the prompt's end) or "given" (a table passed in; no
+    draft cost unless given)."""
+
+    def __init__(self, verify_us: dict, draft_us: float, source: str):
+        rows = sorted(verify_us)
+        mono = np.maximum.accumulate([float(verify_us[r]) for r in rows])   # a larger forward never prices
+        self.verify_us = {r: float(c) for r, c in zip(rows, mono)}          # below a smaller one (timing noise)
+        self.draft_us, self.source = float(draft_us), source
+        self.cost = verify_cost_table(self.verify_us)
+
+    def nodes(self, scores: np.ndarray) -> int:
+        """How many of a tree's nodes (heap-pop order, scores [n]) to verify: refmodel's cost_aware_nodes."""
+        return cost_aware_nodes(scores, self.cost, self.draft_us)
+
+    def as_dict(self) -> dict:
+        return {"source": self.source, "verify": {str(r): c for r, c in self.verify_us.items()},
+                "draft": self.draft_us}
 
 
 class DDTreeState:
@@ -84,41 +129,52 @@ class DDTreeState:
         self.device_builder = self.drafter is not None and heap_smem_bytes(self.budget, L, self.K) <= HEAP_SMEM_MAX
         self.tree_in = DevBuf((4 + 3 * self.T,), np.int32)
         self.graphs: dict = {}
+        self.prices: dict = {}                          # (builder, graphs) -> the measured Price (_price)
 
     def _rec_at(self, k: int) -> int:
         """Device address of rec section k (0 ids, 1 parents, 2 depths, 3 ranks, 4 argmax), T ints each."""
         return self.rec.ptr + (1 + k * self.T) * 4
 
-    def graph(self, kind: str):
+    def graph(self, kind: str, T: int | None = None):
         """A captured launch sequence: 'round' (the last round's compaction, the drafter's ingest over B rows,
         then 'round_head': its block, the device builder, the verify, the walk), 'verify_dev' (tree mask +
         verify over the device builder's tree), 'verify_host' (the host tree's inputs into place
-        + tree mask + verify). Re-captured when the engine's or the drafter's buffers move."""
+        + tree mask + verify); the two verifies over the first T rows where T is given (a cut tree), one graph
+        per T. Re-captured when the engine's or the drafter's buffers move."""
         e, dr = self.engine, self.drafter
         ptrs = (e.T_cap, e.S_cap, e.buf["mask"].ptr, e.cache["ckv"].ptr, e.buf["logits"].ptr,
                 dr.cache[0][0].ptr if dr else 0, dr.scores.ptr if dr else 0)
         if self.graphs.get("ptrs") != ptrs:
             self.destroy_graphs()
             self.graphs = {"ptrs": ptrs}
-        if kind not in self.graphs:
+        key, fn = self._launcher(kind, T)
+        if key not in self.graphs:
             from cuda_engine.graph import capture
 
-            self.graphs[kind] = capture(e.ops, getattr(self, "_launch_" + kind))
-        return self.graphs[kind]
+            self.graphs[key] = capture(e.ops, fn)
+        return self.graphs[key]
 
-    def launch(self, kind: str) -> None:
+    def _launcher(self, kind: str, T: int | None):
+        fn = getattr(self, "_launch_" + kind)
+        if T is None or T == self.T:
+            return kind, fn
+        if not 1 <= T <= self.T or kind not in ("verify_dev", "verify_host"):
+            raise CudaEngineError(f"{kind} over {T} rows: only a verify takes a row count, 1 .. {self.T}")
+        return f"{kind}:{T}", lambda: fn(T)
+
+    def launch(self, kind: str, T: int | None = None) -> None:
         if self.engine.use_graph:
-            self.graph(kind).launch(self.engine.ops.stream)
+            self.graph(kind, T).launch(self.engine.ops.stream)
         else:
-            getattr(self, "_launch_" + kind)()
+            self._launcher(kind, T)[1]()
 
     def _launch_build(self) -> None:
         e, dr, T = self.engine, self.drafter, self.T
         build_tree(e.ops, dr.buf["logits"], self.V, self.L, self.K, self.budget, T, self.top_id, self.lp, dr.meta,
                    dr.ids, self.rec, e.meta, e.buf["ids"], e.buf["positions"])
 
-    def _launch_verify_dev(self) -> None:
-        e, T = self.engine, self.T
+    def _launch_verify_dev(self, T: int | None = None) -> None:
+        e, T = self.engine, T or self.T
         tree_mask(e.ops, DevBuf((T,), np.int32, self._rec_at(1), self.rec), T, e.meta, e.buf["mask"])
         e._launch_forward(T, masked=True, argmax_out=self._rec_at(4))
         self._logits_out()
@@ -144,8 +200,8 @@ class DDTreeState:
         self.engine.ops._launch("ddtree_walk_kernel", (1,), self.rec.ptr, self.T, dr.inp.ptr, dr.dcfg.block_size,
                                 block=(1, 1, 1))
 
-    def _launch_verify_host(self) -> None:
-        e, ti, T = self.engine, self.tree_in, self.T
+    def _launch_verify_host(self, T: int | None = None) -> None:
+        e, ti, T = self.engine, self.tree_in, T or self.T
         cp, s = driver().memcpy_dtod_async, e.ops.stream
         cp(e.meta.ptr, ti.ptr, 4 * 4, s)
         cp(e.buf["ids"].ptr, ti.ptr + 4 * 4, T * 4, s)
@@ -153,6 +209,34 @@ class DDTreeState:
         tree_mask(e.ops, DevBuf((T,), np.int32, ti.ptr + (4 + 2 * T) * 4, ti), T, e.meta, e.buf["mask"])
         e._launch_forward(T, masked=True, argmax_out=self._rec_at(4))
         self._logits_out()
+
+    def device_tree(self) -> tuple[Tree, np.ndarray]:
+        """The device builder's tree of this round and its node scores (node_scores), copied back before the
+        verify (the cost-aware round's second sync)."""
+        rec = self.rec.get()
+        tree, _ = unpack_tree(rec[:1 + 5 * self.T], self.T)
+        return tree, node_scores(tree, self.lp.get())
+
+    def measure_verify(self, start: int, pos0: int, on_device: bool, reps: int = 5) -> dict:
+        """{rows: microseconds} of this run's verify (its graph, the kind the run launches) over a chain of
+        rows - 1 nodes at the cache's end, for the rows of CALIBRATION_ROWS up to the tree's and the tree's
+        own: CUDA events over back-to-back replays after one warm-up. The replays write cache rows start ..
+        start + rows - 1, which the first round's verify writes again."""
+        from cuda_engine.bench import _timed
+
+        e, out = self.engine, {}
+        for T in sorted({r for r in CALIBRATION_ROWS if r < self.T} | {self.T}):
+            chain = _chain(T - 1)
+            if on_device:                               # the device builder's places: parents in rec, the
+                DevBuf((T,), np.int32, self._rec_at(1), self.rec).set(chain.parents.astype(np.int32))
+                e._set_inputs(np.zeros(T, np.int64), pos0 + start + np.arange(T), start, None)   # inputs in e
+                kind = "verify_dev"
+            else:
+                self.tree_in.set(pack_tree_inputs(chain, 0, start, pos0))
+                kind = "verify_host"
+            self.launch(kind, T)
+            out[T] = _timed(e.ops, lambda: self.launch(kind, T), reps)
+        return out
 
     def destroy_graphs(self) -> None:
         for k, g in self.graphs.items():
@@ -164,6 +248,14 @@ class DDTreeState:
         self.destroy_graphs()
         if self.drafter is not None:
             self.drafter.drop_graph()
+
+
+def _chain(n: int) -> Tree:
+    """A chain of n nodes of token 0 (a tree of every verify shape n + 1, for timing)."""
+    i64 = np.int64
+    parents = np.arange(-1, n, dtype=i64)
+    return Tree(np.zeros(n, i64), np.arange(1, n + 1, dtype=i64), parents,
+                [{0: i + 1} for i in range(n)] + [{}], None, np.zeros(n, i64), np.zeros(n))
 
 
 def reserve_w4a16_rows(e, T: int) -> None:
@@ -268,7 +360,10 @@ def ddtree_run(engine, prompt_ids, pos0: int, n_tokens: int, timing: bool = Fals
     keep_logits=True also keeps, per round (stats["verify"]), its start, tree, drafter logits [L, V], full verify
     logits [T, V] and the stream after it. builder: "device" (default; KDTR_DDTREE_BUILDER) builds the tree
     on the GPU inside the round's graph, "host" copies the drafter logits back and runs refmodel's
-    build_ddtree.
+    build_ddtree. With the engine's cost-aware budget (CudaEngine(ddtree_budget="cost-aware"), docs/ddtree.md
+    §3a) each round's tree is cut to the nodes that pay for their verify rows under the engine's Price
+    (stats["price"]), verified over those rows alone, and the records declare each round's budget
+    (`round_budget`); its rounds run one by one (the cut needs the tree on the host: a second sync).
 
     Steps: check the inputs and pick the builder, prepare the caches, prefill; then the pipelined rounds where
     they apply (device builder, graphs, no timing or kept logits: `_pipelined`), else round by round: the
@@ -281,6 +376,7 @@ def ddtree_run(engine, prompt_ids, pos0: int, n_tokens: int, timing: bool = Fals
     builder = _checked_builder(e, st, prompt, pos0, n_tokens, builder)
     P, dr, T, V = len(prompt), st.drafter, st.T, e.cfg.vocab_size
     on_device = dr is not None and builder == "device"
+    cost_aware = getattr(e, "ddtree_budget", "fixed") == "cost-aware" and dr is not None
     _prepare(e, st, P, n_tokens)
     stats = {"rounds": 0, "target_forwards": 1, "drafter_forwards": 0, "host_syncs": 0, "builder": builder,
              "seconds": dict.fromkeys(PHASES + ("prefill", "host_other"), 0.0), "verify": []}
@@ -300,7 +396,8 @@ def ddtree_run(engine, prompt_ids, pos0: int, n_tokens: int, timing: bool = Fals
     stats["host_syncs"] += 1
     t = mark("prefill", t)
     ctx_rows, start, rounds, pending = np.arange(P), P, [], None        # pending: (start, accepted) to compact
-    if on_device and not timing and not keep_logits and e.use_graph and n_tokens > len(out) - P:
+    price = _price(e, st, P, pos0, on_device) if cost_aware else None
+    if on_device and not timing and not keep_logits and e.use_graph and not cost_aware and n_tokens > len(out) - P:
         _pipelined(e, st, out, P, pos0, n_tokens, stats, rounds)
     while len(out) - P < n_tokens:
         # -- the drafter's context: this round's rows, last round's compaction (keep = the same rows)
@@ -314,7 +411,8 @@ def ddtree_run(engine, prompt_ids, pos0: int, n_tokens: int, timing: bool = Fals
             C = len(ctx_rows)
             stats["drafter_forwards"] += 1
         # -- the draft and the tree: one graph (compact + draft + build + verify), or step by step
-        if on_device and not timing and dev_rows is dr.round_rows:
+        scores = None
+        if on_device and not timing and not cost_aware and dev_rows is dr.round_rows:
             st.launch("round")
             dr.advance(C)
         elif dr is not None:
@@ -323,47 +421,61 @@ def ddtree_run(engine, prompt_ids, pos0: int, n_tokens: int, timing: bool = Fals
                 t = mark("compact", t)
             dr.ingest(dev_rows, C, e.buf["resid_out"], e.T_cap)
             dr.advance(C)
+            drafted = _draft_timer(e, price)
             dr.block(e.use_graph)
             if on_device:
                 t = mark("draft", t)
                 st._launch_build()
                 t = mark("build", t)
-                st.launch("verify_dev")
+                if cost_aware:
+                    drafted(price)
+                    tree, scores = st.device_tree()                      # a sync: the tree before its verify
+                    stats["host_syncs"] += 1
+                else:
+                    st.launch("verify_dev")
             else:
                 q = dr.logits()                                          # [L, V]; a host sync
                 stats["host_syncs"] += 1
                 t = mark("draft", t)
                 tree = build_ddtree(q, st.budget, st.topk)
+                scores = tree.scores
                 t = mark("build", t)
+                drafted(price)
+            if cost_aware:                                               # the cut (docs/ddtree.md §3a)
+                tree = prune_tree(tree, price.nodes(scores))
         else:                                                            # budget 0: AR through the same loop
             if pending is not None:
                 e.compact(*pending)
                 pending = None
             tree = _root_only()
-        # -- the verify of a host-built tree
+        # -- the verify of a host-built tree, or of a cut one (over its own rows)
+        Tv = tree.size if cost_aware or not on_device else T
         if not on_device:
-            if tree.size != T:
+            if tree.size != T and not cost_aware:
                 raise CudaEngineError(f"host tree builder made {tree.size} rows where the verify was sized for {T}")
             st.tree_in.set(pack_tree_inputs(tree, out[start], start, pos0))
-            st.launch("verify_host")
+            st.launch("verify_host", Tv)
+        elif cost_aware:
+            st.launch("verify_dev", Tv)
         # -- the round's one copy back (its sync), the walk, the commit
         got = RoundCopy(st.io.get(), T, V)
         stats["host_syncs"] += 1
         stats["target_forwards"] += 1
         t = mark("verify", t)
-        if on_device:
+        if on_device and not cost_aware:
             tree, post = unpack_tree(got.tree_rec, T)
-            if int(tree.parents[0]) != -1 or got.root != out[start]:
-                raise CudaEngineError(f"device tree builder: root {got.root} is not the bonus {out[start]}")
         else:
-            post = got.argmax.astype(np.int64)
-        e.length = start + T
+            post = got.argmax[:Tv].astype(np.int64)
+        if on_device and (int(tree.parents[0]) != -1 or got.root != out[start]):
+            raise CudaEngineError(f"device tree builder: root {got.root} is not the bonus {out[start]}")
+        e.length = start + Tv
         acc, bonus = walk(tree.child_maps, post)
         t = mark("walk", t)
         pending = (start, acc)
-        _record(out, rounds, start, tree, post, acc, bonus, T, got.logits)
+        logits = got.logits[:Tv]
+        _record(out, rounds, start, tree, post, acc, bonus, Tv, logits)
         if keep_logits:
-            stats["verify"].append({"start": start, "tree": tree, "logits": got.logits, "out": list(out),
+            stats["verify"].append({"start": start, "tree": tree, "logits": logits, "out": list(out),
                                     "draft_logits": None if dr is None else (q if q is not None else dr.logits())})
         ctx_rows = np.asarray(acc)
         start += len(acc)
@@ -375,8 +487,43 @@ def ddtree_run(engine, prompt_ids, pos0: int, n_tokens: int, timing: bool = Fals
         e.compact(*pending)
     sync()
     records = live_records(out[P:P + n_tokens], rounds, stats["target_forwards"])
+    stats["budgets"] = [len(r.tree_tokens) for r in rounds]               # nodes verified per round
+    if cost_aware:                                                       # each round's budget, declared
+        records[LIVE_BUDGET] = np.asarray([len(r.tree_tokens) for r in rounds], np.int64)
+        stats["price"] = price.as_dict()
     stats["tokens"] = out[P:P + n_tokens]
     return records, stats
+
+
+def _price(e, st: DDTreeState, P: int, pos0: int, on_device: bool) -> Price:
+    """The run's Price: the engine's given table, else the one measured by the first cost-aware run of this
+    loaded bundle with this builder (after its prefill, before its first round; the draft cost is that first
+    round's: _draft_timer). The drafter's block graph is captured first, so no capture falls inside a timed
+    interval."""
+    if e.ddtree_costs:
+        return Price(e.ddtree_costs, e.ddtree_draft_cost, "given")
+    key = ("device" if on_device else "host", e.use_graph)
+    if key not in st.prices:                    # once per loaded bundle and builder: later runs reuse it
+        if e.use_graph:
+            st.drafter.captured_block()
+        st.prices[key] = Price(st.measure_verify(P, pos0, on_device), np.nan, "measured")
+    return st.prices[key]
+
+
+def _draft_timer(e, price):
+    """For a measured Price still without its draft cost: CUDA events around this round's drafter block and
+    tree build, from now to the call of the function returned (made once the tree is known on the host: the
+    host builder's Python heap counts), the time between them the draft cost. Else a no-op."""
+    if price is None or not np.isnan(price.draft_us):
+        return lambda p: None
+    start, end = driver().Event(), driver().Event()
+    start.record(e.ops.stream)
+
+    def done(p: Price) -> None:
+        end.record(e.ops.stream)
+        end.synchronize()
+        p.draft_us = end.time_since(start) * 1000.0
+    return done
 
 
 __all__ = ["DDTreeState", "ddtree_run", "live_records", "read_drafter", "tree_rows"]

@@ -221,11 +221,15 @@ class CudaDrafter:
         """The block forward: per-depth logits [B-1, V] into buf["logits"] (no host sync)."""
         if not use_graph:
             return self._launch_block()
+        self.captured_block().launch(self.ops.stream)
+
+    def captured_block(self):
+        """The block forward's graph, captured on first use."""
         if self.graph is None:
             from cuda_engine.graph import capture
 
             self.graph = capture(self.ops, self._launch_block)
-        self.graph.launch(self.ops.stream)
+        return self.graph
 
     def _launch_block(self) -> None:
         d, o, b, e = self.dcfg, self.ops, self.buf, self.engine

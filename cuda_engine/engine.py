@@ -54,8 +54,31 @@ class CudaEngine:
     dtype = "float32"
     supports_teacher_forcing = True
 
-    def __init__(self, use_graph: bool = True, w4a16: str | None = None):
+    def __init__(self, use_graph: bool = True, w4a16: str | None = None, ddtree_budget: str = "fixed",
+                 ddtree_costs: dict | None = None, ddtree_draft_cost: float = 0.0):
         self.use_graph = use_graph and os.environ.get("KDTR_CUDA_GRAPH", "1") != "0"
+        # the live DDTree's budget (cuda_engine/ddtree.py): "fixed" = the bundle's every round; "cost-aware" =
+        # each tree cut to the nodes that pay for their rows (docs/ddtree.md §3a), priced by ddtree_costs
+        # {rows: cost} and ddtree_draft_cost (same unit) where given, else by this GPU's measured times
+        from cuda_engine.ddtree import BUDGETS
+
+        if ddtree_budget not in BUDGETS:
+            raise CudaEngineError(f"DDTree budget {ddtree_budget!r}: choose one of {', '.join(BUDGETS)} "
+                                  f"(--ddtree-budget)")
+        if ddtree_costs and ddtree_budget != "cost-aware":
+            raise CudaEngineError("verify costs price the cost-aware budget: give --ddtree-budget cost-aware with "
+                                  "--ddtree-costs")
+        if ddtree_costs:
+            from refmodel.ddtree import verify_cost_table
+
+            try:
+                verify_cost_table(ddtree_costs)
+            except ValueError as e:
+                raise CudaEngineError(f"--ddtree-costs: {e}") from None
+        if not np.isfinite(ddtree_draft_cost) or ddtree_draft_cost < 0:
+            raise CudaEngineError(f"the drafter's cost per round must be finite and >= 0, got {ddtree_draft_cost}")
+        self.ddtree_budget, self.ddtree_costs = ddtree_budget, dict(ddtree_costs or {})
+        self.ddtree_draft_cost = float(ddtree_draft_cost)
         # INT4 experts: "fast" = repacked at load for the tensor-core kernel (w4a16_mma.cu, FP32-faithful),
         # "plain" = the packed weights as stored (w4a16_plain.cu), "dense" = dequantized at load
         self.w4a16 = w4a16 or "fast"

@@ -119,8 +119,9 @@ def prune_tree(tree: Tree, b: int) -> Tree:
     if b == len(tree.tokens):
         return tree
     child_maps = [{t: c for t, c in m.items() if c <= b} for m in tree.child_maps[:b + 1]]
-    return Tree(tree.tokens[:b].copy(), tree.depths[:b].copy(), tree.parents[:b + 1].copy(), child_maps,
-                tree.visibility[:b + 1, :b + 1].copy(), tree.ranks[:b].copy(), tree.scores[:b].copy())
+    vis = None if tree.visibility is None else tree.visibility[:b + 1, :b + 1].copy()   # None: a device tree's
+    return Tree(tree.tokens[:b].copy(), tree.depths[:b].copy(), tree.parents[:b + 1].copy(), child_maps, vis,
+                tree.ranks[:b].copy(), tree.scores[:b].copy())
 
 
 def verify_cost_table(points: dict[int, float]):
@@ -137,6 +138,18 @@ def verify_cost_table(points: dict[int, float]):
             return float(np.interp(T, rows, cost))
         return float(cost[-1] + slope * (T - rows[-1]))
     return verify_cost
+
+
+def parse_verify_costs(text: str) -> dict[int, float]:
+    """A verify price table written "rows:cost,rows:cost,..." (e.g. 1:1,2:1.72,33:10.12, the K2.6 layer's
+    verify / AR step ratios) as {rows: cost}, checked by verify_cost_table; a ValueError naming the text."""
+    try:
+        costs = {int(r): float(c) for r, c in (p.split(":") for p in text.split(","))}
+        verify_cost_table(costs)
+    except ValueError as e:
+        raise ValueError(f"verify costs {text!r}: give two or more rows:cost pairs, rows >= 1, costs positive and "
+                         f"non-decreasing in rows, e.g. 1:1,2:1.72,33:10.12 ({e})") from None
+    return costs
 
 
 def visibility(parents) -> np.ndarray:

@@ -62,11 +62,19 @@ def _python_engine(module: str | None):
         raise EngineOptionError(str(e)) from None
 
 
-def pick_engine(name: str, dtype: str | None = None, module: str | None = None, w4a16: str | None = None):
+def pick_engine(name: str, dtype: str | None = None, module: str | None = None, w4a16: str | None = None,
+                ddtree: dict | None = None):
     """(engine instance, why it was chosen). `auto`: cuda when it can run, else reference. `dtype` and
     `module` configure the torch engine (its compute dtype, a user module's import path); `module` names
     the class of --engine python (its dtype is its own); `w4a16` the CUDA engine's INT4 kernels (fast,
-    plain, dense)."""
+    plain, dense); `ddtree` the live DDTree's budget (docs/ddtree.md §3a): {"budget": "fixed" | "cost-aware",
+    "costs": {rows: cost} or None, "draft_cost": float}, for the CUDA engine (costs measured where not given)
+    or the reference (costs given: CostAwareReference)."""
+    if ddtree and ddtree.get("budget") == "cost-aware":
+        return _cost_aware(name, dtype, module, w4a16, ddtree)
+    if ddtree and (ddtree.get("costs") or ddtree.get("draft_cost")):
+        raise EngineOptionError("--ddtree-costs and --ddtree-draft-cost price the cost-aware budget: add "
+                                "--ddtree-budget cost-aware")
     if name == "python":
         if dtype:
             raise EngineOptionError("--dtype applies to --engine torch; an --engine python class declares its "
@@ -96,3 +104,33 @@ def pick_engine(name: str, dtype: str | None = None, module: str | None = None, 
                                     f"engine here ({why}): run where the CUDA engine can, or drop --w4a16")
         return ReferenceEngine(), f"auto: no CUDA engine ({why}), so the refmodel in float32"
     raise EngineUnavailable(f"unknown engine {name!r}; choose one of auto, {', '.join(ENGINES)}")
+
+
+def _cost_aware(name: str, dtype, module, w4a16, ddtree: dict):
+    """The engine of pick_engine with the cost-aware budget: the CUDA engine (its own measured prices unless
+    costs are given) or the reference (given costs only: it has no GPU times to measure)."""
+    costs, draft = ddtree.get("costs"), float(ddtree.get("draft_cost") or 0.0)
+    if name in ("cuda", "auto"):
+        cls, why = _cuda_engine_class()
+        if cls is not None:
+            from cuda_engine.device import CudaEngineError
+
+            try:
+                e = cls(w4a16=w4a16, ddtree_budget="cost-aware", ddtree_costs=costs, ddtree_draft_cost=draft)
+            except CudaEngineError as err:
+                raise EngineOptionError(str(err)) from None
+            how = "given verify costs" if costs else "verify costs measured on this GPU"
+            return e, f"{'auto: ' if name == 'auto' else ''}{why}; cost-aware DDTree budget, {how}"
+        if name == "cuda":
+            raise EngineUnavailable(f"--engine cuda cannot run here: {why}; use --engine reference")
+    if name not in ("reference", "auto") or dtype or module or w4a16:
+        raise EngineOptionError(f"--ddtree-budget cost-aware applies to --engine cuda and --engine reference, "
+                                f"not to --engine {name}" + (" (nor with --dtype, --module or --w4a16)"
+                                                              if name in ("reference", "auto") else ""))
+    if not costs:
+        raise EngineOptionError("--ddtree-budget cost-aware on the reference engine needs --ddtree-costs (it has "
+                                "no GPU times of its own to measure), e.g. --ddtree-costs 1:1,2:1.72,33:10.12")
+    from conformance.engines.reference_engine import CostAwareReference
+
+    return CostAwareReference(costs, draft), ("requested; " if name == "reference" else "auto: no CUDA engine; ") + \
+        "the refmodel in float32 with the cost-aware DDTree budget, given verify costs"

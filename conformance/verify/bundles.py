@@ -39,6 +39,7 @@ class Request:
     dtype: str | None = None
     module: str | None = None
     w4a16: str | None = None
+    ddtree: dict | None = None            # the live DDTree's budget options (pick_engine)
     tp: int | None = None                 # sharded torch run when tp or ep is given
     ep: int | None = None
     dump: str | None = None
@@ -74,7 +75,7 @@ def verify_bundles(req: Request, console, verdicts) -> ExitCode:
             console.print(f"engine: [bold]torch[/bold] ({escape(engine.describe())})")
         elif not (req.dump or req.dump_dir):
             try:
-                engine, why = pick_engine(req.engine, req.dtype, req.module, req.w4a16)
+                engine, why = pick_engine(req.engine, req.dtype, req.module, req.w4a16, req.ddtree)
             except EngineOptionError as e:
                 raise RequestError(str(e)) from None
             except EngineUnavailable as e:
