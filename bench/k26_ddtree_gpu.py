@@ -97,32 +97,6 @@ def _expert_stack(shape, rng):
     return buf
 
 
-def _moe_half(e, l: int, T: int) -> None:
-    """The MoE half of CudaEngine._layer (fast INT4, every slot on packed weights): router, the experts (one
-    token: a pair per z; more: grouped by expert), the combine with the residual and the next norm."""
-    c, o, b, w = e.cfg, e.ops, e.buf, e.layers[l]
-    D, K = c.hidden_size, c.num_experts_per_tok
-    S, I = K + c.n_shared_experts, e.int4_width[l]
-    xm, slots = b["mlp_in"].view(l), b["slot_ids"].view(l)
-    o.router(xm, w["gate"], w["bias"], b["router_scores"].view(l), slots, b["slot_w"].view(l), T, K, S, c.n_group,
-             c.topk_group, c.norm_topk_prob, c.routed_scaling_factor, b["held"].view(l), b["own_ids"].view(l),
-             b["own_w"].view(l))
-    if T == 1:
-        o.w4a16_mma(xm, D, w["gate_up.mma"], I, b["act"], I, mode=1, slot_ids=slots, T=T, S=S, k0=0, nk=S)
-        o.w4a16_mma(b["act"], I, w["down.mma"], D, b["y_slots"], D, mode=0, slot_ids=slots, T=T, S=S, k0=0, nk=S,
-                    x_by_slot=True)
-    else:
-        M, Z = e._moe_launch(l, T)
-        o.moe_group(slots, T, S, 0, S, 0, e.n_int4[l], M, Z, b["groups"])
-        o.w4a16_mma(xm, D, w["gate_up.mma"], I, b["act"], I, M, mode=1, groups=b["groups"], Z=Z, S=S, digits=True)
-        o.w4a16_mma(b["act"], I, w["down.mma"], D, b["y_slots"], D, M, mode=0, groups=b["groups"], Z=Z, S=S,
-                    x_by_slot=True, digits=True)
-    last = l == c.num_hidden_layers - 1
-    o.moe_combine(b["y_slots"], slots, b["slot_w"].view(l), b["mlp_out"].view(l), T, K, S, b["resid_attn"].view(l),
-                  b["resid_out"].view(l), e.norm if last else e.layers[l + 1]["input_ln"],
-                  b["final"] if last else b["attn_in"].view(l + 1), c.rms_norm_eps)
-
-
 def _graph_us(ops, fn, reps: int, note: dict | None = None) -> float:
     """Microseconds per replay of fn's launches as one CUDA graph (CUDA events over `reps` replays). Where no
     graph can be captured (no cuda-bindings), the launches themselves, timed alike (each launch then costs its
@@ -153,16 +127,6 @@ def _graph_us(ops, fn, reps: int, note: dict | None = None) -> float:
     finally:
         if g is not None:
             g.destroy()
-
-
-def _mla_core(e, l: int, T: int) -> None:
-    """The absorbed-MLA call of CudaEngine._layer alone (q_b, rope + W_uk, scores, p c_kv, merge + W_uv): the
-    attention part less the fused q_a/kv_a projection, the latent norms and o_proj."""
-    c, b, w = e.cfg, e.buf, e.layers[l]
-    e.ops.mla_attention(b["cq"], w["q_b"], b["q"].view(l), b["positions"], e.inv_freq, c.rope_attention_factor,
-                        w["w_uk"], w["w_uv"], e.cache["ckv"].view(l), e.cache["kpe"].view(l), e.meta,
-                        b["mask"] if T > 1 else None, e.S_cap, b["scores"], e.S_cap, b["partials"], b["qs"], b["o"], T,
-                        c.qk_rope_head_dim, c.softmax_scale)
 
 
 def _copy_gbps(e, reps: int):
@@ -238,8 +202,9 @@ def measure(shapes: dict, contexts, layers: int = 3, reps: int = 5, share: float
                                               res)
                     ids = e.buf["slot_ids"].view(l).get((T, K + 1))[:, :K]
                     m["distinct_routed"] = int(np.unique(ids).size)
-                    m["us_moe"] = _graph_us(e.ops, lambda: _moe_half(e, l, T), reps, res)
-                    m["us_mla"] = _graph_us(e.ops, lambda: _mla_core(e, l, T), reps, res)
+                    m["us_moe"] = _graph_us(e.ops, lambda: e._mlp_half(l, T), reps, res)
+                    m["us_mla"] = _graph_us(e.ops, lambda: e._mla_core(l, T, e.cache["ckv"].view(l),
+                                                                           e.cache["kpe"].view(l), T > 1), reps, res)
                 except Exception as ex:  # noqa: BLE001 - fail soft: record it, measure the rest
                     m["error"] = f"{type(ex).__name__}: {ex}"[:400]
                 progress(_line(m))

@@ -374,21 +374,34 @@ class CudaEngine:
     def _layer(self, l: int, T: int, h_in, ckv, kpe, masked: bool) -> None:
         """Layer l on attn_in[l] (already normed from h_in); ends with the next norm (or the final one)."""
         c, o, b, w = self.cfg, self.ops, self.buf, self.layers[l]
-        D, H, A, N, R, C, Q, U = (c.hidden_size, c.num_attention_heads, c.qk_head_dim, c.qk_nope_head_dim,
-                                  c.qk_rope_head_dim, c.kv_lora_rank, c.q_lora_rank, c.v_head_dim)
-        x, q, qkv, lat = b["attn_in"].view(l), b["q"].view(l), b["qkv_a"].view(l), b["kv_latent"].view(l)
+        D, H, R, C, Q, U = (c.hidden_size, c.num_attention_heads, c.qk_rope_head_dim, c.kv_lora_rank, c.q_lora_rank,
+                            c.v_head_dim)
+        x, qkv, lat = b["attn_in"].view(l), b["qkv_a"].view(l), b["kv_latent"].view(l)
         # attention: the fused q_a/kv_a GEMV, both latent norms + k rope + cache append, queries
         o.linear(x, w["qkv_a"], qkv, T, D, Q + C + R)                                 # [T, D] -> [T, Q + C + R]
         o.mla_latent(qkv, T, Q, C, R, w["q_a_ln"], w["kv_a_ln"], c.latent_norm_eps, b["cq"], lat, ckv, kpe,
                      self.meta, b["positions"], self.inv_freq, c.rope_attention_factor)
-        # absorbed MLA over the latent cache (q_b_proj, q rope, W_uk and W_uv inside), then o_proj
-        o.mla_attention(b["cq"], w["q_b"], q, b["positions"], self.inv_freq, c.rope_attention_factor, w["w_uk"],
-                        w["w_uv"], ckv, kpe, self.meta, b["mask"] if masked else None, self.S_cap, b["scores"],
-                        self.S_cap, b["partials"], b["qs"], b["o"], T, R, c.softmax_scale)                    # [T, Q] -> [T, H, U]
+        self._mla_core(l, T, ckv, kpe, masked)                                        # [T, Q] -> [T, H, U]
         o.linear(b["o"], w["o_proj"], b["attn_out"].view(l), T, H * U, D)             # [T, H U] -> [T, D]
         o.add_rms_norm(h_in, b["attn_out"].view(l), b["resid_attn"].view(l), w["post_ln"], b["mlp_in"].view(l),
                        T, c.rms_norm_eps)
-        # MLP: routed experts + shared expert, or the dense MLP as one slot of expert 0
+        self._mlp_half(l, T)
+
+    def _mla_core(self, l: int, T: int, ckv, kpe, masked: bool) -> None:
+        """Layer l's absorbed MLA over the latent cache, c_q -> o [T, H, U] (q_b_proj, q rope, W_uk and W_uv
+        inside; kernels/attention.cu); also timed alone by bench/k26_ddtree_gpu.py."""
+        c, b, w = self.cfg, self.buf, self.layers[l]
+        self.ops.mla_attention(b["cq"], w["q_b"], b["q"].view(l), b["positions"], self.inv_freq,
+                               c.rope_attention_factor, w["w_uk"], w["w_uv"], ckv, kpe, self.meta,
+                               b["mask"] if masked else None, self.S_cap, b["scores"], self.S_cap, b["partials"],
+                               b["qs"], b["o"], T, c.qk_rope_head_dim, c.softmax_scale)
+
+    def _mlp_half(self, l: int, T: int) -> None:
+        """Layer l from mlp_in[l]: the router and the experts (routed + shared), or the dense MLP as one slot
+        of expert 0, then the combine with the residual and the next norm (or the final one); also timed alone
+        by bench/k26_ddtree_gpu.py."""
+        c, o, b, w = self.cfg, self.ops, self.buf, self.layers[l]
+        D = c.hidden_size
         xm = b["mlp_in"].view(l)
         if l >= c.first_k_dense_replace:
             K, S = c.num_experts_per_tok, c.num_experts_per_tok + c.n_shared_experts

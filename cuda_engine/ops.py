@@ -186,7 +186,8 @@ class Ops:
     def attn_splits(self, T: int, H: int, C: int) -> int:
         """The chunks mla_pv_kernel splits the cache rows into for T tokens: enough blocks for two per SM, at most
         ATTN_MAX_SPLIT. It depends on (T, H, C) and the GPU alone, not on the cache's capacity, so a forward sums
-        in the same order whatever the buffers have grown to (empty chunks cost a block that exits early)."""
+        in the same order whatever the buffers have grown to (a chunk past the rows still runs its block: it writes
+        m = -inf, l = 0 and o = 0, which the merge adds as nothing)."""
         blocks = -(-T * H // ATTN_TILE) * -(-C // ATTN_TILE)
         return max(1, min(ATTN_MAX_SPLIT, -(-2 * self.sm_count // blocks)))
 

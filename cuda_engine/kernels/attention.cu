@@ -77,6 +77,22 @@ mla_qprep_kernel(float* __restrict__ q, const int* __restrict__ positions, const
     }
 }
 
+// The FMAs of one k step of a 64x64 tile GEMM: thread (ty, tx) adds the 4x4 products of rows ty*4.. of As and
+// columns tx*4.. of Bs, k in order (mla_scores_kernel and mla_pv_kernel).
+__device__ __forceinline__ void tile_fma(const float (&As)[KSTEP][TILE + TPAD], const float (&Bs)[KSTEP][TILE + TPAD],
+                                         int ty, int tx, float (&acc)[4][4]) {
+#pragma unroll
+    for (int kk = 0; kk < KSTEP; ++kk) {
+        const float4 a = *reinterpret_cast<const float4*>(&As[kk][ty * 4]);
+        const float4 b = *reinterpret_cast<const float4*>(&Bs[kk][tx * 4]);
+        const float av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int jj = 0; jj < 4; ++jj) acc[i][jj] += av[i] * bv[jj];
+    }
+}
+
 // 2. grid (ceil(T H / TILE), ceil(S_cap / TILE)): query tiles vary fastest, so the blocks in flight share
 // their cache tiles through L2. Tiles at or past S = meta[0] + T exit.
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, GEMM_BLOCKS_PER_SM)
@@ -110,16 +126,7 @@ mla_scores_kernel(const float* __restrict__ qs, const float* __restrict__ c_kv, 
         }
         __syncthreads();
         if (k0 + KSTEP < K) load(k0 + KSTEP);
-#pragma unroll
-        for (int kk = 0; kk < KSTEP; ++kk) {
-            const float4 a = *reinterpret_cast<const float4*>(&As[kk][ty * 4]);
-            const float4 b = *reinterpret_cast<const float4*>(&Bs[kk][tx * 4]);
-            const float av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-#pragma unroll
-                for (int jj = 0; jj < 4; ++jj) acc[i][jj] += av[i] * bv[jj];
-        }
+        tile_fma(As, Bs, ty, tx, acc);
         __syncthreads();
     }
 #pragma unroll
@@ -188,16 +195,7 @@ mla_pv_kernel(const float* __restrict__ scores, int S_cap, const float* __restri
         }
         __syncthreads();
         if (k0 + KSTEP < s_hi) load(k0 + KSTEP);
-#pragma unroll
-        for (int kk = 0; kk < KSTEP; ++kk) {
-            const float4 a = *reinterpret_cast<const float4*>(&As[kk][ty * 4]);
-            const float4 b = *reinterpret_cast<const float4*>(&Bs[kk][tx * 4]);
-            const float av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-#pragma unroll
-                for (int jj = 0; jj < 4; ++jj) acc[i][jj] += av[i] * bv[jj];
-        }
+        tile_fma(As, Bs, ty, tx, acc);
         __syncthreads();
     }
     float* part = partials + (size_t)split * TH * (C + 2);
