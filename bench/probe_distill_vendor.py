@@ -5,15 +5,16 @@ across vendors"). Run it from the repository root on any x86-64 CPU with AVX2:
 
 It runs the small pinned distillation of tests/test_distill_pinned.py (the MICRO target, 8 sequences, 30 steps)
 in the pinned worker, two ways, each under MKL's COMPATIBLE branch (the pin) and its AUTO branch:
-- `mkl`: as `kdtr gen` trains (torch's matrix products through MKL);
-- `openblas`: the same training with every matrix product of the drafter's forward and backward (`@` and the two
-  attention einsums) computed by NumPy in float32, that is by NumPy's OpenBLAS on its pinned Haswell kernels, one
-  thread (the library whose float64 products gave the same bits on an Intel Xeon and an AMD EPYC).
+- `openblas`: as `kdtr gen` trains since stop 37: every matrix product of the drafter's forward and backward
+  computed by NumPy in float32 (refmodel/distill_torch.py, `_mm`), that is by NumPy's OpenBLAS on its pinned
+  Haswell kernels, one thread (the library whose float64 products gave the same bits on an Intel Xeon and an AMD
+  EPYC);
+- `mkl`: as `kdtr gen` trained before: torch's own matrix products, through MKL.
 For each it prints the corpus digest, the weights digest and the MKL calls the run made (MKL_VERBOSE). What to
 read: `openblas` makes no MKL GEMM call, so its weights cannot depend on MKL's branch (COMPATIBLE == AUTO there);
 run it on a CPU of the other vendor and compare its digests with the ones docs/golden-bundles.md records: equal
-`openblas` weights there and unequal `mkl` weights settle whether MKL is what separates the vendors. The route is
-a probe, not the training `kdtr gen` runs: switching would change every committed drafter.
+`openblas` weights there say that training no longer depends on the vendor (and the committed drafters
+regenerate there); unequal `mkl` weights say that MKL is what separated the vendors.
 """
 from __future__ import annotations
 
@@ -26,43 +27,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 
-def _route_through_numpy():
-    """Replace torch's `@` and the drafter's two attention einsums by NumPy float32 products, gradients included."""
-    import numpy as np
+def _route_through_mkl():
+    """Training's products back on torch's own matmul (MKL), as `kdtr gen` trained before stop 37."""
     import torch
 
-    def unbroadcast(g, shape):                      # sum the broadcast leading axes (NumPy's fixed pairwise sums)
-        while g.ndim > len(shape):
-            g = g.sum(0)
-        return g
+    from refmodel import distill_torch
 
-    class NpMatmul(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, a, b):
-            ctx.save_for_backward(a, b)
-            return torch.from_numpy(np.ascontiguousarray(np.matmul(a.detach().numpy(), b.detach().numpy())))
-
-        @staticmethod
-        def backward(ctx, g):
-            a, b = ctx.saved_tensors
-            gn, an, bn = g.contiguous().numpy(), a.detach().numpy(), b.detach().numpy()
-            ga = unbroadcast(np.matmul(gn, np.swapaxes(bn, -1, -2)), a.shape)
-            gb = unbroadcast(np.matmul(np.swapaxes(an, -1, -2), gn), b.shape)
-            return torch.from_numpy(np.ascontiguousarray(ga)), torch.from_numpy(np.ascontiguousarray(gb))
-
-    plain_einsum = torch.einsum
-
-    def einsum(eq, *ops):
-        if eq == "nqhd,nshd->nhqs":                 # scores: [n, h, q, d] @ [n, h, d, s]
-            q, k = ops
-            return NpMatmul.apply(q.permute(0, 2, 1, 3), k.permute(0, 2, 3, 1))
-        if eq == "nhqs,nshd->nqhd":                 # p v: [n, h, q, s] @ [n, h, s, d] -> [n, q, h, d]
-            p, v = ops
-            return NpMatmul.apply(p, v.permute(0, 2, 1, 3)).permute(0, 2, 1, 3)
-        return plain_einsum(eq, *ops)
-
-    torch.Tensor.__matmul__ = lambda a, b: NpMatmul.apply(a, b)
-    torch.einsum = einsum
+    distill_torch._mm = torch.matmul
 
 
 def _probe(route: str, branch: str, steps: int, progress=None):
@@ -79,9 +50,8 @@ def _probe(route: str, branch: str, steps: int, progress=None):
         from test_ddtree_verify import MICRO, MICRO_DRAFTER
         from test_distill_pinned import SMALL, _digest
 
-        import torch  # noqa: F401 - loaded before the route patches it
-        if route == "openblas":
-            _route_through_numpy()
+        if route == "mkl":
+            _route_through_mkl()
         W = init_weights(MICRO, 1)
         ids, feats, plens = make_corpus(MICRO, W, MICRO_DRAFTER, 3, SMALL)
         corpus = _digest({"ids": ids, "feats": feats, "plens": plens})

@@ -7,9 +7,49 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from refmodel.drafter import DrafterConfig, drafter_shapes, init_drafter
+
+# ----------------------------------------------------------------------------------------------------
+# the matrix products: NumPy's OpenBLAS, not torch's MKL (docs/golden-bundles.md, "Regeneration on other CPUs")
+
+
+class _NumpyMatmul(torch.autograd.Function):
+    """a @ b in float32 by NumPy, forward and backward: under the pin (refmodel/pinned.py) NumPy's OpenBLAS
+    on its Haswell kernels, one thread, the same code on every AVX2 CPU whatever its vendor. torch's own
+    products go to MKL, which picks its code by vendor: an AMD EPYC and an Intel Xeon distilled different
+    drafters through it under MKL's COMPATIBLE branch (bench/probe_distill_vendor.py measures both routes).
+    Two shapes occur: [..., K] @ [K, O] (a weight; its gradient is one product over every leading row) and
+    batched [B.., M, K] @ [B.., K, N] with the same batch dims (attention)."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return torch.from_numpy(np.matmul(a.detach().numpy(), b.detach().numpy()))
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = (t.detach().numpy() for t in ctx.saved_tensors)
+        g = g.contiguous().numpy()
+        ga = gb = None
+        if ctx.needs_input_grad[0]:
+            ga = torch.from_numpy(np.ascontiguousarray(np.matmul(g, np.swapaxes(b, -1, -2))))
+        if ctx.needs_input_grad[1]:
+            if b.ndim == 2:                               # a weight: every leading row summed in one product
+                gb = np.matmul(a.reshape(-1, a.shape[-1]).T, g.reshape(-1, g.shape[-1]))
+            else:
+                gb = np.matmul(np.swapaxes(a, -1, -2), g)
+            gb = torch.from_numpy(np.ascontiguousarray(gb))
+        return ga, gb
+
+
+def _mm(a, b):
+    """a @ b for the drafter's training (_NumpyMatmul); b is a weight [K, O] or has a's batch dims."""
+    if not (b.ndim == 2 or (a.ndim == b.ndim and a.shape[:-2] == b.shape[:-2])):
+        raise ValueError(f"_mm: shapes {tuple(a.shape)} @ {tuple(b.shape)}: b must be [K, O] or share a's batch dims")
+    return _NumpyMatmul.apply(a, b)
 
 # ----------------------------------------------------------------------------------------------------
 # the drafter in torch (training form: many blocks against one context, block-anchor mask)
@@ -47,7 +87,7 @@ def torch_drafter_logits(dcfg: DrafterConfig, P: dict, embed, head, feats, ids, 
     see_blk = (blk_of[:, None] == blk_of[None, :]).expand(N, M * B, M * B)
     bias = torch.zeros(N, M * B, T + M * B, dtype=feats.dtype)                        # [N, Q, T+Q]
     bias.masked_fill_(~torch.cat([see_ctx, see_blk], -1), float("-inf"))
-    c = _rms(feats @ P["drafter.fc.weight"].T, P["drafter.hidden_norm.weight"], eps)  # [N, T, D]
+    c = _rms(_mm(feats, P["drafter.fc.weight"].T), P["drafter.hidden_norm.weight"], eps)  # [N, T, D]
     h = embed[blk_ids]                                                                # [N, M, B, D]
     if dcfg.block_pos_embed:
         h = h + P["drafter.block_pos_embed"]                                          # + [B, D]
@@ -55,23 +95,23 @@ def torch_drafter_logits(dcfg: DrafterConfig, P: dict, embed, head, feats, ids, 
     for l in range(dcfg.num_hidden_layers):
         p = f"drafter.layers.{l}."
         x = _rms(h, P[p + "input_layernorm.weight"], eps)
-        q = (x @ P[p + "self_attn.q_proj.weight"].T).unflatten(-1, (-1, Dh))          # [N, Q, H, Dh]
+        q = _mm(x, P[p + "self_attn.q_proj.weight"].T).unflatten(-1, (-1, Dh))          # [N, Q, H, Dh]
         q = _rope(_rms(q, P[p + "self_attn.q_norm.weight"], eps), blk_pos, dcfg.rope_theta)
         z = torch.cat([c, x], 1)                                                       # [N, T+Q, D]
-        k = (z @ P[p + "self_attn.k_proj.weight"].T).unflatten(-1, (-1, Dh))          # [N, T+Q, G, Dh]
+        k = _mm(z, P[p + "self_attn.k_proj.weight"].T).unflatten(-1, (-1, Dh))          # [N, T+Q, G, Dh]
         k = _rope(_rms(k, P[p + "self_attn.k_norm.weight"], eps), torch.cat([ctx_pos, blk_pos], 1),
                   dcfg.rope_theta)
-        v = (z @ P[p + "self_attn.v_proj.weight"].T).unflatten(-1, (-1, Dh))          # [N, T+Q, G, Dh]
+        v = _mm(z, P[p + "self_attn.v_proj.weight"].T).unflatten(-1, (-1, Dh))          # [N, T+Q, G, Dh]
         k = k.repeat_interleave(dcfg.num_key_value_groups, 2)                          # [N, T+Q, H, Dh]
         v = v.repeat_interleave(dcfg.num_key_value_groups, 2)
-        s = torch.einsum("nqhd,nshd->nhqs", q, k) * Dh ** -0.5 + bias[:, None]         # [N, H, Q, T+Q]
-        o = torch.einsum("nhqs,nshd->nqhd", torch.softmax(s, -1), v).flatten(-2)       # [N, Q, H*Dh]
-        h = h + o @ P[p + "self_attn.o_proj.weight"].T
+        s = _mm(q.permute(0, 2, 1, 3), k.permute(0, 2, 3, 1)) * Dh ** -0.5 + bias[:, None]   # [N, H, Q, T+Q]
+        o = _mm(torch.softmax(s, -1), v.permute(0, 2, 1, 3)).permute(0, 2, 1, 3).flatten(-2)    # [N, Q, H*Dh]
+        h = h + _mm(o, P[p + "self_attn.o_proj.weight"].T)
         x = _rms(h, P[p + "post_attention_layernorm.weight"], eps)
-        g, u = x @ P[p + "mlp.gate_proj.weight"].T, x @ P[p + "mlp.up_proj.weight"].T  # [N, Q, I]
-        h = h + (torch.nn.functional.silu(g) * u) @ P[p + "mlp.down_proj.weight"].T
+        g, u = _mm(x, P[p + "mlp.gate_proj.weight"].T), _mm(x, P[p + "mlp.up_proj.weight"].T)  # [N, Q, I]
+        h = h + _mm(torch.nn.functional.silu(g) * u, P[p + "mlp.down_proj.weight"].T)
     out = _rms(h.reshape(N, M, B, -1)[:, :, 1:], P["drafter.norm.weight"], eps)       # [N, M, B-1, D]
-    return out @ head.T                                                                # [N, M, B-1, V]
+    return _mm(out, head.T)                                                            # [N, M, B-1, V]
 
 
 def block_anchor_loss(logits, ids, anchors, gamma: float, after_miss: float = 1.0):

@@ -1,12 +1,14 @@
 """Run a CPU computation in a child process whose math libraries are pinned to code paths meant to give the same
 floating-point bits on every x86-64 CPU with AVX2, Intel or AMD, with or without AVX-512
-(docs/golden-bundles.md, "Regeneration on other CPUs"). Measured not to hold across vendors: an AMD EPYC with
-AVX-512 distilled other drafter bits than an Intel Xeon did, with every float64 golden the same (that section,
-"Measured: the pin across vendors"; the training's MKL calls are the first suspect).
+(docs/golden-bundles.md, "Regeneration on other CPUs"). Measured not to hold across vendors while training's
+matrix products ran on MKL: an AMD EPYC with AVX-512 distilled other drafter bits than an Intel Xeon did, with
+every float64 golden the same (that section, "Measured: the pin across vendors"); training's products now run
+on NumPy's OpenBLAS (refmodel/distill_torch.py, `_mm`), pinned below, and make no MKL call.
 
 Why: each library picks its kernels by the CPU it finds, and hundreds of optimiser steps turn a last-bit
 difference into a different drafter. Three libraries take part in distillation, each pinned here:
-- MKL (torch's float32 GEMM). MKL dispatches by vendor as well as by instruction set: its conditional
+- MKL (torch's float32 GEMM, which training no longer calls; kept pinned should any product reach it). MKL
+  dispatches by vendor as well as by instruction set: its conditional
   numerical reproducibility branch AVX2 holds only on Intel CPUs; on any other vendor MKL silently takes its
   AUTO branch (MKL's own documentation says so). The COMPATIBLE branch (SSE2 without the approximate
   reciprocals) is the one MKL defines for Intel and Intel-compatible CPUs alike, so it is the pin; it costs
@@ -16,7 +18,7 @@ difference into a different drafter. Three libraries take part in distillation, 
   log, sin, cos, tanh... that round differently from its AVX2 ones (measured here: the corpus's float64
   features differ when only NumPy's AVX-512 targets are disabled). They are disabled, so every AVX2 CPU runs
   the AVX2 targets. Its OpenBLAS runs the Haswell kernels on one thread (a fixed kernel and blocking whatever
-  the core count).
+  the core count); it also computes training's float32 products.
 All are read once, when the library first runs, so they must be set before torch and NumPy start: hence a
 fresh process. The child also dies with its parent, however the parent dies (SIGKILL included).
 """
@@ -52,7 +54,7 @@ PINNED_ENV = {
     "ATEN_CPU_CAPABILITY": "avx2",      # torch's own vectorised kernels: the AVX2 build
     "ONEDNN_MAX_CPU_ISA": "AVX2",       # oneDNN (torch's mkldnn ops), should any run: at most AVX2
     "NPY_DISABLE_CPU_FEATURES": _numpy_avx512_targets(),   # NumPy's umath loops: the AVX2 targets
-    "OPENBLAS_CORETYPE": "Haswell",     # NumPy's OpenBLAS (float64 corpus runs): the AVX2 kernels ...
+    "OPENBLAS_CORETYPE": "Haswell",     # NumPy's OpenBLAS (the float64 corpus, training's products): AVX2 ...
     "OPENBLAS_NUM_THREADS": "1",        #   ... on one thread, whatever the machine's core count
 }
 

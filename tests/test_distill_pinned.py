@@ -180,3 +180,16 @@ def test_the_corpus_runs_meanwhile_once_and_gives_the_same_bits(workers):
     plain = make_corpus(MICRO, W, MICRO_DRAFTER, 3, SMALL, workers=workers)
     assert calls == [1]
     assert all(np.array_equal(a, b) for a, b in zip(with_hook, plain))
+
+
+def test_training_makes_no_mkl_call(monkeypatch):
+    """Every matrix product of the drafter's training goes through NumPy's OpenBLAS (refmodel/distill_torch.py,
+    `_mm`): MKL, which picks its code by CPU vendor, runs nothing (MKL_VERBOSE counts its calls). A product
+    written with torch's `@` or einsum there would go to MKL and fail this test."""
+    from bench.probe_distill_vendor import _probe
+
+    monkeypatch.setenv("MKL_VERBOSE", "1")
+    corpus, weights, calls = run_pinned(_probe, "openblas", "COMPATIBLE,STRICT", 3)
+    assert calls == {}, f"the pinned training called MKL: {calls}"
+    _, _, mkl = run_pinned(_probe, "mkl", "COMPATIBLE,STRICT", 3)        # the control: torch's own matmul
+    assert mkl.get("SGEMM", 0) > 0, f"MKL_VERBOSE counted no call on torch's own products ({mkl}): the test is blind"
