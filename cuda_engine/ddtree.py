@@ -334,11 +334,14 @@ def _checked_builder(e, st: DDTreeState, prompt: np.ndarray, pos0: int, n_tokens
 
 def _prepare(e, st: DDTreeState, P: int, n_tokens: int) -> None:
     """Empty caches sized for the run: the target's for the prompt, the stream and one verify, the fast
-    W4A16 kernel's workspace for a verify, the drafter's cache."""
+    W4A16 kernel's workspace for a verify (for a verify of every row count up to the tree's under the
+    cost-aware budget: a cut tree's verify is captured over its own rows, and its split-K plan may need more),
+    the drafter's cache."""
     rows_cap = P + n_tokens + st.T + 1
     e.reset()
     e._ensure(max(P, st.T), rows_cap)
-    reserve_w4a16_rows(e, st.T)
+    for T in range(1, st.T + 1) if getattr(e, "ddtree_budget", "fixed") == "cost-aware" else (st.T,):
+        reserve_w4a16_rows(e, T)
     if st.drafter is not None:
         st.drafter.reset()
         st.drafter._ensure_cache(rows_cap)

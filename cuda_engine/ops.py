@@ -38,7 +38,7 @@ SIGNATURES = {
     "mla_qprep_kernel": "PPPdPPiiiii",
     "mla_scores_kernel": "PPPPPiPiiiiif",
     "mla_pv_kernel": "PiPPPiii",
-    "mla_merge_uv_kernel": "PiPPiiii",
+    "mla_merge_uv_kernel": "PiPPPiiii",
     "kv_compact_kernel": "PPPiiiii",
     "router_kernel": "PPPPiiiiiifPPP",
     "swiglu_gate_up_kernel": "PPPPPiiiiii",
@@ -186,8 +186,9 @@ class Ops:
     def attn_splits(self, T: int, H: int, C: int) -> int:
         """The chunks mla_pv_kernel splits the cache rows into for T tokens: enough blocks for two per SM, at most
         ATTN_MAX_SPLIT. It depends on (T, H, C) and the GPU alone, not on the cache's capacity, so a forward sums
-        in the same order whatever the buffers have grown to (a chunk past the rows still runs its block: it writes
-        m = -inf, l = 0 and o = 0, which the merge adds as nothing)."""
+        in the same order whatever the buffers have grown to. A chunk past the cache's rows (ceil(S / chunk) and
+        on, S read on the device) costs a block that exits at once; the merge leaves it out, where it would have
+        added exactly 0."""
         blocks = -(-T * H // ATTN_TILE) * -(-C // ATTN_TILE)
         return max(1, min(ATTN_MAX_SPLIT, -(-2 * self.sm_count // blocks)))
 
@@ -224,7 +225,8 @@ class Ops:
                      meta.ptr, 0 if mask is None else _ptr(mask), mask_stride, scores.ptr, S_cap, T, H, C, R, scale)
         self._launch("mla_pv_kernel", (row_tiles * -(-C // ATTN_TILE), n_split), scores.ptr, S_cap, _ptr(c_kv),
                      meta.ptr, partials.ptr, T, H, C)
-        self._launch("mla_merge_uv_kernel", (H, tok_blocks, -(-U // ATTN_MERGE_U)), partials.ptr, n_split, w_uv.ptr, _ptr(o), T, H, C, U)
+        self._launch("mla_merge_uv_kernel", (H, tok_blocks, -(-U // ATTN_MERGE_U)), partials.ptr, n_split, meta.ptr,
+                     w_uv.ptr, _ptr(o), T, H, C, U)
 
     def kv_compact(self, cache_ckv: DevBuf, cache_kpe: DevBuf, keep: DevBuf, n: int, start: int) -> None:
         L, S_cap, C = cache_ckv.shape

@@ -93,6 +93,13 @@ __device__ __forceinline__ void tile_fma(const float (&As)[KSTEP][TILE + TPAD], 
     }
 }
 
+// The rows of one p c_kv chunk (mla_pv_kernel) for S rows in n_split chunks: ceil(S / n_split) rounded up to
+// KSTEP; chunks at or past ceil(S / chunk) hold no row (mla_pv_kernel skips them, mla_merge_uv_kernel too).
+__device__ __forceinline__ int pv_chunk(int S, int n_split) {
+    const int per = (S + n_split - 1) / n_split;
+    return (per + KSTEP - 1) / KSTEP * KSTEP;
+}
+
 // 2. grid (ceil(T H / TILE), ceil(S_cap / TILE)): query tiles vary fastest, so the blocks in flight share
 // their cache tiles through L2. Tiles at or past S = meta[0] + T exit.
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, GEMM_BLOCKS_PER_SM)
@@ -154,8 +161,9 @@ mla_pv_kernel(const float* __restrict__ scores, int S_cap, const float* __restri
     __shared__ float row_max[TILE];
     const int S = meta[0] + T, TH = T * H, n_split = gridDim.y, split = blockIdx.y;
     const int c_tiles = (C + TILE - 1) / TILE, r0 = (blockIdx.x / c_tiles) * TILE, c0 = (blockIdx.x % c_tiles) * TILE;
-    const int per = (S + n_split - 1) / n_split, chunk = (per + KSTEP - 1) / KSTEP * KSTEP;
+    const int chunk = pv_chunk(S, n_split);
     const int s_lo = min(S, split * chunk), s_hi = min(S, s_lo + chunk);
+    if (s_lo >= s_hi) return;                                 // a chunk past the rows: the merge never reads it
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
     for (int i = warp; i < TILE; i += WARPS_PER_BLOCK) {       // the chunk's max per row: a warp per row
         const int r = r0 + i;
@@ -222,14 +230,18 @@ mla_pv_kernel(const float* __restrict__ scores, int S_cap, const float* __restri
     }
 }
 
-// 4. grid (H, ceil(T / ATTN_TOKENS), ceil(U / MERGE_U)): each block merges its tokens' chunks (cheap, from L2)
-// and applies MERGE_U rows of W_uv[h]
+// 4. grid (H, ceil(T / ATTN_TOKENS), ceil(U / MERGE_U)): each block merges its tokens' chunks that hold rows
+// (cheap, from L2), in chunk order, and applies MERGE_U rows of W_uv[h]
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
-mla_merge_uv_kernel(const float* __restrict__ partials, int n_split, const float* __restrict__ w_uv,
-                    float* __restrict__ o, int T, int H, int C, int U) {
+mla_merge_uv_kernel(const float* __restrict__ partials, int n_split, const int* __restrict__ meta,
+                    const float* __restrict__ w_uv, float* __restrict__ o, int T, int H, int C, int U) {
     __shared__ float ol[ATTN_TOKENS][ATTN_MAX_C];
     __shared__ float wts[ATTN_TOKENS][ATTN_MAX_SPLIT];
     const int h = blockIdx.x, t0 = blockIdx.y * ATTN_TOKENS, nt = min(ATTN_TOKENS, T - t0), TH = T * H;
+    {                                                         // the chunks that hold rows (the others were
+        const int S = meta[0] + T, chunk = pv_chunk(S, n_split);   // skipped: each would add exactly 0)
+        n_split = min(n_split, (S + chunk - 1) / chunk);
+    }
     const size_t pstride = (size_t)TH * (C + 2);
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
     for (int tt = warp; tt < nt; tt += WARPS_PER_BLOCK) {      // chunk weights exp(m_j - M) / L: a warp per token,
