@@ -219,9 +219,9 @@ class DDTreeState:
 
     def measure_verify(self, start: int, pos0: int, on_device: bool, reps: int = 5) -> dict:
         """{rows: microseconds} of this run's verify (its graph, the kind the run launches) over a chain of
-        rows - 1 nodes at the cache's end, for the rows of CALIBRATION_ROWS up to the tree's and the tree's
-        own: CUDA events over back-to-back replays after one warm-up. The replays write cache rows start ..
-        start + rows - 1, which the first round's verify writes again."""
+        rows - 1 nodes after `start` cached rows, for the rows of CALIBRATION_ROWS up to the tree's and the
+        tree's own: CUDA events over back-to-back replays after one warm-up. The replays write cache rows start
+        .. start + rows - 1 and the per-layer outputs (the drafter's features): call it before the prefill."""
         from cuda_engine.bench import _timed
 
         e, out = self.engine, {}
@@ -394,12 +394,12 @@ def ddtree_run(engine, prompt_ids, pos0: int, n_tokens: int, timing: bool = Fals
             return t1
         return t0
 
-    t = clock()
+    price = _price(e, st, pos0, on_device) if cost_aware else None   # before the prefill: its timing verifies
+    t = clock()                                                       # write the rows the prefill then fills
     out = _prefill(e, prompt, pos0)
     stats["host_syncs"] += 1
     t = mark("prefill", t)
     ctx_rows, start, rounds, pending = np.arange(P), P, [], None        # pending: (start, accepted) to compact
-    price = _price(e, st, P, pos0, on_device) if cost_aware else None
     if on_device and not timing and not keep_logits and e.use_graph and not cost_aware and n_tokens > len(out) - P:
         _pipelined(e, st, out, P, pos0, n_tokens, stats, rounds)
     while len(out) - P < n_tokens:
@@ -498,18 +498,19 @@ def ddtree_run(engine, prompt_ids, pos0: int, n_tokens: int, timing: bool = Fals
     return records, stats
 
 
-def _price(e, st: DDTreeState, P: int, pos0: int, on_device: bool) -> Price:
+def _price(e, st: DDTreeState, pos0: int, on_device: bool) -> Price:
     """The run's Price: the engine's given table, else the one measured by the first cost-aware run of this
-    loaded bundle with this builder (after its prefill, before its first round; the draft cost is that first
-    round's: _draft_timer). The drafter's block graph is captured first, so no capture falls inside a timed
-    interval."""
+    loaded bundle with this builder (before its prefill, over the empty cache: the timing verifies write cache
+    rows and the per-layer outputs the first round's drafter reads, which the prefill then writes; the draft
+    cost is that run's first round's: _draft_timer). The drafter's block graph is captured first, so no capture
+    falls inside a timed interval."""
     if e.ddtree_costs:
         return Price(e.ddtree_costs, e.ddtree_draft_cost, "given")
     key = ("device" if on_device else "host", e.use_graph)
     if key not in st.prices:                    # once per loaded bundle and builder: later runs reuse it
         if e.use_graph:
             st.drafter.captured_block()
-        st.prices[key] = Price(st.measure_verify(P, pos0, on_device), np.nan, "measured")
+        st.prices[key] = Price(st.measure_verify(0, pos0, on_device), np.nan, "measured")
     return st.prices[key]
 
 
