@@ -187,8 +187,8 @@ class Ops:
         """The chunks mla_pv_kernel splits the cache rows into for T tokens: enough blocks for two per SM, at most
         ATTN_MAX_SPLIT. It depends on (T, H, C) and the GPU alone, not on the cache's capacity, so a forward sums
         in the same order whatever the buffers have grown to. A chunk past the cache's rows (ceil(S / chunk) and
-        on, S read on the device) costs a block that exits at once; the merge leaves it out, where it would have
-        added exactly 0."""
+        on, S read on the device) costs a block that writes m = -inf, l = 0, o = 0; the merge leaves it out, where
+        it would have added exactly 0."""
         blocks = -(-T * H // ATTN_TILE) * -(-C // ATTN_TILE)
         return max(1, min(ATTN_MAX_SPLIT, -(-2 * self.sm_count // blocks)))
 

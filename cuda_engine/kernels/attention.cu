@@ -94,7 +94,9 @@ __device__ __forceinline__ void tile_fma(const float (&As)[KSTEP][TILE + TPAD], 
 }
 
 // The rows of one p c_kv chunk (mla_pv_kernel) for S rows in n_split chunks: ceil(S / n_split) rounded up to
-// KSTEP; chunks at or past ceil(S / chunk) hold no row (mla_pv_kernel skips them, mla_merge_uv_kernel too).
+// KSTEP; chunks at or past ceil(S / chunk) hold no row (mla_pv_kernel's blocks there write m = -inf, l = 0,
+// o = 0; mla_merge_uv_kernel leaves them out, where they would add exactly 0). An early exit of those pv blocks
+// made sm_90's build spill (128 registers a thread at two blocks per SM).
 __device__ __forceinline__ int pv_chunk(int S, int n_split) {
     const int per = (S + n_split - 1) / n_split;
     return (per + KSTEP - 1) / KSTEP * KSTEP;
@@ -163,7 +165,6 @@ mla_pv_kernel(const float* __restrict__ scores, int S_cap, const float* __restri
     const int c_tiles = (C + TILE - 1) / TILE, r0 = (blockIdx.x / c_tiles) * TILE, c0 = (blockIdx.x % c_tiles) * TILE;
     const int chunk = pv_chunk(S, n_split);
     const int s_lo = min(S, split * chunk), s_hi = min(S, s_lo + chunk);
-    if (s_lo >= s_hi) return;                                 // a chunk past the rows: the merge never reads it
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
     for (int i = warp; i < TILE; i += WARPS_PER_BLOCK) {       // the chunk's max per row: a warp per row
         const int r = r0 + i;
