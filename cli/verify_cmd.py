@@ -1,6 +1,7 @@
 """`kdtr verify`: judge an engine (or an external engine's run dump) against golden bundles."""
 from __future__ import annotations
 
+import math
 import sys
 
 import click
@@ -140,6 +141,8 @@ def _ddtree_options(budget, costs_text, draft_cost) -> dict | None:
     if budget != "cost-aware" and (costs_text is not None or draft_cost is not None):
         raise click.UsageError("--ddtree-costs and --ddtree-draft-cost price the cost-aware budget: add "
                                "--ddtree-budget cost-aware")
+    if draft_cost is not None and not math.isfinite(draft_cost):
+        raise click.BadParameter(f"{draft_cost}: give a finite cost (0 or more)", param_hint="--ddtree-draft-cost")
     if draft_cost is not None and costs_text is None:
         raise click.UsageError("--ddtree-draft-cost is in the unit of --ddtree-costs: give both (without them the "
                                "CUDA engine measures its own)")

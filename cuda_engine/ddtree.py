@@ -77,11 +77,13 @@ def node_scores(tree: Tree, lp: np.ndarray) -> np.ndarray:
 
 
 class Price:
-    """What a cost-aware round pays (docs/ddtree.md §3a, docs/cuda-engine.md "The cost-aware budget"):
-    verify_us {rows: cost} of one target forward over that many rows, and draft_us per round (drafter block +
-    tree builder), in one unit. source: "measured" (this engine on this GPU, timed once per run: the first
-    round's draft, and the verify graphs over a chain at the prompt's end) or "given" (a table passed in; no
-    draft cost unless given)."""
+    """What a cost-aware round pays (docs/ddtree.md §3a, docs/cuda-engine.md "Stop 37"): verify_us
+    {rows: cost} of one target forward over that many rows, and draft_us per round (drafter block + tree
+    builder), in one unit. source: "given" (a table passed in; no draft cost unless given) or "measured" (this
+    engine on this GPU: the verify graphs timed once per loaded bundle, builder and graph mode, over chains on
+    the empty cache before the first run's prefill (_price); the draft cost the least a round has taken so far,
+    CUDA events around each round's drafter block and builder (_draft_timer), so it falls from the first round's
+    cold launch to the warm one)."""
 
     def __init__(self, verify_us: dict, draft_us: float, source: str):
         rows = sorted(verify_us)
@@ -95,8 +97,9 @@ class Price:
         return cost_aware_nodes(scores, self.cost, self.draft_us)
 
     def as_dict(self) -> dict:
+        """For JSON: the draft cost None where no round measured it yet."""
         return {"source": self.source, "verify": {str(r): c for r, c in self.verify_us.items()},
-                "draft": self.draft_us}
+                "draft": None if np.isnan(self.draft_us) else self.draft_us}
 
 
 class DDTreeState:
@@ -226,10 +229,11 @@ class DDTreeState:
 
         e, out = self.engine, {}
         for T in sorted({r for r in CALIBRATION_ROWS if r < self.T} | {self.T}):
-            chain = _chain(T - 1)
+            chain = _chain(T - 1, self.V)
             if on_device:                               # the device builder's places: parents in rec, the
                 DevBuf((T,), np.int32, self._rec_at(1), self.rec).set(chain.parents.astype(np.int32))
-                e._set_inputs(np.zeros(T, np.int64), pos0 + start + np.arange(T), start, None)   # inputs in e
+                ids = np.concatenate([[0], chain.tokens])                                    # inputs in e
+                e._set_inputs(ids, pos0 + start + np.arange(T), start, None)
                 kind = "verify_dev"
             else:
                 self.tree_in.set(pack_tree_inputs(chain, 0, start, pos0))
@@ -250,12 +254,13 @@ class DDTreeState:
             self.drafter.drop_graph()
 
 
-def _chain(n: int) -> Tree:
-    """A chain of n nodes of token 0 (a tree of every verify shape n + 1, for timing)."""
+def _chain(n: int, V: int) -> Tree:
+    """A chain of n nodes (a tree of verify shape n + 1, for timing) whose tokens spread over the vocabulary V,
+    so that its rows route to experts as varied ones do, not all to one token's."""
     i64 = np.int64
-    parents = np.arange(-1, n, dtype=i64)
-    return Tree(np.zeros(n, i64), np.arange(1, n + 1, dtype=i64), parents,
-                [{0: i + 1} for i in range(n)] + [{}], None, np.zeros(n, i64), np.zeros(n))
+    tokens = (np.arange(1, n + 1, dtype=i64) * 7919) % V                 # 7919: a prime, coprime to V mostly
+    return Tree(tokens, np.arange(1, n + 1, dtype=i64), np.arange(-1, n, dtype=i64),
+                [{int(tokens[i]): i + 1} for i in range(n)] + [{}], None, np.zeros(n, i64), np.zeros(n))
 
 
 def reserve_w4a16_rows(e, T: int) -> None:
@@ -515,10 +520,10 @@ def _price(e, st: DDTreeState, pos0: int, on_device: bool) -> Price:
 
 
 def _draft_timer(e, price):
-    """For a measured Price still without its draft cost: CUDA events around this round's drafter block and
-    tree build, from now to the call of the function returned (made once the tree is known on the host: the
-    host builder's Python heap counts), the time between them the draft cost. Else a no-op."""
-    if price is None or not np.isnan(price.draft_us):
+    """For a measured Price: CUDA events around this round's drafter block and tree build, from now to the call
+    of the function returned (made once the tree is known on the host: the host builder's Python heap counts);
+    the price's draft cost becomes the least such time so far. Else a no-op."""
+    if price is None or price.source != "measured":
         return lambda p: None
     start, end = driver().Event(), driver().Event()
     start.record(e.ops.stream)
@@ -526,7 +531,8 @@ def _draft_timer(e, price):
     def done(p: Price) -> None:
         end.record(e.ops.stream)
         end.synchronize()
-        p.draft_us = end.time_since(start) * 1000.0
+        us = end.time_since(start) * 1000.0
+        p.draft_us = us if np.isnan(p.draft_us) else min(p.draft_us, us)
     return done
 
 

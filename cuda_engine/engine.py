@@ -77,6 +77,9 @@ class CudaEngine:
                 raise CudaEngineError(f"--ddtree-costs: {e}") from None
         if not np.isfinite(ddtree_draft_cost) or ddtree_draft_cost < 0:
             raise CudaEngineError(f"the drafter's cost per round must be finite and >= 0, got {ddtree_draft_cost}")
+        if ddtree_draft_cost and not ddtree_costs:
+            raise CudaEngineError("a drafter cost is in the unit of given verify costs (--ddtree-costs); without "
+                                  "them the engine measures both itself: drop --ddtree-draft-cost or give the costs")
         self.ddtree_budget, self.ddtree_costs = ddtree_budget, dict(ddtree_costs or {})
         self.ddtree_draft_cost = float(ddtree_draft_cost)
         # INT4 experts: "fast" = repacked at load for the tensor-core kernel (w4a16_mma.cu, FP32-faithful),

@@ -129,8 +129,8 @@ def verify_cost_table(points: dict[int, float]):
     extended linearly past the last two: e.g. the K2.6 layer's verify / AR step ratios of docs/k26-scale.md."""
     rows = np.array(sorted(points), np.float64)
     cost = np.array([float(points[r]) for r in sorted(points)])
-    if len(rows) < 2 or rows[0] < 1 or np.any(np.diff(cost) < 0) or np.any(cost <= 0):
-        raise ValueError(f"verify costs {points}: need two or more points at T >= 1, positive, non-decreasing")
+    if len(rows) < 2 or rows[0] < 1 or not np.all(np.isfinite(cost)) or np.any(np.diff(cost) < 0) or np.any(cost <= 0):
+        raise ValueError(f"verify costs {points}: need two or more points at T >= 1, finite, positive, non-decreasing")
     slope = (cost[-1] - cost[-2]) / (rows[-1] - rows[-2])
 
     def verify_cost(T: int) -> float:

@@ -51,6 +51,10 @@ def test_the_price_is_non_decreasing_and_cuts_as_cost_aware_nodes():
     assert Price(K26_4K, 0.0, "given").nodes(scores) == cost_aware_nodes(scores, verify_cost_table(K26_4K))
     assert p.as_dict() == {"source": "measured", "verify": {"1": 50.0, "2": 50.0, "5": 60.0, "33": 400.0},
                            "draft": 30.0}
+    assert Price({1: 1.0, 2: 2.0}, np.nan, "measured").as_dict()["draft"] is None      # JSON: no NaN
+    for bad in ({1: 1.0, 2: np.inf}, {1: np.nan, 2: 1.0}, {1: 1.0}, {1: 2.0, 2: 1.0}, {0: 1.0, 2: 2.0}):
+        with pytest.raises(ValueError):
+            verify_cost_table(bad)
 
 
 def test_the_engine_refuses_bad_budget_options():
@@ -60,7 +64,9 @@ def test_the_engine_refuses_bad_budget_options():
     for kw, words in (({"ddtree_budget": "greedy"}, "choose one of fixed, cost-aware"),
                       ({"ddtree_costs": K26_4K}, "give --ddtree-budget cost-aware"),
                       ({"ddtree_budget": "cost-aware", "ddtree_costs": {1: 2.0, 2: 1.0}}, "non-decreasing"),
-                      ({"ddtree_budget": "cost-aware", "ddtree_draft_cost": -1.0}, ">= 0")):
+                      ({"ddtree_budget": "cost-aware", "ddtree_draft_cost": -1.0}, ">= 0"),
+                      ({"ddtree_budget": "cost-aware", "ddtree_draft_cost": 2.0}, "unit of given verify costs"),
+                      ({"ddtree_budget": "cost-aware", "ddtree_costs": {1: 1.0, 2: np.inf}}, "finite")):
         with pytest.raises(CudaEngineError, match=words):
             CudaEngine(**kw)
     e = CudaEngine(ddtree_budget="cost-aware", ddtree_costs=K26_4K, ddtree_draft_cost=0.5)
@@ -77,6 +83,11 @@ def test_the_engine_refuses_bad_budget_options():
      "applies to --engine cuda and --engine reference"),
     (["--ddtree-budget", "cost-aware", "--dump", TINY], "drop them"),
     (["--ddtree-budget", "cost-aware", "--ddtree-costs", K26_4K_TEXT, "--tp", "2"], "not to a sharded"),
+    (["--ddtree-budget", "cost-aware", "--ddtree-costs", "1:1,2:inf"], "finite"),
+    (["--ddtree-budget", "cost-aware", "--ddtree-costs", K26_4K_TEXT, "--ddtree-draft-cost", "nan"], "finite cost"),
+    (["--ddtree-budget", "cost-aware", "--engine", "cuda", "--dtype", "bfloat16"], "apply to --engine torch"),
+    (["--ddtree-budget", "cost-aware", "--ddtree-costs", K26_4K_TEXT, "--engine", "reference", "--w4a16", "fast"],
+     "--w4a16 applies to --engine cuda"),
 ])
 def test_kdtr_verify_refuses_budget_options_that_do_not_fit(args, words):
     from cli.main import main as cli
@@ -147,7 +158,31 @@ def test_the_cuda_engine_with_its_measured_price_passes(engine_cls, bundle):
     print(f"{bundle}: measured price (us) {price}; nodes per round {stats['budgets']}")
     st = e._ddtree_state()
     assert price["source"] == "measured" and price["draft"] > 0 and str(st.T) in price["verify"]
-    assert all(0 <= b <= st.budget for b in stats["budgets"])
+    verify_us = [price["verify"][r] for r in sorted(price["verify"], key=int)]
+    assert verify_us == sorted(verify_us) and verify_us[0] > 0          # non-decreasing in the rows
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("builder", ["device", "host"])
+def test_every_cut_is_the_rule_on_the_engines_own_draft(engine_cls, builder):
+    """Each round verified the first b nodes of the tree build_ddtree makes from the engine's own drafter logits,
+    b = cost_aware_nodes under the given price: the cut is the rule, not any prefix the judge would accept."""
+    from cuda_engine.ddtree import ddtree_run
+    from kdtr_format import open_kdtr
+
+    e = engine_cls(ddtree_budget="cost-aware", ddtree_costs=K26_4K)
+    e.load(TINY)
+    st = e._ddtree_state()
+    with open_kdtr(TINY) as f:
+        prompt = np.asarray(f["golden/p3/prompt_ids"])
+    rec, stats = ddtree_run(e, prompt, 0, 48, keep_logits=True, builder=builder)
+    price = verify_cost_table(K26_4K)
+    for r in stats["verify"]:
+        full = build_ddtree(r["draft_logits"], st.budget, st.topk)
+        b = cost_aware_nodes(full.scores, price)
+        assert np.array_equal(r["tree"].tokens, full.tokens[:b]), (r["start"], b, len(r["tree"].tokens))
+        assert np.array_equal(r["tree"].parents, full.parents[:b + 1])
+    assert list(rec["round_budget"]) == stats["budgets"] and min(stats["budgets"]) < st.budget
 
 
 @pytest.mark.cuda

@@ -70,11 +70,6 @@ def pick_engine(name: str, dtype: str | None = None, module: str | None = None, 
     plain, dense); `ddtree` the live DDTree's budget (docs/ddtree.md §3a): {"budget": "fixed" | "cost-aware",
     "costs": {rows: cost} or None, "draft_cost": float}, for the CUDA engine (costs measured where not given)
     or the reference (costs given: CostAwareReference)."""
-    if ddtree and ddtree.get("budget") == "cost-aware":
-        return _cost_aware(name, dtype, module, w4a16, ddtree)
-    if ddtree and (ddtree.get("costs") or ddtree.get("draft_cost")):
-        raise EngineOptionError("--ddtree-costs and --ddtree-draft-cost price the cost-aware budget: add "
-                                "--ddtree-budget cost-aware")
     if name == "python":
         if dtype:
             raise EngineOptionError("--dtype applies to --engine torch; an --engine python class declares its "
@@ -84,6 +79,11 @@ def pick_engine(name: str, dtype: str | None = None, module: str | None = None, 
                                 f"python), not to --engine {name}")
     if w4a16 and name not in ("cuda", "auto"):
         raise EngineOptionError(f"--w4a16 applies to --engine cuda (or auto) only, not to --engine {name}")
+    if ddtree and ddtree.get("budget") == "cost-aware":
+        return _cost_aware(name, w4a16, ddtree)
+    if ddtree and (ddtree.get("costs") or ddtree.get("draft_cost")):
+        raise EngineOptionError("--ddtree-costs and --ddtree-draft-cost price the cost-aware budget: add "
+                                "--ddtree-budget cost-aware")
     if name == "torch":
         return _torch_engine(dtype, module)
     if name == "python":
@@ -106,9 +106,10 @@ def pick_engine(name: str, dtype: str | None = None, module: str | None = None, 
     raise EngineUnavailable(f"unknown engine {name!r}; choose one of auto, {', '.join(ENGINES)}")
 
 
-def _cost_aware(name: str, dtype, module, w4a16, ddtree: dict):
-    """The engine of pick_engine with the cost-aware budget: the CUDA engine (its own measured prices unless
-    costs are given) or the reference (given costs only: it has no GPU times to measure)."""
+def _cost_aware(name: str, w4a16, ddtree: dict):
+    """The engine of pick_engine with the cost-aware budget (its engine options already checked): the CUDA
+    engine (its own measured prices unless costs are given) or the reference (given costs only: it has no GPU
+    times to measure)."""
     costs, draft = ddtree.get("costs"), float(ddtree.get("draft_cost") or 0.0)
     if name in ("cuda", "auto"):
         cls, why = _cuda_engine_class()
@@ -123,10 +124,12 @@ def _cost_aware(name: str, dtype, module, w4a16, ddtree: dict):
             return e, f"{'auto: ' if name == 'auto' else ''}{why}; cost-aware DDTree budget, {how}"
         if name == "cuda":
             raise EngineUnavailable(f"--engine cuda cannot run here: {why}; use --engine reference")
-    if name not in ("reference", "auto") or dtype or module or w4a16:
+    if name not in ("reference", "auto"):
         raise EngineOptionError(f"--ddtree-budget cost-aware applies to --engine cuda and --engine reference, "
-                                f"not to --engine {name}" + (" (nor with --dtype, --module or --w4a16)"
-                                                              if name in ("reference", "auto") else ""))
+                                f"not to --engine {name}")
+    if w4a16:           # the reference would run and pass, judging nothing --w4a16 asked for
+        raise EngineOptionError(f"--w4a16 {w4a16} configures the CUDA engine, but the cost-aware budget runs on the "
+                                f"reference engine here: run where the CUDA engine can, or drop --w4a16")
     if not costs:
         raise EngineOptionError("--ddtree-budget cost-aware on the reference engine needs --ddtree-costs (it has "
                                 "no GPU times of its own to measure), e.g. --ddtree-costs 1:1,2:1.72,33:10.12")

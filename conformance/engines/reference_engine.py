@@ -160,6 +160,8 @@ class CostAwareReference(ReferenceEngine):
 
     def __init__(self, verify_cost: dict, draft_cost: float = 0.0, dtype=np.float32):
         super().__init__(dtype)
+        if not np.isfinite(draft_cost) or draft_cost < 0:
+            raise ValueError(f"the drafter's cost per round must be finite and >= 0, got {draft_cost}")
         self.verify_cost, self.draft_cost = verify_cost_table(verify_cost), float(draft_cost)
 
     def cut_tree(self, tree: Tree) -> Tree:
