@@ -133,6 +133,20 @@ def ddtree_cmd(bundles, tokens, repeats, json_path, k26, k26_quick, k26_share, k
         sys.exit(int(ExitCode.ENGINE_ERROR))
 
 
+def _k26_report():
+    """bench.k26_ddtree_report's (run, table). bench/ lies beside the installed packages in a clone of the
+    repository but is not itself installed, and the `kdtr` script does not put the working directory on the
+    import path: so the clone's root (the folder above cli/) is added where bench/ is found there."""
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if os.path.isfile(os.path.join(root, "bench", "k26_ddtree_report.py")) and root not in sys.path:
+        sys.path.insert(0, root)
+    from bench.k26_ddtree_report import run, table
+
+    return run, table
+
+
 def _k26(bundles, json_path, quick, share, draft, time_budget, no_device) -> None:
     """`kdtr bench ddtree --k26`: bench/k26_ddtree_report.run, its tables, its JSON (rewritten after each layer
     and context of the device run, so a run cut short keeps what ran); exit 6 when the device part did not run
@@ -140,10 +154,10 @@ def _k26(bundles, json_path, quick, share, draft, time_budget, no_device) -> Non
     import glob
 
     try:
-        from bench.k26_ddtree_report import run, table
+        run, table = _k26_report()
     except ImportError as e:
-        click.echo(f"kdtr bench ddtree --k26: {e}: run it from the repository root (bench/ is not installed)",
-                   err=True)
+        click.echo(f"kdtr bench ddtree --k26: {e}: it needs the repository's bench/ folder (not installed with the "
+                   f"package): run it from a clone of the repository", err=True)
         sys.exit(int(ExitCode.ENGINE_ERROR))
     bundles = bundles or tuple(b for b in sorted(glob.glob("bundles/*.kdtr")) if not b.endswith("k26_slice.kdtr"))
     save = (lambda r: _write_json(json_path, r, "kdtr bench ddtree")) if json_path else None
