@@ -229,3 +229,23 @@ def test_device_half_on_the_gpu(rounds):
     assert ar["routing"] == "ar" and ar["distinct_routed"] == 8 and ar["us_layer"] > 0 and ar["us_moe"] > 0
     corr = [m for m in ms if m["routing"] == "correlated" and m["budget"] == 16][0]
     assert 8 <= corr["distinct_routed"] <= 8 * 17
+
+
+def test_the_kdtr_script_finds_bench_from_any_directory(tmp_path):
+    """`kdtr bench ddtree --k26` through the installed `kdtr` script, started outside the repository: bench/ is
+    not installed and the script does not put the working directory on the import path, so the command finds
+    the clone's bench/ beside cli/ (it failed with "No module named 'bench'" before)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(sys.executable).parent / "kdtr"
+    if not script.exists():
+        pytest.skip("no installed kdtr script beside this Python")
+    bundle = Path(__file__).resolve().parent.parent / "bundles" / "model_tiny.kdtr"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([str(script), "bench", "ddtree", "--k26", "--no-device", "--json", str(tmp_path / "r.json"),
+                          str(bundle)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (tmp_path / "r.json").is_file() and "tokens per round (tau)" in out.stdout
