@@ -9,15 +9,15 @@ from kdtr_format import KdtrError, Tensor, open_kdtr, write_kdtr
 from refmodel.config import ModelConfig
 from refmodel.drafter import DrafterConfig, drafter_shapes
 from refmodel.weights import expected_shapes
-from refmodel.ddtree import Tree, live_records, offsets, ragged, visibility  # noqa: F401 - the records' one builder
+from refmodel.ddtree import LIVE_BUDGET, Tree, live_records, offsets, ragged, visibility  # noqa: F401 - the records' one builder
 from refmodel.model import tap_names
 
 BUNDLE_SCHEMA = "kdtr-bundle/2"     # /2: decode-step attn_out, position_offsets, the long-position prompt
 DUMP_SCHEMA = "kdtr-run-dump/1"
 DUMP_ROUTING = ("held", "free")    # metadata "routing": how the run's expert sets were chosen
-# Optional in a run's live DDTree group (p{i}/ddtree_live/): the node budget the engine chose per round (a
-# cost-aware budget, at most the bundle's), int64 [rounds] (docs/run-dump.md §5)
-LIVE_BUDGET = "round_budget"
+# LIVE_BUDGET (imported above, named beside live_records so that an engine can write it without importing
+# conformance): optional in a run's live DDTree group (p{i}/ddtree_live/), the node budget the engine chose per
+# round (a cost-aware budget, at most the bundle's), int64 [rounds] (docs/run-dump.md §5)
 
 
 class BundleSchemaError(KdtrError):

@@ -11,19 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from cuda_engine.device import DevBuf, device_info, driver
+from cuda_engine.device import timed_us as _timed
 from cuda_engine.engine import CudaEngine
-
-
-def _timed(ops, fn, n: int) -> float:
-    """Microseconds per call of fn() over n calls on ops.stream (CUDA events)."""
-    drv = driver()
-    start, end = drv.Event(), drv.Event()
-    start.record(ops.stream)
-    for _ in range(n):
-        fn()
-    end.record(ops.stream)
-    end.synchronize()
-    return end.time_since(start) * 1000.0 / n
 
 
 def decode_latency(bundle: str, steps: int = 200, warmup: int = 20, prompt_len: int = 16,

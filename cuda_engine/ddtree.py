@@ -31,12 +31,11 @@ import time
 import numpy as np
 
 from cuda_engine.ddtree_io import RoundCopy, pack_tree_inputs, unpack_tree
-from cuda_engine.device import CudaEngineError, DevBuf, driver
+from cuda_engine.device import CudaEngineError, DevBuf, driver, timed_us
 from cuda_engine.drafter import (HEAP_SMEM_MAX, CudaDrafter, build_tree, heap_smem_bytes, prepare_kernels, read_drafter,
                                  tree_mask)
-from conformance.records import LIVE_BUDGET
-from refmodel.ddtree import (Round, Tree, _root_only, build_ddtree, cost_aware_nodes, live_records, prune_tree,
-                             verify_cost_table, walk)
+from refmodel.ddtree import (LIVE_BUDGET, Round, Tree, _root_only, build_ddtree, cost_aware_nodes, live_records,
+                             prune_tree, verify_cost_table, walk)
 
 PHASES = ("draft", "build", "verify", "walk", "compact")
 BUILDERS = ("device", "host")
@@ -225,8 +224,6 @@ class DDTreeState:
         rows - 1 nodes after `start` cached rows, for the rows of CALIBRATION_ROWS up to the tree's and the
         tree's own: CUDA events over back-to-back replays after one warm-up. The replays write cache rows start
         .. start + rows - 1 and the per-layer outputs (the drafter's features): call it before the prefill."""
-        from cuda_engine.bench import _timed
-
         e, out = self.engine, {}
         for T in sorted({r for r in CALIBRATION_ROWS if r < self.T} | {self.T}):
             chain = _chain(T - 1, self.V)
@@ -239,7 +236,7 @@ class DDTreeState:
                 self.tree_in.set(pack_tree_inputs(chain, 0, start, pos0))
                 kind = "verify_host"
             self.launch(kind, T)
-            out[T] = _timed(e.ops, lambda: self.launch(kind, T), reps)
+            out[T] = timed_us(e.ops, lambda: self.launch(kind, T), reps)
         return out
 
     def destroy_graphs(self) -> None:

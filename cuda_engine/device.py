@@ -47,6 +47,19 @@ def driver():
     return drv
 
 
+def timed_us(ops, fn, n: int) -> float:
+    """Microseconds per call of fn() over n calls on ops.stream (CUDA events): the benches' timer, and the
+    cost-aware DDTree's measured price (cuda_engine/ddtree.py)."""
+    drv = driver()
+    start, end = drv.Event(), drv.Event()
+    start.record(ops.stream)
+    for _ in range(n):
+        fn()
+    end.record(ops.stream)
+    end.synchronize()
+    return end.time_since(start) * 1000.0 / n
+
+
 def driver_device():
     """The pycuda Device in use."""
     driver()

@@ -335,6 +335,10 @@ def offsets(sizes) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
 
 
+# the live records' name of each round's declared budget, an engine's own cut (docs/run-dump.md §5; §3a above)
+LIVE_BUDGET = "round_budget"
+
+
 def live_records(tokens, rounds, target_forwards: int) -> dict:
     """A live DDTree run (its Rounds) as the `ddtree_live/` records of docs/run-dump.md §2, names relative
     to the group: the stream, the trees as the bundle lays them out (row 0 of a round = the root: token -1,
