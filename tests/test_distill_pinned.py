@@ -1,16 +1,16 @@
 """What the pin aims at (refmodel/pinned.py, docs/golden-bundles.md "Regeneration on other CPUs"): distillation,
 its float64 corpus and its trained weights, gives the same bits on every x86-64 CPU with AVX2, Intel or AMD,
-with or without AVX-512. Measured: it holds within a vendor's emulated settings (this test), not across vendors
-(an AMD EPYC and an Intel Xeon distil different drafters; that doc's "Measured: the pin across vendors").
+with or without AVX-512. Measured: it held within a vendor's emulated settings (this test), not across vendors
+while training's products ran on MKL (an AMD EPYC and an Intel Xeon distilled different drafters; that doc's
+"Measured: the pin across vendors"). They now run on NumPy's OpenBLAS, pinned to its Haswell kernels; whether
+that holds across vendors is not measured yet (bench/probe_distill_vendor.py tells on the other vendor).
 
 How it is tested: a small distillation runs pinned under every instruction-set setting this machine can emulate
 (its native one, AVX-512 here; MKL allowed only AVX2; glibc's dispatch without AVX-512; all at once) and must
-give bit-identical corpus and weights; inside the pinned child the libraries must report the pinned paths. What
-cannot be emulated here is another CPU vendor: MKL reads the vendor from the CPU itself. That case rests on the
-pin's MKL branch, COMPATIBLE, the one MKL defines as the same on Intel and non-Intel CPUs (its AVX2 branch
-falls back to automatic dispatch on other vendors, which is how an AMD EPYC without AVX-512 got other drafter
-weights under the old AVX2 pin). Controls show that the emulated settings do change the bits unpinned, so the
-equalities are not vacuous on this CPU (skipped, and said so, where they are)."""
+give bit-identical corpus and weights; inside the pinned child the libraries must report the pinned paths, and
+training must make no MKL call (MKL reads the vendor from the CPU itself, which no setting here can emulate).
+A control shows whether the emulated settings change the bits unpinned on this CPU, so that the equalities are
+not vacuous (skipped, and said so, where they change nothing)."""
 import hashlib
 import multiprocessing as mp
 
@@ -76,19 +76,21 @@ def test_distillation_bits_are_the_same_under_every_emulated_instruction_set(mon
 
 
 def test_the_emulated_settings_change_the_bits_unpinned(monkeypatch):
-    """The control: unpinned, MKL's AVX2 path and NumPy's AVX2 targets give other bits than this CPU's
-    native AVX-512 ones. Where a CPU has no AVX-512 the comparisons above prove nothing, and this says so."""
+    """The control: unpinned, NumPy's AVX2 targets give another corpus than this CPU's native AVX-512 ones, so the
+    corpus equality above is not vacuous. The weights have no such control any more: training's products no
+    longer reach MKL (test_training_makes_no_mkl_call), so MKL's settings cannot move them, and unpinned OpenBLAS
+    on an AMD EPYC with AVX-512 gave the pinned Haswell kernels' weights bit for bit (docs/golden-bundles.md).
+    Where the two corpora are the same (a CPU without AVX-512; also an AMD EPYC with AVX-512, measured at stop 37,
+    on this small corpus) the comparisons above cannot be told from vacuous on that CPU, and this says so."""
+    if not PINNED_ENV["NPY_DISABLE_CPU_FEATURES"]:
+        pytest.skip("this CPU runs no AVX-512 path: pinned and unpinned cannot be told apart here")
     monkeypatch.setenv("KDTR_PINNED_MATH", "1")                         # spawned children skip the pin
     native = _spawned(_unpinned)
-    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
-    mkl_avx2 = _spawned(_unpinned)
-    monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS")
     monkeypatch.setenv("NPY_DISABLE_CPU_FEATURES", PINNED_ENV["NPY_DISABLE_CPU_FEATURES"])
     numpy_avx2 = _spawned(_unpinned)
-    if not PINNED_ENV["NPY_DISABLE_CPU_FEATURES"] or native == mkl_avx2:
-        pytest.skip("this CPU runs no AVX-512 path: pinned and unpinned cannot be told apart here")
-    assert native[1] != mkl_avx2[1], "MKL's AVX2 path gave the native weights: the control proves nothing"
-    assert native[0] != numpy_avx2[0], "NumPy's AVX2 targets gave the native corpus: the control proves nothing"
+    if native[0] == numpy_avx2[0]:
+        pytest.skip("NumPy's AVX2 targets gave this CPU's native corpus bit for bit: the emulated settings change "
+                    "nothing here, so the equalities above prove nothing on this CPU")
 
 
 def _child_state(progress=None):
