@@ -101,7 +101,7 @@ def _graph_us(ops, fn, reps: int, note: dict | None = None) -> float:
     """Microseconds per replay of fn's launches as one CUDA graph (CUDA events over `reps` replays). Where no
     graph can be captured (no cuda-bindings), the launches themselves, timed alike (each launch then costs its
     host overhead too), and note["timing"] says why."""
-    from cuda_engine.device import CudaEngineError, driver
+    from cuda_engine.device import CudaEngineError, timed_us
     from cuda_engine.graph import capture
 
     fn()                                    # uncaptured: reserves workspaces, surfaces a fault here
@@ -116,14 +116,7 @@ def _graph_us(ops, fn, reps: int, note: dict | None = None) -> float:
     try:
         for _ in range(2):
             run()
-        drv = driver()
-        start, end = drv.Event(), drv.Event()
-        start.record(ops.stream)
-        for _ in range(reps):
-            run()
-        end.record(ops.stream)
-        end.synchronize()
-        return end.time_since(start) * 1000.0 / reps
+        return timed_us(ops, run, reps)
     finally:
         if g is not None:
             g.destroy()
