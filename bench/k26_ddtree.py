@@ -36,12 +36,16 @@ def expert_bytes(D: int = K26["hidden_size"], I: int = K26["moe_intermediate_siz
     return (2 * I // 32) * (D // 32) * 144 * 4 + (D // 32) * (I // 32) * 144 * 4
 
 
-def dense_bytes(c: dict = K26) -> int:
-    """Bytes of one layer's attention and router weights as the engine holds them (float32): the fused
-    q_a/kv_a, q_b, W_uk, W_uv, o_proj and the router gate (the norms left out)."""
+DENSE_ITEMSIZE = {"bf16": 2, "float32": 4}      # the dense weights as K2.6 stores them (bf16) or widened
+
+
+def dense_bytes(c: dict = K26, dense: str = "bf16") -> int:
+    """Bytes of one layer's attention and router weights as the engine holds them (bf16, as K2.6 stores them
+    and the engine keeps them; float32 when widened at load): the fused q_a/kv_a, q_b, W_uk, W_uv, o_proj and the
+    router gate (the norms left out)."""
     D, H, Q, C, N, R, U, E = (c[k] for k in ("hidden_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
                                              "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts"))
-    return 4 * ((Q + C + R) * D + H * (N + R) * Q + 2 * H * N * C + D * H * U + E * D)
+    return DENSE_ITEMSIZE[dense] * ((Q + C + R) * D + H * (N + R) * Q + 2 * H * N * C + D * H * U + E * D)
 
 
 def cache_bytes(rows: int, c: dict = K26) -> int:
@@ -165,10 +169,12 @@ def mean_distinct(parents: np.ndarray, share: float, samples: int = 64, seed: in
     return float(np.mean([distinct_experts(route_tree(parents, share, rng, **kw)) for _ in range(samples)]))
 
 
-def layer_bytes(distinct_routed: float, rows: int, cached: int) -> float:
+def layer_bytes(distinct_routed: float, rows: int, cached: int, dense: str = "bf16") -> float:
     """Bytes one MoE layer's forward reads at the least, each weight once: the distinct routed experts and
-    the shared one, the dense weights, and the latent cache over the cached rows and the new ones."""
-    return (distinct_routed + K26["n_shared_experts"]) * expert_bytes() + dense_bytes() + cache_bytes(cached + rows)
+    the shared one, the dense weights (held as `dense`), and the latent cache over the cached rows and the new
+    ones."""
+    return ((distinct_routed + K26["n_shared_experts"]) * expert_bytes() + dense_bytes(dense=dense)
+            + cache_bytes(cached + rows))
 
 
 # ---------------------------------------------------------------- acceptance from a published length

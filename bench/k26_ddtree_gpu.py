@@ -2,8 +2,8 @@
 CUDA engine's own layer code (CudaEngine._layer), one CUDA graph per measurement (docs/k26-scale.md).
 
 The engine is assembled here without a bundle: PRESETS["k26"] cut to `layers` layers, all of them MoE
-(the dense first layer of K2.6 left out), each with its own float32 attention weights (random, scaled by
-1/sqrt(fan-in)), its router (random gate, zero bias) and its own stack of 384 + 1 INT4 experts in the fast
+(the dense first layer of K2.6 left out), each with its own attention weights (random, scaled by 1/sqrt(fan-in);
+held as bf16 as K2.6 stores them and the engine keeps them, or widened to float32 with dense="float32"), its router (random gate, zero bias) and its own stack of 384 + 1 INT4 experts in the fast
 layout (the shared expert stacked last, on the INT4 path like the routed ones, as `kdtr bench w4a16` holds
 it). Timing does not depend on weight values: every expert of a stack holds the same random words (one
 expert made on the host, copied on the device), scales 2^-9. The latent cache holds a constant.
@@ -27,11 +27,13 @@ from bench.k26_ddtree import route_tree, tree_mask
 SCALE_BITS = 0x3B003B00          # two bf16 scales of 2^-9 in one int32 word (keeps the activations O(1))
 
 
-def _engine(layers: int, S_cap: int, T_cap: int, progress):
-    """A CudaEngine holding `layers` random K2.6 MoE layers, activations for T_cap rows, a cache of S_cap."""
+def _engine(layers: int, S_cap: int, T_cap: int, progress, dense: str = "bf16"):
+    """A CudaEngine holding `layers` random K2.6 MoE layers (dense weights bf16 bits or float32), activations for
+    T_cap rows, a cache of S_cap."""
     from cuda_engine.device import DevBuf, driver
     from cuda_engine.engine import CudaEngine
     from cuda_engine.ops import Ops
+    from kdtr_format.bf16 import bf16_bits
     from refmodel.config import PRESETS
     from refmodel.model import yarn_inv_freq
 
@@ -45,15 +47,16 @@ def _engine(layers: int, S_cap: int, T_cap: int, progress):
 
     def rand(*shape):
         fan_in = shape[-1]
-        return (rng.standard_normal(shape, dtype=np.float32) / np.float32(np.sqrt(fan_in)))
+        w = rng.standard_normal(shape, dtype=np.float32) / np.float32(np.sqrt(fan_in))
+        return bf16_bits(w) if dense == "bf16" else w
 
-    dense = {"qkv_a": rand(Q + C + R, D), "q_b": rand(H * (N + R), Q), "w_uk": rand(H, N, C), "w_uv": rand(H, U, C),
+    mats = {"qkv_a": rand(Q + C + R, D), "q_b": rand(H * (N + R), Q), "w_uk": rand(H, N, C), "w_uv": rand(H, U, C),
              "o_proj": rand(D, H * U), "gate": rand(E, D)}
     ones = {"input_ln": D, "post_ln": D, "q_a_ln": Q, "kv_a_ln": C}
     t0 = time.perf_counter()
     e.layers = []
     for l in range(layers):
-        w = {k: DevBuf.from_array(v) for k, v in dense.items()}
+        w = {k: DevBuf.from_array(v) for k, v in mats.items()}
         w.update({k: DevBuf.from_array(np.ones(n, np.float32)) for k, n in ones.items()})
         w["bias"] = DevBuf.from_array(np.zeros(E, np.float32))
         w["gate_up.mma"] = _expert_stack((E + 1, 2 * I // 32, D // 32, 144), rng)
@@ -70,7 +73,7 @@ def _engine(layers: int, S_cap: int, T_cap: int, progress):
     for k in ("ckv", "kpe"):
         drv.memset_d32(e.cache[k].ptr, 0x3C000000, e.cache[k].nbytes // 4)     # 2^-7 everywhere
     e.ops.stream.synchronize()
-    progress(f"k26: {layers} layers of 384 + 1 INT4 experts ({E + 1} x {_mb(e.layers[0], 'gate_up.mma', 'down.mma')} "
+    progress(f"k26: dense weights {dense}; {layers} layers of 384 + 1 INT4 experts ({E + 1} x {_mb(e.layers[0], 'gate_up.mma', 'down.mma')} "
              f"MB) on the device in {time.perf_counter() - t0:.1f} s; cache {S_cap} rows, {T_cap} rows per forward")
     return e
 
@@ -154,7 +157,7 @@ def _set_layer_inputs(e, l: int, parents, cached: int, held, rng) -> None:
 
 
 def measure(shapes: dict, contexts, layers: int = 3, reps: int = 5, share: float = 0.5, time_budget_s: float = 90.0,
-            progress=print, checkpoint=None) -> dict:
+            progress=print, checkpoint=None, dense: str = "bf16") -> dict:
     """Per layer, context and routing: the AR step (one row, causal) and the verify of each tree in `shapes`
     ({b: parents [b+1]}), the whole layer and its MoE half; the distinct routed experts the layer's slots
     hold afterwards. Layer 0 first at every context, then the others (a cut run keeps a whole layer).
@@ -167,8 +170,8 @@ def measure(shapes: dict, contexts, layers: int = 3, reps: int = 5, share: float
     T_cap = 1 << (max(len(p) for p in shapes.values()) - 1).bit_length()
     res = {**device_info(), "layers": layers, "reps": reps, "share": share, "contexts": list(contexts),
            "time_budget_s": time_budget_s, "measurements": [], "skipped": 0, "complete": False,
-           "timing": "CUDA graph replays"}
-    e = _engine(layers, max(contexts) + T_cap, T_cap, progress)
+           "timing": "CUDA graph replays", "dense": dense}
+    e = _engine(layers, max(contexts) + T_cap, T_cap, progress, dense)
     res["setup_s"] = time.perf_counter() - t_start
     res["copy_gbps"] = _copy_gbps(e, reps)
     if checkpoint:

@@ -3,6 +3,8 @@ into the JSON (summary per context, routing and budget; projections; aims), the 
 the whole benchmark (docs/k26-scale.md)."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from bench.k26_ddtree import (BUDGETS, CONTEXTS, K26, PUBLISHED, QUICK_BUDGETS, SHARE, best_budget,
@@ -13,8 +15,9 @@ from bench.k26_ddtree import (BUDGETS, CONTEXTS, K26, PUBLISHED, QUICK_BUDGETS, 
 def acceptance_models(rounds: list[dict], budgets) -> dict:
     """{name: {"source": ..., "tau": {b: tokens per round}}}: the bundles' measured acceptance and the
     published lengths' modelled one (tree_tau over a per-token acceptance fitted to each)."""
-    out = {"bundles": {"source": f"{len(rounds)} golden DDTree rounds of the committed bundles, trees cut to "
-                                 f"b nodes (measured up to their budget {min(r['budget'] for r in rounds)})",
+    names = sorted({os.path.basename(r["bundle"]) for r in rounds})
+    out = {"bundles": {"source": f"{len(rounds)} golden DDTree rounds of {len(names)} bundles ({', '.join(names)}), "
+                                 f"trees cut to b nodes (measured up to their budget {min(r['budget'] for r in rounds)})",
                        "tau": bundle_acceptance(rounds, budgets)}}
     for name, tau in PUBLISHED["tau"].items():
         alpha = fit_alpha(tau, PUBLISHED["block_size"] - 1)
@@ -168,7 +171,8 @@ def table(r: dict) -> str:
     if r["gpu"]:
         g = r["gpu"]
         lines.append(f"{g.get('device', '?')}: {g['layers']} random-weight K2.6 MoE layers, {g['reps']} replays per "
-                     f"measurement ({g.get('timing', '?')}), correlated share {g['share']}, "
+                     f"measurement ({g.get('timing', '?')}), dense weights {g.get('dense', 'float32')}, "
+                     f"correlated share {g['share']}, "
                      f"{g.get('elapsed_s', 0):.0f} s, {g.get('skipped', 0)} skipped"
                      + ("" if g.get("complete") else ", INCOMPLETE"))
         lines.append(f"  copy bandwidth {_f(g.get('copy_gbps'), '.0f')} GB/s; MoE/floor: the MoE half over its "
@@ -201,7 +205,8 @@ def table(r: dict) -> str:
 
 
 def run(bundles, quick: bool = False, share: float = SHARE, draft: float = 0.0, layers: int = 3,
-        reps: int = 5, time_budget_s: float = 90.0, progress=print, checkpoint=None, device: bool = True) -> dict:
+        reps: int = 5, time_budget_s: float = 90.0, progress=print, checkpoint=None, device: bool = True,
+        dense: str = "bf16") -> dict:
     """The whole benchmark: shapes and acceptance from the bundles, the device measurement (fail soft: a
     failure to start is recorded as gpu_error), the summary and the projection. checkpoint(report) is
     called with the report so far after each layer and context of the device run."""
@@ -219,7 +224,7 @@ def run(bundles, quick: bool = False, share: float = SHARE, draft: float = 0.0, 
 
             cb = None if checkpoint is None else (
                 lambda g: checkpoint(report(rounds, shapes, synth, acceptance, routing, g, draft)))
-            gpu = measure(shapes, CONTEXTS, layers, reps, share, time_budget_s, progress, cb)
+            gpu = measure(shapes, CONTEXTS, layers, reps, share, time_budget_s, progress, cb, dense)
         except Exception as e:  # noqa: BLE001 - fail soft: the host half still reports
             err = f"{type(e).__name__}: {e}"[:600]
     else:

@@ -68,7 +68,7 @@ def engine_cmd(bundle, steps, json_path, w4a16) -> None:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the numbers here.")
 @click.option("--k26", is_flag=True, help="Instead: random-weight K2.6 layers at true dims, verify vs AR per tree "
               "budget and the projected speedup (docs/k26-scale.md); BUNDLES give the tree shapes and acceptance "
-              "(default: every committed bundle).")
+              "(default: every committed bundle with a distilled drafter: not the slices).")
 @click.option("--k26-quick", is_flag=True, help="With --k26: fewer budgets (1, 4, 8, 16, 32, 64).")
 @click.option("--k26-share", default=0.5, show_default=True, type=click.FloatRange(0, 1),
               help="With --k26: the correlated-routing model's share (a node keeps each parent expert w.p.).")
@@ -76,9 +76,12 @@ def engine_cmd(bundle, steps, json_path, w4a16) -> None:
               help="With --k26: the drafter's and builder's time per round, in AR steps, in the projection.")
 @click.option("--k26-time-budget", default=90.0, show_default=True, type=click.FloatRange(1),
               help="With --k26: seconds of device work after which the measurements left are skipped.")
+@click.option("--k26-dense", default="bf16", show_default=True, type=click.Choice(["bf16", "float32"]),
+              help="With --k26: the dense weights on the device as K2.6 stores them (bf16, the engine's default "
+                   "for a bf16 checkpoint) or widened to float32.")
 @click.option("--no-device", is_flag=True, help="With --k26: only the host half (shapes, routing, acceptance).")
 def ddtree_cmd(bundles, tokens, repeats, json_path, k26, k26_quick, k26_share, k26_draft, k26_time_budget,
-               no_device) -> None:
+               k26_dense, no_device) -> None:
     """DDTree vs AR on the CUDA engine, one run, one device: tokens/s of each over every golden prompt of
     each bundle (default: bundles/model_tiny.kdtr and bundles/model_int4_tiny.kdtr), the wall-clock speedup,
     target forwards per token and their ratio, and where a DDTree round's time goes (draft, build, verify,
@@ -86,7 +89,7 @@ def ddtree_cmd(bundles, tokens, repeats, json_path, k26, k26_quick, k26_share, k
     With --k26: what a tree verify costs through K2.6's 384 experts (docs/k26-scale.md)."""
     check_output(json_path, "--json", stream_ok=True)
     if k26:
-        _k26(bundles, json_path, k26_quick, k26_share, k26_draft, k26_time_budget, no_device)
+        _k26(bundles, json_path, k26_quick, k26_share, k26_draft, k26_time_budget, no_device, k26_dense)
         return
     bundles = bundles or ("bundles/model_tiny.kdtr", "bundles/model_int4_tiny.kdtr")
     from cuda_engine.device import CudaEngineError
@@ -147,7 +150,7 @@ def _k26_report():
     return run, table
 
 
-def _k26(bundles, json_path, quick, share, draft, time_budget, no_device) -> None:
+def _k26(bundles, json_path, quick, share, draft, time_budget, no_device, dense: str = "bf16") -> None:
     """`kdtr bench ddtree --k26`: bench/k26_ddtree_report.run, its tables, its JSON (rewritten after each layer
     and context of the device run, so a run cut short keeps what ran); exit 6 when the device part did not run
     or measured nothing."""
@@ -159,10 +162,11 @@ def _k26(bundles, json_path, quick, share, draft, time_budget, no_device) -> Non
         click.echo(f"kdtr bench ddtree --k26: {e}: it needs the repository's bench/ folder (not installed with the "
                    f"package): run it from a clone of the repository", err=True)
         sys.exit(int(ExitCode.ENGINE_ERROR))
-    bundles = bundles or tuple(b for b in sorted(glob.glob("bundles/*.kdtr")) if not b.endswith("k26_slice.kdtr"))
+    # the slices' drafters are untrained (docs/golden-bundles.md): their acceptance is not a drafter's
+    bundles = bundles or tuple(b for b in sorted(glob.glob("bundles/*.kdtr")) if not b.endswith("_slice.kdtr"))
     save = (lambda r: _write_json(json_path, r, "kdtr bench ddtree")) if json_path else None
     r = run(bundles, quick, share, draft, time_budget_s=time_budget, progress=lambda m: click.echo(m, err=True),
-            checkpoint=save, device=not no_device)
+            checkpoint=save, device=not no_device, dense=dense)
     click.echo(table(r))
     if save:
         save(r)

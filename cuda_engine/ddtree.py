@@ -179,12 +179,16 @@ class DDTreeState:
         e, T = self.engine, T or self.T
         tree_mask(e.ops, DevBuf((T,), np.int32, self._rec_at(1), self.rec), T, e.meta, e.buf["mask"])
         e._launch_forward(T, masked=True, argmax_out=self._rec_at(4))
-        self._logits_out()
+        self._logits_out(T)
 
-    def _logits_out(self) -> None:
-        """The verify logits next to rec, so the round comes back in one copy."""
-        driver().memcpy_dtod_async(self.logits.ptr, self.engine.buf["logits"].ptr, self.logits.nbytes,
+    def _logits_out(self, T: int | None = None) -> None:
+        """The verify logits of its T rows (all by default) next to rec, so the round comes back in one copy."""
+        driver().memcpy_dtod_async(self.logits.ptr, self.engine.buf["logits"].ptr, (T or self.T) * self.V * 4,
                                    self.engine.ops.stream)
+
+    def copy_back(self, T: int | None = None) -> RoundCopy:
+        """The round's one copy to the host (its sync): rec and the logits of the verify's T rows."""
+        return RoundCopy(self.io.get((self.rec.shape[0] + (T or self.T) * self.V,)), self.T, self.V)
 
     def _launch_round(self) -> None:
         e, dr = self.engine, self.drafter
@@ -210,7 +214,7 @@ class DDTreeState:
         cp(e.buf["positions"].ptr, ti.ptr + (4 + T) * 4, T * 4, s)
         tree_mask(e.ops, DevBuf((T,), np.int32, ti.ptr + (4 + 2 * T) * 4, ti), T, e.meta, e.buf["mask"])
         e._launch_forward(T, masked=True, argmax_out=self._rec_at(4))
-        self._logits_out()
+        self._logits_out(T)
 
     def device_tree(self) -> tuple[Tree, np.ndarray]:
         """The device builder's tree of this round and its node scores (node_scores), copied back before the
@@ -281,7 +285,7 @@ def _pipelined(e, st: DDTreeState, out: list, P: int, pos0: int, n_tokens: int, 
     is launched (its inputs were written by r's walk kernel), and the host records round r while the device
     runs r + 1. The host re-walks every tree (refmodel.ddtree.walk) and fails on any difference. Leaves the
     last round's verify rows in the cache (e.length = start + T), its compaction to the caller."""
-    dr, T, V = st.drafter, st.T, e.cfg.vocab_size
+    dr, T = st.drafter, st.T
     start = P
     dev_rows = dr.set_round(np.arange(P), out[P], pos0, None)
     if dev_rows is dr.round_rows:
@@ -292,7 +296,7 @@ def _pipelined(e, st: DDTreeState, out: list, P: int, pos0: int, n_tokens: int, 
     dr.advance(P)
     stats["drafter_forwards"] += 1
     while True:
-        got = RoundCopy(st.io.get(), T, V)                               # round r is done; r + 1's inputs
+        got = st.copy_back()                                             # round r is done; r + 1's inputs
         bonus = got.bonus                                                # are on the device already
         more = start + got.n_acc + 1 - P < n_tokens
         if more:
@@ -342,7 +346,7 @@ def _prepare(e, st: DDTreeState, P: int, n_tokens: int) -> None:
     rows_cap = P + n_tokens + st.T + 1
     e.reset()
     e._ensure(max(P, st.T), rows_cap)
-    for T in range(1, st.T + 1) if getattr(e, "ddtree_budget", "fixed") == "cost-aware" else (st.T,):
+    for T in range(1, st.T + 1) if e.ddtree_budget == "cost-aware" else (st.T,):
         reserve_w4a16_rows(e, T)
     if st.drafter is not None:
         st.drafter.reset()
@@ -379,9 +383,9 @@ def ddtree_run(engine, prompt_ids, pos0: int, n_tokens: int, timing: bool = Fals
     st = e._ddtree_state()
     prompt = np.asarray(prompt_ids, np.int64).reshape(-1)
     builder = _checked_builder(e, st, prompt, pos0, n_tokens, builder)
-    P, dr, T, V = len(prompt), st.drafter, st.T, e.cfg.vocab_size
+    P, dr, T = len(prompt), st.drafter, st.T
     on_device = dr is not None and builder == "device"
-    cost_aware = getattr(e, "ddtree_budget", "fixed") == "cost-aware" and dr is not None
+    cost_aware = e.ddtree_budget == "cost-aware" and dr is not None
     _prepare(e, st, P, n_tokens)
     stats = {"rounds": 0, "target_forwards": 1, "drafter_forwards": 0, "host_syncs": 0, "builder": builder,
              "seconds": dict.fromkeys(PHASES + ("prefill", "host_other"), 0.0), "verify": []}
@@ -463,7 +467,7 @@ def ddtree_run(engine, prompt_ids, pos0: int, n_tokens: int, timing: bool = Fals
         elif cost_aware:
             st.launch("verify_dev", Tv)
         # -- the round's one copy back (its sync), the walk, the commit
-        got = RoundCopy(st.io.get(), T, V)
+        got = st.copy_back(Tv)
         stats["host_syncs"] += 1
         stats["target_forwards"] += 1
         t = mark("verify", t)
@@ -494,7 +498,7 @@ def ddtree_run(engine, prompt_ids, pos0: int, n_tokens: int, timing: bool = Fals
     records = live_records(out[P:P + n_tokens], rounds, stats["target_forwards"])
     stats["budgets"] = [len(r.tree_tokens) for r in rounds]               # nodes verified per round
     if cost_aware:                                                       # each round's budget, declared
-        records[LIVE_BUDGET] = np.asarray([len(r.tree_tokens) for r in rounds], np.int64)
+        records[LIVE_BUDGET] = np.asarray(stats["budgets"], np.int64)
         stats["price"] = price.as_dict()
     stats["tokens"] = out[P:P + n_tokens]
     return records, stats
@@ -504,7 +508,7 @@ def _price(e, st: DDTreeState, pos0: int, on_device: bool) -> Price:
     """The run's Price: the engine's given table, else the one measured by the first cost-aware run of this
     loaded bundle with this builder (before its prefill, over the empty cache: the timing verifies write cache
     rows and the per-layer outputs the first round's drafter reads, which the prefill then writes; the draft
-    cost is that run's first round's: _draft_timer). The drafter's block graph is captured first, so no capture
+    cost is the least round time so far: _draft_timer). The drafter's block graph is captured first, so no capture
     falls inside a timed interval."""
     if e.ddtree_costs:
         return Price(e.ddtree_costs, e.ddtree_draft_cost, "given")

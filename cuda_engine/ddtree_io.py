@@ -42,7 +42,8 @@ def unpack_tree(rec: np.ndarray, T: int) -> tuple[Tree, np.ndarray]:
 class RoundCopy:
     """What one round sends back in its one copy (DDTreeState.io), by name. Layout (int32, T = verify rows):
     n (nodes), then T each of ids, parents, depths, ranks (the device builder's tree), the verify argmax and
-    the accepted path, then n_acc and bonus (the device walk's), then the verify logits [T, V] as float32."""
+    the accepted path, then n_acc and bonus (the device walk's), then the verify logits [rows, V] as float32
+    (rows <= T: a cut verify's rows only)."""
 
     def __init__(self, io: np.ndarray, T: int, V: int):
         self.tree_rec = io[:1 + 5 * T]                                   # n + tree + argmax: unpack_tree's
@@ -50,4 +51,4 @@ class RoundCopy:
         self.root = int(io[1])                                           # ids[0]
         self.n_acc, self.bonus = int(io[1 + 6 * T]), int(io[2 + 6 * T])
         self.accepted = io[1 + 5 * T:1 + 5 * T + self.n_acc]
-        self.logits = io[3 + 6 * T:].view(np.float32).reshape(T, V)
+        self.logits = io[3 + 6 * T:].view(np.float32).reshape(-1, V)

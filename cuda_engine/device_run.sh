@@ -11,7 +11,7 @@
 # 2. determinism: a second run's dump is byte-identical to the first;
 # 3. the GPU tests (every kernel vs its NumPy oracle, the fast W4A16 kernel vs the plain one, the engine end to
 #    end, determinism, graph == no graph, the engine's own DDTree: drafter, device tree builder, node context,
-#    determinism; the cost-aware budget); OUTDIR/w4a16_errors.jsonl: both kernels' errors per test case; (after the proofs, so a run
+#    determinism; the cost-aware budget; bf16 dense weights); OUTDIR/w4a16_errors.jsonl: both kernels' errors per test case; (after the proofs, so a run
 #    cut short by its time limit still returns them);
 # 4. (last, the slowest) compute-sanitizer memcheck over an end-to-end INT4 verify, racecheck over the
 #    shared-memory kernels;
@@ -51,7 +51,7 @@ step cmp "$OUT_DIR/model_tiny.cuda.kdtr" /tmp/second_run.kdtr
 # the GPU tests (after the proofs, so that a run cut short by its time limit still returns them)
 KDTR_W4A16_ERRORS="$OUT_DIR/w4a16_errors.jsonl" step python3 -m pytest -q -p no:cacheprovider -m cuda \
     tests/test_cuda_kernels.py tests/test_cuda_w4a16.py tests/test_cuda_w4a16_grouped.py tests/test_cuda_engine.py \
-    tests/test_cuda_ddtree.py tests/test_cuda_held_routing.py tests/test_cuda_cost_aware.py
+    tests/test_cuda_ddtree.py tests/test_cuda_held_routing.py tests/test_cuda_cost_aware.py tests/test_cuda_bf16_weights.py
 if [ "${KDTR_DEVICE_RUN_CORE:-0}" = 1 ]; then
     echo "device_run (core steps only): $([ $failed -eq 0 ] && echo ALL STEPS PASSED || echo SOME STEP FAILED)"
     exit $failed

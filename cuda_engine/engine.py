@@ -23,7 +23,7 @@ from cuda_engine.device import CudaEngineError, DevBuf, device_info, driver
 from cuda_engine.drafter import read_drafter
 from cuda_engine.ops import ATTN_MAX_C, ATTN_MAX_N, ATTN_MAX_R, MOE_MAX_SLOTS, ROUTER_MAX_E, ROUTER_MAX_GROUPS, Ops
 from cuda_engine.w4a16_plan import w4a16_group_tokens, w4a16_groups_cap
-from cuda_engine.weights import layer_arrays, load_weights
+from cuda_engine.weights import DENSE_MODES, layer_arrays, load_weights
 from refmodel.config import ModelConfig
 from refmodel.model import tap_names, yarn_inv_freq
 
@@ -55,7 +55,7 @@ class CudaEngine:
     supports_teacher_forcing = True
 
     def __init__(self, use_graph: bool = True, w4a16: str | None = None, ddtree_budget: str = "fixed",
-                 ddtree_costs: dict | None = None, ddtree_draft_cost: float = 0.0):
+                 ddtree_costs: dict | None = None, ddtree_draft_cost: float = 0.0, dense: str = "stored"):
         self.use_graph = use_graph and os.environ.get("KDTR_CUDA_GRAPH", "1") != "0"
         # the live DDTree's budget (cuda_engine/ddtree.py): "fixed" = the bundle's every round; "cost-aware" =
         # each tree cut to the nodes that pay for their rows (docs/ddtree.md §3a), priced by ddtree_costs
@@ -87,6 +87,12 @@ class CudaEngine:
         self.w4a16 = w4a16 or "fast"
         if self.w4a16 not in W4A16_MODES:
             raise CudaEngineError(f"w4a16 mode {self.w4a16!r}: choose one of {', '.join(W4A16_MODES)} (--w4a16)")
+        # dense matmul weights: "stored" = a bundle's bfloat16 ones stay bfloat16 on the device (half the bytes;
+        # the kernels widen them exactly, so the bits are those of "float32", every dense weight upcast at load)
+        if dense not in DENSE_MODES:
+            raise CudaEngineError(f"dense weights {dense!r}: choose one of {', '.join(DENSE_MODES)}")
+        self.dense = dense
+        self.bf16_weights = 0                 # dense matmul weights held as bf16 on the device (load)
         self.ops: Ops | None = None
         self.cfg: ModelConfig | None = None
         self.graph = None
@@ -96,7 +102,7 @@ class CudaEngine:
 
     # ------------------------------------------------------------ load and buffers
     def load(self, bundle) -> None:
-        cfg, W = load_weights(bundle, keep_int4=self.w4a16 in ("plain", "fast"))
+        cfg, W = load_weights(bundle, keep_int4=self.w4a16 in ("plain", "fast"), keep_bf16=self.dense == "stored")
         check_config(cfg)
         driver()
         self.ops = self.ops or Ops()
@@ -117,6 +123,9 @@ class CudaEngine:
         self.embed = DevBuf.from_array(W["model.embed_tokens.weight"])
         self.norm = DevBuf.from_array(W["model.norm.weight"])
         self.lm_head = self.embed if cfg.tie_word_embeddings else DevBuf.from_array(W["lm_head.weight"])
+        held = [b for w in self.layers for k, b in w.items() if not k.endswith(".sc")] + [self.embed]
+        held += [self.lm_head] if self.lm_head is not self.embed else []
+        self.bf16_weights = sum(b.dtype == np.uint16 for b in held)
         self.inv_freq = DevBuf.from_array(yarn_inv_freq(cfg), np.float64)
         self.meta = DevBuf.from_array(np.zeros(4, np.int32))
         self.T_cap = self.S_cap = 0
@@ -476,6 +485,8 @@ class CudaEngine:
         info = device_info()
         info.update(source_hash=engine_source_hash(), commit=_commit(), fatbin=os.path.basename(str(self.ops.fatbin)),
                     cuda_graph=self.use_graph, w4a16=self.w4a16 if any(self.n_int4) else None,
+                    # the dense matmul weights held as bfloat16 bits on the device (dense="stored", bf16-stored ones)
+                    bf16_weights=self.bf16_weights,
                     # what this engine launched since it was made (a captured graph's launches once, at capture):
                     # kernel entries and the fast W4A16 launches' "path:regime" (cuda_engine/w4a16_plan.py), by count
                     kernels_ran=dict(sorted(self.ops.ran.items())),

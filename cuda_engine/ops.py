@@ -30,19 +30,26 @@ MOE_GROUP_MAX_E = ROUTER_MAX_E + 1  # kernels/moe.cu, moe_group_kernel: the rout
 # kernel name -> argument types (struct codes: P pointer, i int32, q int64, f float32, d float64)
 SIGNATURES = {
     "embedding_kernel": "PPPiPPf",
+    "embedding_bf16_kernel": "PPPiPPf",
     "rms_norm_kernel": "PiPPiif",
     "add_rms_norm_kernel": "PPPPPif",
     "linear_kernel": "PPPiiiiqqq",
     "linear_rows_kernel": "PPPiiiiiqqq",
+    "linear_bf16_kernel": "PPPiiiiqqq",
+    "linear_rows_bf16_kernel": "PPPiiiiiqqq",
     "mla_latent_kernel": "PiiiPPfPPPPPPPd",
     "mla_qprep_kernel": "PPPdPPiiiii",
+    "mla_qprep_bf16_kernel": "PPPdPPiiiii",
     "mla_scores_kernel": "PPPPPiPiiiiif",
     "mla_pv_kernel": "PiPPPiii",
     "mla_merge_uv_kernel": "PiPPPiiii",
+    "mla_merge_uv_bf16_kernel": "PiPPPiiii",
     "kv_compact_kernel": "PPPiiiii",
     "router_kernel": "PPPPiiiiiifPPP",
     "swiglu_gate_up_kernel": "PPPPPiiiiii",
     "expert_down_kernel": "PPPPiiiiii",
+    "swiglu_gate_up_bf16_kernel": "PPPPPiiiiii",
+    "expert_down_bf16_kernel": "PPPPiiiiii",
     "w4a16_gate_up_kernel": "PPPPPPPiiiiiii",
     "w4a16_down_kernel": "PPPPPiiiiiii",
     "moe_combine_kernel": "PPPPiiiPPPPfPP",
@@ -54,6 +61,20 @@ SIGNATURES = {
     "argmax_kernel": "PiP",
     "decode_advance_kernel": "PP",
 }
+
+
+# Dense weights are float32 or bfloat16 (raw bits, uint16): the kernels that read them have one instance per
+# type (kernels/common.cuh, wval), `name_kernel` and `name_bf16_kernel`, the same arithmetic on the same values.
+DENSE_WEIGHT_DTYPES = (np.dtype(np.float32), np.dtype(np.uint16))
+
+
+def _wkernel(name: str, op: str, *weights: DevBuf) -> str:
+    """The instance of kernel `name` ("linear" -> "linear_kernel" or "linear_bf16_kernel") for these weights,
+    which must all have one dtype: float32 or bf16 bits (uint16)."""
+    dtypes = {w.dtype for w in weights}
+    _need(len(dtypes) == 1 and dtypes <= set(DENSE_WEIGHT_DTYPES), op,
+          f"weights must all be float32 or all bf16 bits (uint16), got {sorted(map(str, dtypes))}")
+    return f"{name}_bf16_kernel" if dtypes == {np.dtype(np.uint16)} else f"{name}_kernel"
 
 
 def _ptr(x) -> int:
@@ -146,7 +167,8 @@ class Ops:
         V, D = table.shape
         _need(T <= ids.shape[0] and w_norm.shape == (D,), "embedding",
               f"T={T} > ids capacity {ids.shape[0]} or norm weight {w_norm.shape} != ({D},)")
-        self._launch("embedding_kernel", (T,), ids.ptr, table.ptr, _ptr(out), D, w_norm.ptr, _ptr(y), eps)
+        self._launch(_wkernel("embedding", "embedding", table), (T,), ids.ptr, table.ptr, _ptr(out), D, w_norm.ptr,
+                     _ptr(y), eps)
 
     def rms_norm(self, x, x_stride: int, w: DevBuf, y, y_stride: int, n: int, T: int, eps: float) -> None:
         _need(w.shape == (n,), "rms_norm", f"weight shape {w.shape} != ({n},)")
@@ -157,21 +179,21 @@ class Ops:
         n = w.shape[0]
         self._launch("add_rms_norm_kernel", (T,), _ptr(h), _ptr(a), _ptr(h_out), w.ptr, _ptr(y), n, eps)
 
-    def linear(self, x, W, y, T: int, I: int, O: int, x_stride=None, y_stride=None,
+    def linear(self, x, W: DevBuf, y, T: int, I: int, O: int, x_stride=None, y_stride=None,
                B: int = 1, x_bstride: int = 0, w_bstride: int = 0, y_bstride: int = 0) -> None:
-        """y[b, t, :O] = W[b] @ x[b, t, :I]; W [B, O, I] rows contiguous; strides in elements."""
+        """y[b, t, :O] = W[b] @ x[b, t, :I]; W [B, O, I] float32 or bf16 bits, rows contiguous; strides in
+        elements."""
         x_stride = I if x_stride is None else x_stride
         y_stride = O if y_stride is None else y_stride
-        if isinstance(W, DevBuf):
-            _need(W.shape[-2:] == (O, I), "linear", f"weight {W.shape} is not [.., O={O}, I={I}]")
+        _need(W.shape[-2:] == (O, I), "linear", f"weight {W.shape} is not [.., O={O}, I={I}]")
         _need(x_stride >= I and y_stride >= O, "linear", f"strides x {x_stride} < I={I} or y {y_stride} < O={O}")
         if T == 1:                                  # a GEMV: one warp per output streams W once
-            self._launch("linear_kernel", (-(-O // WARPS_PER_BLOCK), 1, B), _ptr(x), _ptr(W), _ptr(y), I, O,
-                         x_stride, y_stride, x_bstride, w_bstride, y_bstride)
+            self._launch(_wkernel("linear", "linear", W), (-(-O // WARPS_PER_BLOCK), 1, B), _ptr(x), W.ptr, _ptr(y),
+                         I, O, x_stride, y_stride, x_bstride, w_bstride, y_bstride)
         else:                                       # LINEAR_ROWS rows per warp: W read once per row block,
             grid = (-(-O // WARPS_PER_BLOCK), -(-T // LINEAR_ROWS), B)   # each row the bits linear_kernel gives
-            self._launch("linear_rows_kernel", grid, _ptr(x), _ptr(W), _ptr(y), T, I, O, x_stride, y_stride,
-                         x_bstride, w_bstride, y_bstride)
+            self._launch(_wkernel("linear_rows", "linear", W), grid, _ptr(x), W.ptr, _ptr(y), T, I, O, x_stride,
+                         y_stride, x_bstride, w_bstride, y_bstride)
 
     # ------------------------------------------------------------ attention and cache
     def mla_latent(self, qkv, T: int, Q: int, C: int, R: int, w_q: DevBuf, w_kv: DevBuf, eps: float, cq, lat,
@@ -219,14 +241,14 @@ class Ops:
               f"partials {partials.shape} < [{n_split * T * H}, {C + 2}]")
         self.linear(cq, w_qb, q, T, Q, H * (N + R))
         tok_blocks, row_tiles = -(-T // ATTN_TOKENS), -(-T * H // ATTN_TILE)
-        self._launch("mla_qprep_kernel", (H, tok_blocks, -(-C // BLOCK[0])), _ptr(q), positions.ptr, inv_freq.ptr, attn_factor,
-                     w_uk.ptr, qs.ptr, T, H, N, R, C)
+        self._launch(_wkernel("mla_qprep", "mla_attention", w_uk), (H, tok_blocks, -(-C // BLOCK[0])), _ptr(q),
+                     positions.ptr, inv_freq.ptr, attn_factor, w_uk.ptr, qs.ptr, T, H, N, R, C)
         self._launch("mla_scores_kernel", (row_tiles, -(-S_cap // ATTN_TILE)), qs.ptr, _ptr(c_kv), _ptr(k_pe),
                      meta.ptr, 0 if mask is None else _ptr(mask), mask_stride, scores.ptr, S_cap, T, H, C, R, scale)
         self._launch("mla_pv_kernel", (row_tiles * -(-C // ATTN_TILE), n_split), scores.ptr, S_cap, _ptr(c_kv),
                      meta.ptr, partials.ptr, T, H, C)
-        self._launch("mla_merge_uv_kernel", (H, tok_blocks, -(-U // ATTN_MERGE_U)), partials.ptr, n_split, meta.ptr,
-                     w_uv.ptr, _ptr(o), T, H, C, U)
+        self._launch(_wkernel("mla_merge_uv", "mla_attention", w_uv), (H, tok_blocks, -(-U // ATTN_MERGE_U)),
+                     partials.ptr, n_split, meta.ptr, w_uv.ptr, _ptr(o), T, H, C, U)
 
     def kv_compact(self, cache_ckv: DevBuf, cache_kpe: DevBuf, keep: DevBuf, n: int, start: int) -> None:
         L, S_cap, C = cache_ckv.shape
@@ -259,7 +281,7 @@ class Ops:
         nk = S - k0 if nk is None else nk
         _need(Wu.shape == Wg.shape, "swiglu_gate_up", f"gate {Wg.shape} and up {Wu.shape} differ")
         _need(0 <= k0 and k0 + nk <= S, "swiglu_gate_up", f"slots {k0}..{k0 + nk - 1} outside 0..{S - 1}")
-        self._launch("swiglu_gate_up_kernel", (-(-I // WARPS_PER_BLOCK), T * nk), _ptr(x), Wg.ptr, Wu.ptr,
+        self._launch(_wkernel("swiglu_gate_up", "swiglu_gate_up", Wg, Wu), (-(-I // WARPS_PER_BLOCK), T * nk), _ptr(x), Wg.ptr, Wu.ptr,
                      _ptr(slot_ids), _ptr(act), D, I, S, k0, nk, e_base)
 
     def expert_down(self, act, Wd: DevBuf, slot_ids, y, T: int, S: int, k0: int = 0, nk: int | None = None,
@@ -267,7 +289,7 @@ class Ops:
         _, D, I = Wd.shape
         nk = S - k0 if nk is None else nk
         _need(0 <= k0 and k0 + nk <= S, "expert_down", f"slots {k0}..{k0 + nk - 1} outside 0..{S - 1}")
-        self._launch("expert_down_kernel", (-(-D // WARPS_PER_BLOCK), T * nk), _ptr(act), Wd.ptr, _ptr(slot_ids),
+        self._launch(_wkernel("expert_down", "expert_down", Wd), (-(-D // WARPS_PER_BLOCK), T * nk), _ptr(act), Wd.ptr, _ptr(slot_ids),
                      _ptr(y), I, D, S, k0, nk, e_base)
 
     def w4a16_gate_up(self, x, qg: DevBuf, sg: DevBuf, qu: DevBuf, su: DevBuf, slot_ids, act, T: int, S: int,

@@ -238,8 +238,13 @@ PRESETS = {
                 rms_norm_eps=1e-5, tie_word_embeddings=False),
 }
 
+# The tiny model stored as K2.6 ships (a slice preset: every dense weight bfloat16, the routed experts INT4, an
+# untrained drafter), cut to its dense first layer and two MoE layers: the committed bundle whose dense weights
+# an engine reads as bfloat16 (docs/golden-bundles.md, "The tiny slice").
+PRESETS["tiny-slice"] = dataclasses.replace(PRESETS["tiny"], num_hidden_layers=3)
+
 # A slice preset -> the full model it is cut from (the bundle records every field that differs).
-SLICE_OF = {"k26-slice": "k26"}
+SLICE_OF = {"k26-slice": "k26", "tiny-slice": "tiny"}
 
 
 def slice_shrinkage(name: str) -> dict:

@@ -66,6 +66,12 @@ DRAFTER_PRESETS = {
                       num_key_value_heads=1, head_dim=64, intermediate_size=1024, block_size=4,
                       mask_token_id=8191, target_layer_ids=[2], num_target_layers=3,
                       rms_norm_eps=1e-6, rope_theta=10000.0, block_pos_embed=False),
+    # The tiny slice's drafter: untrained like the real-shape slice's, tiny's widths and block, one layer fed
+    # by the slice's three target layers.
+    "tiny-slice": dict(hidden_size=192, vocab_size=400, num_hidden_layers=1, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=48, intermediate_size=1024, block_size=16,
+                       mask_token_id=399, target_layer_ids=[0, 1, 2], num_target_layers=3,
+                       rms_norm_eps=1e-6, rope_theta=10000.0, block_pos_embed=True),
 }
 
 

@@ -21,10 +21,11 @@ TINY = ["bundles/model_tiny.kdtr", "bundles/model_int4_tiny.kdtr"]
 EDGE = "bundles/model_edge.kdtr"  # every path the CUDA engine ships (docs/golden-bundles.md, "The edge bundle")
 SHARDABLE = "bundles/model_shardable_int4.kdtr"   # for sharded engines (docs/golden-bundles.md, "The shardable bundle")
 WIDE = "bundles/model_wide.kdtr"  # the entries only K2.6's widths reach (docs/golden-bundles.md, "The wide bundle")
-BUNDLES = TINY + [EDGE, SHARDABLE, WIDE]
+SLICE = "bundles/model_tiny_slice.kdtr"   # stored as K2.6 ships: bf16 dense (docs/golden-bundles.md, "The tiny slice")
+BUNDLES = TINY + [EDGE, SHARDABLE, WIDE, SLICE]
 MB = 1 << 20
 SIZE_BUDGET_MB = {"bundles/model_tiny.kdtr": 20, "bundles/model_int4_tiny.kdtr": 20, EDGE: 12, SHARDABLE: 20,
-                  WIDE: 12}
+                  WIDE: 12, SLICE: 8}
 FULL_DEPTH_ROUNDS = 3           # the tiny bundles' coverage aim, each (MANIFEST.md has the figures)
 MIN_NEW_TOKENS = {EDGE: 32,     # the edge bundle's 5 prompts (one of 34 tokens) keep it within 12 MiB; else 64
                   SHARDABLE: 32,  # the shardable bundle within 20 MiB and the GPU machine's transfer (MANIFEST.md)
@@ -138,6 +139,26 @@ def test_the_wide_bundle_reaches_the_k26_entries():
     gate_up = {(p, name, regime) for p, w, T, name, _, _, regime in launches if w == "gate_up"}
     assert gate_up == {("pairs", "w4a16_mma_i8_m1_r8", "many_rows"),
                        ("grouped", "w4a16_mma_i8_m4_r8", "many_rows")}, gate_up
+
+
+def test_the_tiny_slice_is_stored_as_k26_ships():
+    """What the tiny slice is for (docs/golden-bundles.md, "The tiny slice"): every matmul weight a K2.6
+    checkpoint stores as bfloat16 is bfloat16 here too (what the CUDA engine keeps as bf16 on the device,
+    cuda_engine/weights.py BF16_WEIGHTS), through every kind of layer: the dense first layer's MLP, the
+    router and the shared expert of the MoE layers; the routed experts INT4."""
+    from cuda_engine.weights import BF16_WEIGHTS
+    from refmodel.config import ModelConfig
+    with open_kdtr(ROOT / SLICE) as f:
+        cfg = ModelConfig.from_dict(f.metadata["model_config"])
+        dtypes = {n: f.info(n).dtype for n in f.names if not n.startswith(("golden/", "drafter."))}
+    assert cfg.first_k_dense_replace == 1 and cfg.num_hidden_layers >= 3 and cfg.n_shared_experts == 1
+    matmul = [n for n in dtypes if n.endswith(BF16_WEIGHTS)]
+    assert all(dtypes[n] == "bfloat16" for n in matmul), [n for n in matmul if dtypes[n] != "bfloat16"]
+    for suffix in BF16_WEIGHTS:                     # every kind of bf16 weight the engine reads is present
+        assert any(n.endswith(suffix) for n in matmul), suffix
+    assert any(n.startswith("model.layers.1.mlp.shared_experts.") for n in matmul)
+    assert any(n.startswith("model.layers.0.mlp.gate_proj") for n in matmul)
+    assert {dtypes[n] for n in dtypes if ".experts." in n} == {"int32", "bfloat16"}   # .qw words, .sc scales
 
 
 @pytest.mark.parametrize("bundle", BUNDLES)

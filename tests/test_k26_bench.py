@@ -2,6 +2,7 @@
 the device half itself on a GPU (cuda-marked; no fake driver stands in for it here: the device half ran on
 the H200, docs/k26-scale.md)."""
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -106,7 +107,8 @@ def test_expert_and_dense_bytes_from_the_model_shapes():
     p = "model.layers.1."
     names = ["self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight", "self_attn.q_b_proj.weight",
              "self_attn.kv_b_proj.weight", "self_attn.o_proj.weight", "mlp.gate.weight"]
-    assert k.dense_bytes() == 4 * sum(math.prod(shapes[p + n]) for n in names)
+    assert k.dense_bytes() == 2 * sum(math.prod(shapes[p + n]) for n in names)      # bf16, as K2.6 stores them
+    assert k.dense_bytes(dense="float32") == 2 * k.dense_bytes()
     assert k.cache_bytes(10) == 10 * 576 * 4
 
 
@@ -210,6 +212,12 @@ def test_cli_host_half_writes_the_json(tmp_path):
     r = json.loads(out.read_text())
     assert r["budgets"] == list(k.QUICK_BUDGETS) and r["gpu"] is None and "tokens per round" in res.output
     assert r["acceptance"]["bundles"]["tau"]["64"] is None
+    # the default bundles: every committed one but the slices (an untrained drafter's acceptance is no drafter's)
+    root = Path(__file__).resolve().parent.parent / "bundles"
+    used = sorted(b.name for b in root.glob("*.kdtr") if not b.name.endswith("_slice.kdtr"))
+    assert "model_tiny_slice.kdtr" not in used and len(used) >= 5
+    source = r["acceptance"]["bundles"]["source"]
+    assert f"of {len(used)} bundles ({', '.join(used)})" in source, source
 
 
 # ---------------------------------------------------------------- on a GPU

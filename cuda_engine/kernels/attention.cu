@@ -37,10 +37,12 @@
 #define GEMM_BLOCKS_PER_SM 2                  // the two GEMMs: registers capped at 128 so two blocks share an SM
 
 // 1. grid (H, ceil(T / ATTN_TOKENS), ceil(C / BLOCK_THREADS)): a thread per latent column c; slice z = 0 ropes
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
-mla_qprep_kernel(float* __restrict__ q, const int* __restrict__ positions, const double* __restrict__ inv_freq,
-                 double attn_factor, const float* __restrict__ w_uk, float* __restrict__ qs, int T, int H, int N,
-                 int R, int C) {
+// (w_uk float32 in mla_qprep_kernel, bf16 bits in mla_qprep_bf16_kernel: common.cuh, wval)
+template <typename WT>
+__device__ __forceinline__ void mla_qprep_body(float* __restrict__ q, const int* __restrict__ positions,
+                                               const double* __restrict__ inv_freq, double attn_factor,
+                                               const WT* __restrict__ w_uk, float* __restrict__ qs, int T, int H,
+                                               int N, int R, int C) {
     __shared__ float qn[ATTN_TOKENS][ATTN_MAX_N];
     const int h = blockIdx.x, t0 = blockIdx.y * ATTN_TOKENS, nt = min(ATTN_TOKENS, T - t0), A = N + R, K = C + R;
     for (int i = threadIdx.x; i < ATTN_TOKENS * N; i += blockDim.x) {   // tokens past T: zeros
@@ -59,7 +61,7 @@ mla_qprep_kernel(float* __restrict__ q, const int* __restrict__ positions, const
         d[1] = y1;
     }
     __syncthreads();
-    const float* wk = w_uk + (size_t)h * N * C;
+    const WT* wk = w_uk + (size_t)h * N * C;
     const int c = blockIdx.z * BLOCK_THREADS + threadIdx.x;
     if (c < C) {                                              // q_lat[tt, c] = sum_n q_nope[tt, n] W_uk[h, n, c]
         float acc[ATTN_TOKENS];
@@ -67,7 +69,7 @@ mla_qprep_kernel(float* __restrict__ q, const int* __restrict__ positions, const
         for (int tt = 0; tt < ATTN_TOKENS; ++tt) acc[tt] = 0.0f;
 #pragma unroll 8
         for (int n = 0; n < N; ++n) {                          // unrolled: W_uk loads in flight, sums in order
-            const float w = wk[(size_t)n * C + c];
+            const float w = wval(wk[(size_t)n * C + c]);
 #pragma unroll
             for (int tt = 0; tt < ATTN_TOKENS; ++tt) acc[tt] += qn[tt][n] * w;
         }
@@ -75,6 +77,15 @@ mla_qprep_kernel(float* __restrict__ q, const int* __restrict__ positions, const
         for (int tt = 0; tt < ATTN_TOKENS; ++tt)
             if (tt < nt) qs[((size_t)(t0 + tt) * H + h) * K + c] = acc[tt];
     }
+}
+
+#define MLA_QPREP_ARGS(WT) float* __restrict__ q, const int* __restrict__ positions, const double* __restrict__ inv_freq, \
+    double attn_factor, const WT* __restrict__ w_uk, float* __restrict__ qs, int T, int H, int N, int R, int C
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM) mla_qprep_kernel(MLA_QPREP_ARGS(float)) {
+    mla_qprep_body(q, positions, inv_freq, attn_factor, w_uk, qs, T, H, N, R, C);
+}
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM) mla_qprep_bf16_kernel(MLA_QPREP_ARGS(bf16_t)) {
+    mla_qprep_body(q, positions, inv_freq, attn_factor, w_uk, qs, T, H, N, R, C);
 }
 
 // The FMAs of one k step of a 64x64 tile GEMM: thread (ty, tx) adds the 4x4 products of rows ty*4.. of As and
@@ -233,9 +244,11 @@ mla_pv_kernel(const float* __restrict__ scores, int S_cap, const float* __restri
 
 // 4. grid (H, ceil(T / ATTN_TOKENS), ceil(U / MERGE_U)): each block merges its tokens' chunks that hold rows
 // (cheap, from L2), in chunk order, and applies MERGE_U rows of W_uv[h]
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
-mla_merge_uv_kernel(const float* __restrict__ partials, int n_split, const int* __restrict__ meta,
-                    const float* __restrict__ w_uv, float* __restrict__ o, int T, int H, int C, int U) {
+// (w_uv float32 in mla_merge_uv_kernel, bf16 bits in mla_merge_uv_bf16_kernel)
+template <typename WT>
+__device__ __forceinline__ void mla_merge_uv_body(const float* __restrict__ partials, int n_split,
+                                                  const int* __restrict__ meta, const WT* __restrict__ w_uv,
+                                                  float* __restrict__ o, int T, int H, int C, int U) {
     __shared__ float ol[ATTN_TOKENS][ATTN_MAX_C];
     __shared__ float wts[ATTN_TOKENS][ATTN_MAX_SPLIT];
     const int h = blockIdx.x, t0 = blockIdx.y * ATTN_TOKENS, nt = min(ATTN_TOKENS, T - t0), TH = T * H;
@@ -272,17 +285,17 @@ mla_merge_uv_kernel(const float* __restrict__ partials, int n_split, const int* 
     }
     __syncthreads();
     const int g = threadIdx.x % ROW_LANES, rows_per_pass = BLOCK_THREADS / ROW_LANES;
-    const float* wv = w_uv + (size_t)h * U * C;
+    const WT* wv = w_uv + (size_t)h * U * C;
     const int u_end = min(U, (int)(blockIdx.z + 1) * MERGE_U);
     for (int u0 = blockIdx.z * MERGE_U; u0 < u_end; u0 += rows_per_pass) {   // o[t, h, u] = W_uv[h, u] . o_lat[t]
         const int u = u0 + threadIdx.x / ROW_LANES;
-        const float* row = wv + (size_t)min(u, u_end - 1) * C;
+        const WT* row = wv + (size_t)min(u, u_end - 1) * C;
         float acc[ATTN_TOKENS];
 #pragma unroll
         for (int tt = 0; tt < ATTN_TOKENS; ++tt) acc[tt] = 0.0f;
 #pragma unroll 8
         for (int c = g; c < C; c += ROW_LANES) {              // unrolled: W_uv loads in flight, sums in order
-            const float w = row[c];
+            const float w = wval(row[c]);
 #pragma unroll
             for (int tt = 0; tt < ATTN_TOKENS; ++tt) acc[tt] += ol[tt][c] * w;
         }
@@ -293,4 +306,14 @@ mla_merge_uv_kernel(const float* __restrict__ partials, int n_split, const int* 
             if (u < u_end && g == 0 && tt < nt) o[((size_t)(t0 + tt) * H + h) * U + u] = a;
         }
     }
+}
+
+#define MLA_MERGE_UV_ARGS(WT) const float* __restrict__ partials, int n_split, const int* __restrict__ meta, \
+    const WT* __restrict__ w_uv, float* __restrict__ o, int T, int H, int C, int U
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM) mla_merge_uv_kernel(MLA_MERGE_UV_ARGS(float)) {
+    mla_merge_uv_body(partials, n_split, meta, w_uv, o, T, H, C, U);
+}
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
+mla_merge_uv_bf16_kernel(MLA_MERGE_UV_ARGS(bf16_t)) {
+    mla_merge_uv_body(partials, n_split, meta, w_uv, o, T, H, C, U);
 }

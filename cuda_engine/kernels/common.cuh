@@ -53,3 +53,12 @@ __device__ __forceinline__ float block_max(float v, float* buf) {
 // x / (1 + exp(-x)) and 1 / (1 + exp(-x)) as refmodel writes them (float32 expf: <= 2 ulp).
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// Dense weights reach the kernels as float32 or as bfloat16 (K2.6 stores its attention projections, shared
+// expert, dense MLP, embedding and lm_head so; the engine keeps them so: half the bytes). A kernel that reads
+// weights is a template over the element type WT with one extern "C" instance per type (`name_kernel` float32,
+// `name_bf16_kernel` raw bf16 bits); wval widens an element exactly (a bf16 value is the top half of its float32),
+// so both instances do the same float32 arithmetic on the same values and give the same bits.
+typedef unsigned short bf16_t;
+__device__ __forceinline__ float wval(float w) { return w; }
+__device__ __forceinline__ float wval(bf16_t w) { return __uint_as_float((unsigned)w << 16); }

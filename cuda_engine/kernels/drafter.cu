@@ -38,13 +38,24 @@ drafter_gather_kernel(const float* __restrict__ resid_out, long long layer_strid
     for (int d = threadIdx.x; d < D; d += blockDim.x) dst[d] = src[d];
 }
 
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
-drafter_embed_kernel(const int* __restrict__ ids, const float* __restrict__ table, const float* __restrict__ pe,
-                     float* __restrict__ h, int D) {
+// The target's embedding rows (float32, or bf16 bits in drafter_embed_bf16_kernel: common.cuh, wval)
+template <typename WT>
+__device__ __forceinline__ void drafter_embed_body(const int* __restrict__ ids, const WT* __restrict__ table,
+                                                   const float* __restrict__ pe, float* __restrict__ h, int D) {
     const int t = blockIdx.x;
-    const float* src = table + (size_t)ids[t] * D;
+    const WT* src = table + (size_t)ids[t] * D;
     for (int d = threadIdx.x; d < D; d += blockDim.x)
-        h[(size_t)t * D + d] = pe ? __fadd_rn(src[d], pe[(size_t)t * D + d]) : src[d];
+        h[(size_t)t * D + d] = pe ? __fadd_rn(wval(src[d]), pe[(size_t)t * D + d]) : wval(src[d]);
+}
+
+#define DRAFTER_EMBED_ARGS(WT) const int* __restrict__ ids, const WT* __restrict__ table, const float* __restrict__ pe, \
+    float* __restrict__ h, int D
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM) drafter_embed_kernel(DRAFTER_EMBED_ARGS(float)) {
+    drafter_embed_body(ids, table, pe, h, D);
+}
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
+drafter_embed_bf16_kernel(DRAFTER_EMBED_ARGS(bf16_t)) {
+    drafter_embed_body(ids, table, pe, h, D);
 }
 
 // One warp: RMSNorm of one head x[0 .. Dh) with weight w, then NeoX rotate-half RoPE at `pos`, into y.

@@ -142,39 +142,62 @@ router_kernel(const float* __restrict__ bias, float* __restrict__ scores, int* _
     for (int k = K; k < S; ++k) { slot_ids[(size_t)t * S + k] = E + (k - K); slot_w[(size_t)t * S + k] = 1.0f; }
 }
 
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
-swiglu_gate_up_kernel(const float* __restrict__ x, const float* __restrict__ Wg, const float* __restrict__ Wu,
-                      const int* __restrict__ slot_ids, float* __restrict__ act, int D, int I, int S, int k0, int nk,
-                      int e_base) {
+// The dense experts (float32 Wg, Wu, Wd, or bf16 bits in the _bf16_ instances: common.cuh, wval)
+template <typename WT>
+__device__ __forceinline__ void swiglu_gate_up_body(const float* __restrict__ x, const WT* __restrict__ Wg,
+                                                    const WT* __restrict__ Wu, const int* __restrict__ slot_ids,
+                                                    float* __restrict__ act, int D, int I, int S, int k0, int nk,
+                                                    int e_base) {
     const int lane = threadIdx.x % WARP_SIZE;
     const int i = blockIdx.x * WARPS_PER_BLOCK + threadIdx.x / WARP_SIZE;
     if (i >= I) return;
     const int t = blockIdx.y / nk, ts = t * S + k0 + blockIdx.y % nk;
     const size_t e = (size_t)(slot_ids[ts] - e_base);
     const float* xr = x + (size_t)t * D;
-    const float* g = Wg + (e * I + i) * D;
-    const float* u = Wu + (e * I + i) * D;
+    const WT* g = Wg + (e * I + i) * D;
+    const WT* u = Wu + (e * I + i) * D;
     float ag = 0.0f, au = 0.0f;
-    for (int d = lane; d < D; d += WARP_SIZE) { ag += xr[d] * g[d]; au += xr[d] * u[d]; }
+    for (int d = lane; d < D; d += WARP_SIZE) { ag += xr[d] * wval(g[d]); au += xr[d] * wval(u[d]); }
     ag = warp_sum(ag);
     au = warp_sum(au);
     if (lane == 0) act[(size_t)ts * I + i] = silu(ag) * au;
 }
 
+#define SWIGLU_ARGS(WT) const float* __restrict__ x, const WT* __restrict__ Wg, const WT* __restrict__ Wu, \
+    const int* __restrict__ slot_ids, float* __restrict__ act, int D, int I, int S, int k0, int nk, int e_base
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM) swiglu_gate_up_kernel(SWIGLU_ARGS(float)) {
+    swiglu_gate_up_body(x, Wg, Wu, slot_ids, act, D, I, S, k0, nk, e_base);
+}
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
-expert_down_kernel(const float* __restrict__ act, const float* __restrict__ Wd, const int* __restrict__ slot_ids,
-                   float* __restrict__ y, int I, int D, int S, int k0, int nk, int e_base) {
+swiglu_gate_up_bf16_kernel(SWIGLU_ARGS(bf16_t)) {
+    swiglu_gate_up_body(x, Wg, Wu, slot_ids, act, D, I, S, k0, nk, e_base);
+}
+
+template <typename WT>
+__device__ __forceinline__ void expert_down_body(const float* __restrict__ act, const WT* __restrict__ Wd,
+                                                 const int* __restrict__ slot_ids, float* __restrict__ y, int I, int D,
+                                                 int S, int k0, int nk, int e_base) {
     const int lane = threadIdx.x % WARP_SIZE;
     const int d = blockIdx.x * WARPS_PER_BLOCK + threadIdx.x / WARP_SIZE;
     if (d >= D) return;
     const int ts = (blockIdx.y / nk) * S + k0 + blockIdx.y % nk;
     const size_t e = (size_t)(slot_ids[ts] - e_base);
     const float* a = act + (size_t)ts * I;
-    const float* w = Wd + (e * D + d) * I;
+    const WT* w = Wd + (e * D + d) * I;
     float acc = 0.0f;
-    for (int i = lane; i < I; i += WARP_SIZE) acc += a[i] * w[i];
+    for (int i = lane; i < I; i += WARP_SIZE) acc += a[i] * wval(w[i]);
     acc = warp_sum(acc);
     if (lane == 0) y[(size_t)ts * D + d] = acc;
+}
+
+#define EXPERT_DOWN_ARGS(WT) const float* __restrict__ act, const WT* __restrict__ Wd, const int* __restrict__ slot_ids, \
+    float* __restrict__ y, int I, int D, int S, int k0, int nk, int e_base
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM) expert_down_kernel(EXPERT_DOWN_ARGS(float)) {
+    expert_down_body(act, Wd, slot_ids, y, I, D, S, k0, nk, e_base);
+}
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
+expert_down_bf16_kernel(EXPERT_DOWN_ARGS(bf16_t)) {
+    expert_down_body(act, Wd, slot_ids, y, I, D, S, k0, nk, e_base);
 }
 
 // The combine, spread over the row: block (bx, t) owns d = bx * COMBINE_DSLICE + threadIdx.x, one element per
