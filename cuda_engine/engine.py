@@ -22,7 +22,7 @@ from cuda_engine.build import engine_source_hash
 from cuda_engine.device import CudaEngineError, DevBuf, device_info, driver
 from cuda_engine.drafter import read_drafter
 from cuda_engine.ops import ATTN_MAX_C, ATTN_MAX_N, ATTN_MAX_R, MOE_MAX_SLOTS, ROUTER_MAX_E, ROUTER_MAX_GROUPS, Ops
-from cuda_engine.w4a16_plan import w4a16_group_tokens, w4a16_groups_cap
+from cuda_engine.w4a16_plan import moe_path, w4a16_group_tokens, w4a16_groups_cap
 from cuda_engine.weights import DENSE_MODES, layer_arrays, load_weights
 from refmodel.config import ModelConfig
 from refmodel.model import tap_names, yarn_inv_freq
@@ -153,17 +153,18 @@ class CudaEngine:
             k4 = self._int4_slots(l)[2]
             if k4:
                 M, Z = self._moe_launch(l, T)
-                need += [self.ops.w4a16_need(w[k], M, Z, digits=T > 1, moe=True) for k in ("gate_up.mma", "down.mma")]
+                need += [self.ops.w4a16_need(w[k], M, Z, digits=moe_path(T) == "grouped", moe=True)
+                         for k in ("gate_up.mma", "down.mma")]
         self.ops.w4a16_reserve(max(p for p, _ in need), max(t for _, t in need))
 
     def _moe_launch(self, l: int, T: int) -> tuple[int, int]:
-        """(tokens per z, grid z) of layer l's fast INT4 expert launches in a forward of T tokens: at one token a
-        (token, slot) pair per z (M = 1); from two the grouped path, a group of at most M pairs of one expert
-        per z (the int8 digits entries of w4a16_plan.W4A16_DIGITS_TOKENS), Z the most groups there can be
-        (w4a16_plan.w4a16_groups_cap)."""
+        """(tokens per z, grid z) of layer l's fast INT4 expert launches in a forward of T tokens: up to
+        w4a16_plan.MOE_PAIRS_MAX_TOKENS a (token, slot) pair per z (M = 1, Z = T k4); above, the grouped path, a
+        group of at most M pairs of one expert per z (the int8 digits entries of w4a16_plan.W4A16_DIGITS_TOKENS),
+        Z the most groups there can be (w4a16_plan.w4a16_groups_cap)."""
         k4 = self._int4_slots(l)[2]
-        if T == 1:
-            return 1, k4
+        if moe_path(T) == "pairs":
+            return 1, T * k4
         M = w4a16_group_tokens(T)
         return M, w4a16_groups_cap(T * k4, self.n_int4[l], M)
 
@@ -425,12 +426,12 @@ class CudaEngine:
             K, S, slots = 0, 1, b["dense_slots"]
         n_int4 = self.n_int4[l]                 # INT4 experts stacked first: slots [0, k4) run on packed weights
         k4 = self._int4_slots(l)[2]
-        if k4 and self.w4a16 == "fast" and T == 1:   # fused MoE decode path: one launch for gate+up, one for
-            I = self.int4_width[l]                   # down, a (token, slot) pair per z (the int8 digits)
+        if k4 and self.w4a16 == "fast" and moe_path(T) == "pairs":   # one launch for gate+up, one for down, a
+            I = self.int4_width[l]                   # (token, slot) pair per z (the int8 digits): decode, small trees
             o.w4a16_mma(xm, D, w["gate_up.mma"], I, b["act"], I, mode=1, slot_ids=slots, T=T, S=S, k0=0, nk=k4)
             o.w4a16_mma(b["act"], I, w["down.mma"], D, b["y_slots"], D, mode=0, slot_ids=slots, T=T, S=S, k0=0,
                         nk=k4, x_by_slot=True)
-        elif k4 and self.w4a16 == "fast":       # T > 1: the pairs grouped by expert (on the device), each touched
+        elif k4 and self.w4a16 == "fast":       # larger T: the pairs grouped by expert (on the device), each touched
             I = self.int4_width[l]              # expert's weights read once for up to M of its tokens, one launch
             M, Z = self._moe_launch(l, T)       # each for gate+up and down over every group (the int8 digits)
             o.moe_group(slots, T, S, 0, k4, 0, n_int4, M, Z, b["groups"])

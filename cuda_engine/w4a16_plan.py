@@ -105,6 +105,21 @@ def w4a16_rows_regime(Nb: int, G: int, Z: int, resident: int, sm_count: int, M: 
     return fewest, w4a16_splits(-(-Nb // fewest) * Z, G, resident, sm_count), "fewest"
 
 
+# The engine's MoE path for a forward of T tokens (docs/cuda-engine.md, "Which MoE path"): one (token, slot) pair
+# per grid z up to MOE_PAIRS_MAX_TOKENS tokens (an expert read once per pair: the pairs that share it find it in
+# L2 or not), the grouped path above (each touched expert read once for all its pairs). Measured on the H200 at
+# K2.6's shapes (384 experts top-8): the pairs took 1.29-1.50x the distinct experts' copy floor for 2-17 tokens
+# under independent routing (grouped 1.80-2.14x), and under correlated routing 1.86-2.13x up to 17 tokens (grouped
+# 2.12-2.82x); at 33 tokens the grouped path won under correlated routing (2.38x against 2.62x). From 5 tokens the
+# two paths give the same bits (each token's int8 digits and sums are the per-pair path's).
+MOE_PAIRS_MAX_TOKENS = 17
+
+
+def moe_path(T: int) -> str:
+    """"pairs" or "grouped": the engine's fast MoE path for a forward of T tokens."""
+    return "pairs" if T <= MOE_PAIRS_MAX_TOKENS else "grouped"
+
+
 def w4a16_group_tokens(T: int, digits: bool = True) -> int:
     """The most tokens per group of the grouped MoE path for a forward of T >= 2 tokens: the int8 digits'
     W4A16_DIGITS_TOKENS, or (digits=False) the bf16-terms entry that holds min(T, 16) (no group exceeds T);

@@ -22,25 +22,26 @@ def committed_bundles() -> list[str]:
 
 def moe_launches(D: int, I: int, E: int, K: int, sm: int, moe: bool = True, tokens=range(1, 65)) -> list[tuple]:
     """(path, weight, T, entry, blocks, k splits, regime) of the CUDA engine's fast MoE launches for hidden D,
-    expert width I, E experts top-K: the decode step (T = 1, a pair per z) and every forward of 2..64 tokens
-    (prefill, a tree verify: the grouped path), planned by cuda_engine/w4a16_plan.py on a GPU of `sm` SMs with
+    expert width I, E experts top-K: the decode step and every forward of 2..64 tokens (prefill, a tree verify),
+    a pair per z up to w4a16_plan.MOE_PAIRS_MAX_TOKENS, above on the grouped path (moe_path), planned by cuda_engine/w4a16_plan.py on a GPU of `sm` SMs with
     the one-token entry at 3 blocks per SM and the others at 2 (docs/cuda-engine.md). moe=False: as the
     planner chose before the MoE paths had their own row counts (every row count, the single-weight regime)."""
-    from cuda_engine.w4a16_plan import W4A16_DIGITS_ROWS, W4A16_ROWS, w4a16_groups_cap, w4a16_launch, w4a16_rows_regime
+    from cuda_engine.w4a16_plan import (W4A16_DIGITS_ROWS, W4A16_ROWS, moe_path, w4a16_groups_cap, w4a16_launch,
+                                        w4a16_rows_regime)
 
     res = lambda name: (3 if name in W4A16_ROWS[1].values() else 2) * sm    # noqa: E731
     out = []
     for weight, Nb, G in (("gate_up", -(-I // 16), D // 32), ("down", -(-D // 32), I // 32)):  # 16 rows a block
         for T in tokens:
-            if T == 1:
-                plan = w4a16_launch(Nb, G, K, None, 1, "fp32", None, False, res, sm, moe=moe)
+            if moe_path(T) == "pairs":
+                plan = w4a16_launch(Nb, G, T * K, None, 1, "fp32", None, False, res, sm, moe=moe)
             elif moe:
                 plan = w4a16_launch(Nb, G, w4a16_groups_cap(T * K, E, 4), None, 4, "fp32", None, True, res, sm)
             else:                                  # the grouped digits over 1, 2, 4, 8 row blocks, as before
                 r, k, regime = w4a16_rows_regime(Nb, G, w4a16_groups_cap(T * K, E, 4), res(W4A16_DIGITS_ROWS[1]),
                                                  sm, 4, (1, 2, 4, 8))
                 plan = (W4A16_DIGITS_ROWS[1] + (f"_r{r}" if r > 1 else ""), -(-Nb // r), k, regime)
-            out.append(("pairs" if T == 1 else "grouped", weight, T, *plan))
+            out.append((moe_path(T), weight, T, *plan))
     return out
 
 FACTOR = 4.0      # a GPU fp32 result may be at most this many times further from float64 than NumPy fp32
