@@ -3,7 +3,8 @@ CUDA engine's own layer code (CudaEngine._layer), one CUDA graph per measurement
 
 The engine is assembled here without a bundle: PRESETS["k26"] cut to `layers` layers, all of them MoE
 (the dense first layer of K2.6 left out), each with its own attention weights (random, scaled by 1/sqrt(fan-in);
-held as bf16 as K2.6 stores them and the engine keeps them, or widened to float32 with dense="float32"), its router (random gate, zero bias) and its own stack of 384 + 1 INT4 experts in the fast
+held as bf16 as K2.6 stores them and the engine keeps them, or widened to float32 with dense="float32"), its
+router (random gate, zero bias) and its own stack of 384 + 1 INT4 experts in the fast
 layout (the shared expert stacked last, on the INT4 path like the routed ones, as `kdtr bench w4a16` holds
 it). Timing does not depend on weight values: every expert of a stack holds the same random words (one
 expert made on the host, copied on the device), scales 2^-9. The latent cache holds a constant.
@@ -73,7 +74,8 @@ def _engine(layers: int, S_cap: int, T_cap: int, progress, dense: str = "bf16"):
     for k in ("ckv", "kpe"):
         drv.memset_d32(e.cache[k].ptr, 0x3C000000, e.cache[k].nbytes // 4)     # 2^-7 everywhere
     e.ops.stream.synchronize()
-    progress(f"k26: dense weights {dense}; {layers} layers of 384 + 1 INT4 experts ({E + 1} x {_mb(e.layers[0], 'gate_up.mma', 'down.mma')} "
+    mb = _mb(e.layers[0], 'gate_up.mma', 'down.mma')
+    progress(f"k26: dense weights {dense}; {layers} layers of 384 + 1 INT4 experts ({E + 1} x {mb} "
              f"MB) on the device in {time.perf_counter() - t0:.1f} s; cache {S_cap} rows, {T_cap} rows per forward")
     return e
 

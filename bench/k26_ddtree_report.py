@@ -16,8 +16,9 @@ def acceptance_models(rounds: list[dict], budgets) -> dict:
     """{name: {"source": ..., "tau": {b: tokens per round}}}: the bundles' measured acceptance and the
     published lengths' modelled one (tree_tau over a per-token acceptance fitted to each)."""
     names = sorted({os.path.basename(r["bundle"]) for r in rounds})
-    out = {"bundles": {"source": f"{len(rounds)} golden DDTree rounds of {len(names)} bundles ({', '.join(names)}), "
-                                 f"trees cut to b nodes (measured up to their budget {min(r['budget'] for r in rounds)})",
+    out = {"bundles": {"source": f"{len(rounds)} golden DDTree rounds of {len(names)} bundles "
+                                 f"({', '.join(names)}), trees cut to b nodes (measured up to their budget "
+                                 f"{min(r['budget'] for r in rounds)})",
                        "tau": bundle_acceptance(rounds, budgets)}}
     for name, tau in PUBLISHED["tau"].items():
         alpha = fit_alpha(tau, PUBLISHED["block_size"] - 1)

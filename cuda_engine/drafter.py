@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from cuda_engine.device import CudaEngineError, DevBuf
-from cuda_engine.ops import BLOCK, WARPS_PER_BLOCK, _wkernel
+from cuda_engine.ops import BLOCK, WARPS_PER_BLOCK, weight_kernel
 from kdtr_format import open_kdtr
 from refmodel import drafter as refmodel_drafter
 from refmodel.drafter import DrafterConfig, drafter_shapes
@@ -237,7 +237,8 @@ class CudaDrafter:
         D, H, G, Dh, B, I = (d.hidden_size, d.num_attention_heads, d.num_key_value_heads, d.head_dim, d.block_size,
                              d.intermediate_size)
         eps = d.rms_norm_eps
-        o._launch(_wkernel("drafter_embed", "drafter", e.embed), (B,), self.ids.ptr, e.embed.ptr, 0 if self.pe is None else self.pe.ptr,
+        o._launch(weight_kernel("drafter_embed", "drafter", e.embed), (B,), self.ids.ptr, e.embed.ptr,
+                  0 if self.pe is None else self.pe.ptr,
                   b["h"].ptr, D)
         o.rms_norm(b["h"], D, self.layers[0]["input_ln"], b["x"], D, D, B, eps)
         for l, w in enumerate(self.layers):

@@ -68,7 +68,7 @@ SIGNATURES = {
 DENSE_WEIGHT_DTYPES = (np.dtype(np.float32), np.dtype(np.uint16))
 
 
-def _wkernel(name: str, op: str, *weights: DevBuf) -> str:
+def weight_kernel(name: str, op: str, *weights: DevBuf) -> str:
     """The instance of kernel `name` ("linear" -> "linear_kernel" or "linear_bf16_kernel") for these weights,
     which must all have one dtype: float32 or bf16 bits (uint16)."""
     dtypes = {w.dtype for w in weights}
@@ -167,7 +167,7 @@ class Ops:
         V, D = table.shape
         _need(T <= ids.shape[0] and w_norm.shape == (D,), "embedding",
               f"T={T} > ids capacity {ids.shape[0]} or norm weight {w_norm.shape} != ({D},)")
-        self._launch(_wkernel("embedding", "embedding", table), (T,), ids.ptr, table.ptr, _ptr(out), D, w_norm.ptr,
+        self._launch(weight_kernel("embedding", "embedding", table), (T,), ids.ptr, table.ptr, _ptr(out), D, w_norm.ptr,
                      _ptr(y), eps)
 
     def rms_norm(self, x, x_stride: int, w: DevBuf, y, y_stride: int, n: int, T: int, eps: float) -> None:
@@ -188,11 +188,11 @@ class Ops:
         _need(W.shape[-2:] == (O, I), "linear", f"weight {W.shape} is not [.., O={O}, I={I}]")
         _need(x_stride >= I and y_stride >= O, "linear", f"strides x {x_stride} < I={I} or y {y_stride} < O={O}")
         if T == 1:                                  # a GEMV: one warp per output streams W once
-            self._launch(_wkernel("linear", "linear", W), (-(-O // WARPS_PER_BLOCK), 1, B), _ptr(x), W.ptr, _ptr(y),
+            self._launch(weight_kernel("linear", "linear", W), (-(-O // WARPS_PER_BLOCK), 1, B), _ptr(x), W.ptr, _ptr(y),
                          I, O, x_stride, y_stride, x_bstride, w_bstride, y_bstride)
         else:                                       # LINEAR_ROWS rows per warp: W read once per row block,
             grid = (-(-O // WARPS_PER_BLOCK), -(-T // LINEAR_ROWS), B)   # each row the bits linear_kernel gives
-            self._launch(_wkernel("linear_rows", "linear", W), grid, _ptr(x), W.ptr, _ptr(y), T, I, O, x_stride,
+            self._launch(weight_kernel("linear_rows", "linear", W), grid, _ptr(x), W.ptr, _ptr(y), T, I, O, x_stride,
                          y_stride, x_bstride, w_bstride, y_bstride)
 
     # ------------------------------------------------------------ attention and cache
@@ -241,13 +241,13 @@ class Ops:
               f"partials {partials.shape} < [{n_split * T * H}, {C + 2}]")
         self.linear(cq, w_qb, q, T, Q, H * (N + R))
         tok_blocks, row_tiles = -(-T // ATTN_TOKENS), -(-T * H // ATTN_TILE)
-        self._launch(_wkernel("mla_qprep", "mla_attention", w_uk), (H, tok_blocks, -(-C // BLOCK[0])), _ptr(q),
+        self._launch(weight_kernel("mla_qprep", "mla_attention", w_uk), (H, tok_blocks, -(-C // BLOCK[0])), _ptr(q),
                      positions.ptr, inv_freq.ptr, attn_factor, w_uk.ptr, qs.ptr, T, H, N, R, C)
         self._launch("mla_scores_kernel", (row_tiles, -(-S_cap // ATTN_TILE)), qs.ptr, _ptr(c_kv), _ptr(k_pe),
                      meta.ptr, 0 if mask is None else _ptr(mask), mask_stride, scores.ptr, S_cap, T, H, C, R, scale)
         self._launch("mla_pv_kernel", (row_tiles * -(-C // ATTN_TILE), n_split), scores.ptr, S_cap, _ptr(c_kv),
                      meta.ptr, partials.ptr, T, H, C)
-        self._launch(_wkernel("mla_merge_uv", "mla_attention", w_uv), (H, tok_blocks, -(-U // ATTN_MERGE_U)),
+        self._launch(weight_kernel("mla_merge_uv", "mla_attention", w_uv), (H, tok_blocks, -(-U // ATTN_MERGE_U)),
                      partials.ptr, n_split, meta.ptr, w_uv.ptr, _ptr(o), T, H, C, U)
 
     def kv_compact(self, cache_ckv: DevBuf, cache_kpe: DevBuf, keep: DevBuf, n: int, start: int) -> None:
@@ -281,7 +281,8 @@ class Ops:
         nk = S - k0 if nk is None else nk
         _need(Wu.shape == Wg.shape, "swiglu_gate_up", f"gate {Wg.shape} and up {Wu.shape} differ")
         _need(0 <= k0 and k0 + nk <= S, "swiglu_gate_up", f"slots {k0}..{k0 + nk - 1} outside 0..{S - 1}")
-        self._launch(_wkernel("swiglu_gate_up", "swiglu_gate_up", Wg, Wu), (-(-I // WARPS_PER_BLOCK), T * nk), _ptr(x), Wg.ptr, Wu.ptr,
+        self._launch(weight_kernel("swiglu_gate_up", "swiglu_gate_up", Wg, Wu), (-(-I // WARPS_PER_BLOCK), T * nk),
+                     _ptr(x), Wg.ptr, Wu.ptr,
                      _ptr(slot_ids), _ptr(act), D, I, S, k0, nk, e_base)
 
     def expert_down(self, act, Wd: DevBuf, slot_ids, y, T: int, S: int, k0: int = 0, nk: int | None = None,
@@ -289,7 +290,8 @@ class Ops:
         _, D, I = Wd.shape
         nk = S - k0 if nk is None else nk
         _need(0 <= k0 and k0 + nk <= S, "expert_down", f"slots {k0}..{k0 + nk - 1} outside 0..{S - 1}")
-        self._launch(_wkernel("expert_down", "expert_down", Wd), (-(-D // WARPS_PER_BLOCK), T * nk), _ptr(act), Wd.ptr, _ptr(slot_ids),
+        self._launch(weight_kernel("expert_down", "expert_down", Wd), (-(-D // WARPS_PER_BLOCK), T * nk), _ptr(act),
+                     Wd.ptr, _ptr(slot_ids),
                      _ptr(y), I, D, S, k0, nk, e_base)
 
     def w4a16_gate_up(self, x, qg: DevBuf, sg: DevBuf, qu: DevBuf, su: DevBuf, slot_ids, act, T: int, S: int,

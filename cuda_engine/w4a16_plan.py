@@ -109,9 +109,11 @@ def w4a16_rows_regime(Nb: int, G: int, Z: int, resident: int, sm_count: int, M: 
 # per grid z up to MOE_PAIRS_MAX_TOKENS tokens (an expert read once per pair: the pairs that share it find it in
 # L2 or not), the grouped path above (each touched expert read once for all its pairs). Measured on the H200 at
 # K2.6's shapes (384 experts top-8): the pairs took 1.29-1.50x the distinct experts' copy floor for 2-17 tokens
-# under independent routing (grouped 1.80-2.14x), and under correlated routing 1.86-2.13x up to 17 tokens (grouped
-# 2.12-2.82x); at 33 tokens the grouped path won under correlated routing (2.38x against 2.62x). From 5 tokens the
-# two paths give the same bits (each token's int8 digits and sums are the per-pair path's).
+# under independent routing (grouped 1.80-2.14x), and under correlated routing 1.86-2.61x up to 17 tokens (grouped
+# 2.12-2.82x; equal at 17); at 33 tokens the grouped path won under correlated routing (2.38x against 2.62x). The
+# two paths run each token's int8 digits alike but may split the sum over input groups differently (the planner
+# plans each launch by its grid), so their bits may differ within float32 rounding: they did at 2 and 3 tokens at
+# K2.6's shapes, and in the tiny bundles' 5- and 10-token prefills.
 MOE_PAIRS_MAX_TOKENS = 17
 
 
