@@ -167,6 +167,10 @@ def measure(shapes: dict, contexts, layers: int = 3, reps: int = 5, share: float
     (complete: False until the end)."""
     from cuda_engine.device import device_info
 
+    from bench.k26_ddtree import DENSE_ITEMSIZE
+
+    if dense not in DENSE_ITEMSIZE:
+        raise ValueError(f"dense weights {dense!r}: choose one of {', '.join(DENSE_ITEMSIZE)}")
     t_start = time.perf_counter()
     budgets = sorted(shapes)
     T_cap = 1 << (max(len(p) for p in shapes.values()) - 1).bit_length()

@@ -47,6 +47,7 @@ def summarize(gpu: dict) -> list[dict]:
     MoE half against the copy floor of its experts' bytes (the distinct routed ones and the shared one at the
     measured copy bandwidth; the half also holds the router and the combine)."""
     ms = [m for m in gpu.get("measurements", []) if m["us_layer"] is not None and m["distinct_routed"] is not None]
+    dense = gpu.get("dense", "float32")                # runs before --k26-dense held them as float32
     copy = gpu.get("copy_gbps")
     out = []
     for ctx in gpu.get("contexts", []):
@@ -62,7 +63,7 @@ def summarize(gpu: dict) -> list[dict]:
                 moe = [m["us_moe"] for m in with_moe]
                 mla = [m["us_mla"] for m in sel if m.get("us_mla") is not None]
                 dist = float(np.mean([m["distinct_routed"] for m in sel]))
-                nbytes = layer_bytes(dist, sel[0]["rows"], ctx)
+                nbytes = layer_bytes(dist, sel[0]["rows"], ctx, dense)   # the dense weights as this run held them
                 floor = (dist + K26["n_shared_experts"]) * expert_bytes() / copy / 1e3 if copy else None
                 out.append({"context": ctx, "routing": routing, "budget": b, "rows": sel[0]["rows"],
                             "layers": len(sel), "us_layer": us, "us_moe": float(np.mean(moe)) if moe else None,
@@ -113,7 +114,7 @@ def report(rounds, shapes, synthesised, acceptance, routing_model, gpu: dict | N
     summary = summarize(gpu) if gpu else []
     proj = projections(summary, acceptance, draft)
     return {"what": "kdtr bench ddtree --k26 (docs/k26-scale.md)", "dims": K26, "expert_bytes": expert_bytes(),
-            "dense_bytes": dense_bytes(), "budgets": sorted(shapes),
+            "dense_bytes": dense_bytes(dense=gpu.get("dense", "float32") if gpu else "bf16"), "budgets": sorted(shapes),
             "shapes": {str(b): {"rows": len(p), "synthesised": synthesised[b], "parents": p.tolist()}
                        for b, p in sorted(shapes.items())},
             "shapes_from": {k: rounds[0][k] for k in ("bundle", "prompt", "round")},

@@ -77,7 +77,8 @@ def _canonical_command(ctx: click.Context) -> str:
 @click.option("--preset", metavar="[" + "|".join(sorted(PRESETS)) + "]", default="tiny", show_default=True,
               help="Model preset (refmodel.config.PRESETS): tiny (the committed bundles' target), shardable (for "
                    "TP/EP over 2, 4, 8 ranks), edge and wide (the widths that run every CUDA kernel path), "
-                   "k26-slice (K2.6's true layer shapes, 3 layers), k26 (the full model: listed, refused: too "
+                   "tiny-slice (tiny stored as K2.6 ships: bf16 dense weights, INT4 experts), k26-slice (K2.6's true "
+                   "layer shapes, 3 layers), k26 (the full model: listed, refused: too "
                    "large). docs/golden-bundles.md describes each.")
 @click.option("--quant", type=click.Choice(["fp32", "int4"]), default=None,
               help="fp32 weights, or INT4 W4A16 group-32 (compressed-tensors layout). Default: the model's "

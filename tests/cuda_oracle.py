@@ -23,8 +23,8 @@ def committed_bundles() -> list[str]:
 def moe_launches(D: int, I: int, E: int, K: int, sm: int, moe: bool = True, tokens=range(1, 65)) -> list[tuple]:
     """(path, weight, T, entry, blocks, k splits, regime) of the CUDA engine's fast MoE launches for hidden D,
     expert width I, E experts top-K: the decode step and every forward of 2..64 tokens (prefill, a tree verify),
-    a pair per z up to w4a16_plan.MOE_PAIRS_MAX_TOKENS, above on the grouped path (moe_path), planned by cuda_engine/w4a16_plan.py on a GPU of `sm` SMs with
-    the one-token entry at 3 blocks per SM and the others at 2 (docs/cuda-engine.md). moe=False: as the
+    a pair per z up to w4a16_plan.MOE_PAIRS_MAX_TOKENS, above on the grouped path (moe_path), planned by
+    cuda_engine/w4a16_plan.py on a GPU of `sm` SMs with the one-token entry at 3 blocks per SM and the others at 2 (docs/cuda-engine.md). moe=False: as the
     planner chose before the MoE paths had their own row counts (every row count, the single-weight regime)."""
     from cuda_engine.w4a16_plan import (W4A16_DIGITS_ROWS, W4A16_ROWS, moe_path, w4a16_groups_cap, w4a16_launch,
                                         w4a16_rows_regime)

@@ -121,8 +121,9 @@ def test_the_edge_bundle_reaches_the_edge_paths():
 
 def test_the_wide_bundle_reaches_the_k26_entries():
     """What the wide bundle is for (docs/golden-bundles.md, "The wide bundle"): on the H200's 132 SMs its MoE
-    decode step and every forward of 2 or more tokens take the fast W4A16 planner's many-row regime on the
-    8-row-block entries, as K2.6's MoE layers do, and its vocabulary takes the DDTree top-K past the in-block
+    decode step and every forward of 2 or more tokens (pairs up to 17 tokens, grouped above) take the fast W4A16
+    planner's many-row regime on the 8-row-block entries, as K2.6's MoE layers do, and its vocabulary takes the
+    DDTree top-K past the in-block
     sort. The planner is the engine's own (cuda_engine/w4a16_plan.py), at the residency the engine measures
     there (docs/cuda-engine.md); which entries a verify really ran, the proofs record
     (tests/test_cuda_entries_ran.py)."""

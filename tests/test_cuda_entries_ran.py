@@ -20,7 +20,7 @@ from cuda_oracle import committed_bundles, moe_launches
 PROOFS = [proof_path(b, m) for b in committed_bundles() for m in proof_modes(b)]
 ENGINE_PY = Path(__file__).resolve().parent.parent / "cuda_engine" / "engine.py"
 # The engine launches w4a16_mma on two paths only (cuda_engine/engine.py, checked below): one (token, slot) pair
-# per z at one token, and the grouped path of a forward over several tokens on the int8 digits. On those the
+# per z up to w4a16_plan.MOE_PAIRS_MAX_TOKENS tokens, and the grouped path of a larger forward on the int8 digits. On those the
 # planner picks from two families at the MoE paths' row counts, whatever the shape (checked below): these are
 # the entries the engine ships.
 ENGINE_W4A16 = {W4A16_ROWS[1][r] for r in W4A16_MOE_ROWS} | set(W4A16_DIGITS_ROWS.values())
@@ -33,8 +33,8 @@ W4A16_ALL = ({n for table in W4A16_ENTRIES.values() for _, n in table} | set(W4A
 # (the linear path's, single weights)
 BENCH_ONLY = {"stream_read_kernel", *(W4A16_ALL - ENGINE_W4A16)}
 SHIPPED = sorted((set(SIGNATURES) | set(DRAFTER_SIGNATURES)) - BENCH_ONLY)
-# The engine's fast W4A16 launches are FP32-faithful and of at most 16 tokens per z (the slot path at one token,
-# the grouped path from two), so their regimes are w4a16_rows_plan's of the MoE paths; "rows" (a single
+# The engine's fast W4A16 launches are FP32-faithful and of at most 16 tokens per z (the slot path up to 17
+# tokens, the grouped path above), so their regimes are w4a16_rows_plan's of the MoE paths; "rows" (a single
 # weight's), "wave" (17-64 tokens, bf16) and "forced" (a test's rows=) are not the engine's. Its paths: one
 # pair per z, and groups of pairs.
 ENGINE_REGIMES = [r for r in W4A16_REGIMES if r not in ("rows", "wave")]
@@ -67,7 +67,7 @@ def _w4a16_calls(path: Path) -> list[dict]:
 
 def test_the_engine_launches_w4a16_mma_only_on_its_two_paths():
     """What makes the three-bf16-terms and bf16 entries bench-only: every launch in the engine passes slot_ids
-    (the one-token pairs path) or groups with digits=True (the grouped path), never numerics= or rows=."""
+    (the pairs path) or groups with digits=True (the grouped path), never numerics= or rows=."""
     calls = _w4a16_calls(ENGINE_PY)
     assert len(calls) >= 4, "the engine's MoE paths launch w4a16_mma at least four times"
     for kw in calls:
