@@ -35,12 +35,20 @@ def _group(pgid: int) -> list[str]:
     return out
 
 
+def default_sigint() -> None:
+    """In the child before exec: SIGINT to its default, as a terminal gives it. A test suite started in the
+    background of a non-interactive shell ignores SIGINT, and an ignored signal stays ignored across exec
+    (POSIX): the child would then never see the Ctrl-C this test sends."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _interrupt(argv: list[str], log, ready: str, timeout: float = 240.0) -> tuple[int, str]:
     """Run kdtr argv with stderr to `log`; once `ready` is in the log, SIGINT the process group. Returns
     (exit code, log text) after checking that no process of the group outlives the run by 10 s."""
     with open(log, "w") as fh:
         proc = subprocess.Popen([sys.executable, "-m", "cli.main", *argv], cwd=ROOT, stdout=fh, stderr=fh,
-                                env={**os.environ, "PYTHONPATH": ROOT}, start_new_session=True)
+                                env={**os.environ, "PYTHONPATH": ROOT}, start_new_session=True,
+                                preexec_fn=default_sigint)
     try:
         t0 = time.monotonic()
         while ready not in open(log).read():

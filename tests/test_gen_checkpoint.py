@@ -29,6 +29,7 @@ from refmodel.model import forward
 from refmodel.stored import Mapped
 from refmodel.truncate import LayersError, mapped_weights, open_truncated
 from test_import_checkpoint import build_checkpoint
+from test_cli_interrupt import default_sigint
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "bench", "bench_gen_checkpoint.py")
@@ -185,7 +186,7 @@ def test_a_gen_interrupted_while_writing_leaves_nothing(many_experts, tmp_path):
                              "--layers", "3", "--num-prompts", "1", "--max-new-tokens", "2", "--long-position", "0",
                              "--bf16-profile", "no", "--budget", "2", "--distill-steps", "0",
                              "--out", str(out_dir / "b.kdtr")], cwd=REPO, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+                            stderr=subprocess.DEVNULL, preexec_fn=default_sigint)   # SIGINT not left ignored
     deadline = time.monotonic() + 120
     while not list(out_dir.iterdir()) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
