@@ -41,13 +41,19 @@ def routing_table(shapes: dict, shares=(0.0, 0.25, 0.5, 0.75), samples: int = 64
     return rows
 
 
+def held_dense(gpu: dict | None) -> str:
+    """How a device run held the layers' dense weights ("bf16" or "float32"; runs before --k26-dense: float32);
+    without a run, the model's own storage, bf16."""
+    return "bf16" if gpu is None else gpu.get("dense", "float32")
+
+
 def summarize(gpu: dict) -> list[dict]:
     """Per context, routing and budget: the mean over layers of the measured verify and AR times, their
     ratio, the MoE half, the distinct routed experts and the least bytes over the time (effective GB/s); the
     MoE half against the copy floor of its experts' bytes (the distinct routed ones and the shared one at the
     measured copy bandwidth; the half also holds the router and the combine)."""
     ms = [m for m in gpu.get("measurements", []) if m["us_layer"] is not None and m["distinct_routed"] is not None]
-    dense = gpu.get("dense", "float32")                # runs before --k26-dense held them as float32
+    dense = held_dense(gpu)
     copy = gpu.get("copy_gbps")
     out = []
     for ctx in gpu.get("contexts", []):
@@ -114,7 +120,7 @@ def report(rounds, shapes, synthesised, acceptance, routing_model, gpu: dict | N
     summary = summarize(gpu) if gpu else []
     proj = projections(summary, acceptance, draft)
     return {"what": "kdtr bench ddtree --k26 (docs/k26-scale.md)", "dims": K26, "expert_bytes": expert_bytes(),
-            "dense_bytes": dense_bytes(dense=gpu.get("dense", "float32") if gpu else "bf16"), "budgets": sorted(shapes),
+            "dense_bytes": dense_bytes(dense=held_dense(gpu)), "budgets": sorted(shapes),
             "shapes": {str(b): {"rows": len(p), "synthesised": synthesised[b], "parents": p.tolist()}
                        for b, p in sorted(shapes.items())},
             "shapes_from": {k: rounds[0][k] for k in ("bundle", "prompt", "round")},
@@ -173,7 +179,7 @@ def table(r: dict) -> str:
     if r["gpu"]:
         g = r["gpu"]
         lines.append(f"{g.get('device', '?')}: {g['layers']} random-weight K2.6 MoE layers, {g['reps']} replays per "
-                     f"measurement ({g.get('timing', '?')}), dense weights {g.get('dense', 'float32')}, "
+                     f"measurement ({g.get('timing', '?')}), dense weights {held_dense(g)}, "
                      f"correlated share {g['share']}, "
                      f"{g.get('elapsed_s', 0):.0f} s, {g.get('skipped', 0)} skipped"
                      + ("" if g.get("complete") else ", INCOMPLETE"))

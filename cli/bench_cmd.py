@@ -150,6 +150,15 @@ def _k26_report():
     return run, table
 
 
+def _is_slice(path: str) -> bool:
+    """A slice bundle (its metadata records `slice`: docs/golden-bundles.md): its drafter is untrained, so its
+    acceptance is no drafter's and the K2.6 bench's default bundles leave it out."""
+    from kdtr_format import open_kdtr
+
+    with open_kdtr(path) as f:
+        return "slice" in f.metadata
+
+
 def _k26(bundles, json_path, quick, share, draft, time_budget, no_device, dense: str = "bf16") -> None:
     """`kdtr bench ddtree --k26`: bench/k26_ddtree_report.run, its tables, its JSON (rewritten after each layer
     and context of the device run, so a run cut short keeps what ran); exit 6 when the device part did not run
@@ -162,8 +171,7 @@ def _k26(bundles, json_path, quick, share, draft, time_budget, no_device, dense:
         click.echo(f"kdtr bench ddtree --k26: {e}: it needs the repository's bench/ folder (not installed with the "
                    f"package): run it from a clone of the repository", err=True)
         sys.exit(int(ExitCode.ENGINE_ERROR))
-    # the slices' drafters are untrained (docs/golden-bundles.md): their acceptance is not a drafter's
-    bundles = bundles or tuple(b for b in sorted(glob.glob("bundles/*.kdtr")) if not b.endswith("_slice.kdtr"))
+    bundles = bundles or tuple(b for b in sorted(glob.glob("bundles/*.kdtr")) if not _is_slice(b))
     save = (lambda r: _write_json(json_path, r, "kdtr bench ddtree")) if json_path else None
     r = run(bundles, quick, share, draft, time_budget_s=time_budget, progress=lambda m: click.echo(m, err=True),
             checkpoint=save, device=not no_device, dense=dense)
