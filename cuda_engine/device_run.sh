@@ -81,6 +81,9 @@ step kdtr verify bundles/model_tiny.kdtr --engine auto
 # tiles' shared-memory traffic keeps racecheck past 150 s
 step timeout 150 compute-sanitizer --tool racecheck --kernel-name kns=mla_ --error-exitcode 9 \
     python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_kernels.py -k mla_attention
+# racecheck over the tensor-core linear's tests (its 8 warps' sums meet in shared memory), every launch shape
+step timeout 150 compute-sanitizer --tool racecheck --kernel-name kns=linear_mma --error-exitcode 9 \
+    python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_kernels.py -k linear_mma
 # racecheck over the entries of 1..5 tokens with 1, 2, 4 and 8 row blocks per block through their GPU tests,
 # every launch shape they have (the INT4 verify above runs only those its own shapes pick)
 step timeout 240 compute-sanitizer --tool racecheck --kernel-name kns=w4a16_mma --error-exitcode 9 \

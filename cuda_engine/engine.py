@@ -88,7 +88,8 @@ class CudaEngine:
         if self.w4a16 not in W4A16_MODES:
             raise CudaEngineError(f"w4a16 mode {self.w4a16!r}: choose one of {', '.join(W4A16_MODES)} (--w4a16)")
         # dense matmul weights: "stored" = a bundle's bfloat16 ones stay bfloat16 on the device (half the bytes;
-        # the kernels widen them exactly, so the bits are those of "float32", every dense weight upcast at load)
+        # the kernels widen them exactly, so one-row results are the bits of "float32", every dense weight upcast
+        # at load; a linear of 2 or more rows runs on the tensor cores instead: FP32-faithful, other bits)
         if dense not in DENSE_MODES:
             raise CudaEngineError(f"dense weights {dense!r}: choose one of {', '.join(DENSE_MODES)}")
         self.dense = dense

@@ -23,6 +23,7 @@ ATTN_MAX_C, ATTN_MAX_R, ATTN_MAX_N, ATTN_MAX_SPLIT = 512, 128, 256, 32   # kerne
 ATTN_TILE, ATTN_TOKENS, ATTN_MERGE_U = 64, 8, 64   # kernels/attention.cu: GEMM tile; tokens per qprep / merge_uv block; W_uv rows per merge_uv block
 ROUTER_MAX_E, ROUTER_MAX_GROUPS, MOE_MAX_SLOTS = 1024, 64, 64   # kernels/moe.cu
 LINEAR_ROWS = 8                   # kernels/linear.cu, linear_rows_kernel: rows per warp
+LMMA_OUT, LMMA_ROWS = 32, 16      # kernels/linear.cu, linear_mma_bf16_kernel: outputs and x rows per block
 COMBINE_DSLICE = 32 * WARPS_PER_BLOCK   # kernels/moe.cu: the elements of a row one combine block owns
 W4A16_CHUNK_WORDS = 144             # kernels/w4a16_mma.cu
 MOE_GROUP_MAX_E = ROUTER_MAX_E + 1  # kernels/moe.cu, moe_group_kernel: the routed experts and the shared one
@@ -36,7 +37,7 @@ SIGNATURES = {
     "linear_kernel": "PPPiiiiqqq",
     "linear_rows_kernel": "PPPiiiiiqqq",
     "linear_bf16_kernel": "PPPiiiiqqq",
-    "linear_rows_bf16_kernel": "PPPiiiiiqqq",
+    "linear_mma_bf16_kernel": "PPPiiiiiqqq",
     "mla_latent_kernel": "PiiiPPfPPPPPPPd",
     "mla_qprep_kernel": "PPPdPPiiiii",
     "mla_qprep_bf16_kernel": "PPPdPPiiiii",
@@ -190,6 +191,10 @@ class Ops:
         if T == 1:                                  # a GEMV: one warp per output streams W once
             self._launch(weight_kernel("linear", "linear", W), (-(-O // WARPS_PER_BLOCK), 1, B), _ptr(x), W.ptr, _ptr(y),
                          I, O, x_stride, y_stride, x_bstride, w_bstride, y_bstride)
+        elif W.dtype == np.uint16:                  # bf16 weights: the tensor cores, x split into three bf16
+            grid = (-(-O // LMMA_OUT), -(-T // LMMA_ROWS), B)   # terms (FP32-faithful), W read once per 16 rows
+            self._launch("linear_mma_bf16_kernel", grid, _ptr(x), W.ptr, _ptr(y), T, I, O, x_stride, y_stride,
+                         x_bstride, w_bstride, y_bstride)
         else:                                       # LINEAR_ROWS rows per warp: W read once per row block,
             grid = (-(-O // WARPS_PER_BLOCK), -(-T // LINEAR_ROWS), B)   # each row the bits linear_kernel gives
             self._launch(weight_kernel("linear_rows", "linear", W), grid, _ptr(x), W.ptr, _ptr(y), T, I, O, x_stride,
@@ -206,13 +211,14 @@ class Ops:
                      _ptr(ckv_layer), _ptr(kpe_layer), meta.ptr, positions.ptr, inv_freq.ptr, attn_factor)
 
     def attn_splits(self, T: int, H: int, C: int) -> int:
-        """The chunks mla_pv_kernel splits the cache rows into for T tokens: enough blocks for two per SM, at most
+        """The chunks mla_pv_kernel splits the cache rows into for T tokens: as many as two blocks per SM hold in
+        one wave (rounded down: a second wave of a few blocks would cost a whole chunk's time), at most
         ATTN_MAX_SPLIT. It depends on (T, H, C) and the GPU alone, not on the cache's capacity, so a forward sums
         in the same order whatever the buffers have grown to. A chunk past the cache's rows (ceil(S / chunk) and
         on, S read on the device) costs a block that writes m = -inf, l = 0, o = 0; the merge leaves it out, where
         it would have added exactly 0."""
         blocks = -(-T * H // ATTN_TILE) * -(-C // ATTN_TILE)
-        return max(1, min(ATTN_MAX_SPLIT, -(-2 * self.sm_count // blocks)))
+        return max(1, min(ATTN_MAX_SPLIT, 2 * self.sm_count // blocks))
 
     def attn_partials_rows(self, T_cap: int, H: int, C: int) -> int:
         """Rows of [C + 2] floats the partials scratch needs for any forward of 1 .. T_cap tokens."""

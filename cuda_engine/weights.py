@@ -4,8 +4,9 @@ matrices. Host-side only (NumPy); the engine uploads the result once.
 Dense weights are float32, except that a matmul weight the bundle stores as bfloat16 (a real checkpoint's
 attention projections, router, shared expert, dense MLP, embedding and lm_head; BF16_WEIGHTS) stays bfloat16,
 as raw bits (uint16), when asked (the engine's default, `dense="stored"`): the kernels widen it exactly as they
-read it (kernels/common.cuh, wval), so the results are the bits of the float32 path at half the bytes. Norm
-weights and the router's bias are always float32.
+read it (kernels/common.cuh, wval), so the results are the bits of the float32 path at half the bytes, except a
+linear of 2 or more rows, which multiplies bf16 weights on the tensor cores (kernels/linear.cu,
+linear_mma_bf16_kernel: FP32-faithful, other bits). Norm weights and the router's bias are always float32.
 
 Legend: L layers, D hidden_size, H heads, N qk_nope_head_dim, U v_head_dim, C kv_lora_rank,
 E routed experts, I expert / MLP width.

@@ -82,7 +82,8 @@ def test_linear(ops, T, I, O):
 
 @pytest.mark.parametrize("T,I,O", [(2, 31, 17), (8, 64, 7), (9, 257, 9), (17, 7168, 64), (33, 1536, 200)])
 def test_linear_rows_are_the_one_row_bits(ops, T, I, O):
-    """T >= 2 runs linear_rows_kernel (several rows per warp, W read once per row block); every row is the
+    """T >= 2 with float32 weights runs linear_rows_kernel (several rows per warp, W read once per row block; bf16
+    weights: test_linear_mma_bf16); every row is the
     bits the one-row kernel gives it (T = 1 per row), not merely within tolerance: row blocks of 8, a last
     block of 1 (T = 9, 17, 33), fewer outputs than a block's warps."""
     rng = np.random.default_rng(T * 7 + I)
@@ -96,6 +97,46 @@ def test_linear_rows_are_the_one_row_bits(ops, T, I, O):
         rows.append(yt.get()[0])
     np.testing.assert_array_equal(y.get(), np.stack(rows))
     check(f"linear rows T={T} I={I} O={O}", y.get(), x.astype(np.float64) @ W.astype(np.float64).T, x @ W.T)
+
+
+@pytest.mark.parametrize("T,B,I,O,spread", [
+    (2, 1, 1, 1, 0), (3, 1, 31, 17, 0), (5, 1, 37, 193, 0), (16, 1, 64, 33, 0), (17, 1, 257, 65, 0),
+    (2, 3, 40, 9, 0),                                              # batched, a head stride wider than I
+    (5, 1, 7168, 2112, 0), (5, 1, 64 * 128, 7168, 0), (33, 1, 1536, 64 * 192, 0), (64, 1, 7168, 384, 0),  # K2.6
+    (9, 1, 7168, 96, 30),                                          # x over 2^+-30: the three terms' exponents
+])
+def test_linear_mma_bf16(ops, T, B, I, O, spread):
+    """T >= 2 rows with bf16 weights run linear_mma_bf16_kernel (tensor cores, x split into three bf16 terms):
+    within the fp32 bound of the float64 product of the same values, the same bits on a second launch. Shapes:
+    a single element, I not a multiple of 8 (the unaligned loads), row blocks of 16 plus one, outputs past a
+    block of 32, K2.6's projections, x spanning 60 binades."""
+    from kdtr_format.bf16 import bf16_bits, bf16_to_float32
+
+    rng = np.random.default_rng(T * I + O)
+    x = rand(rng, T, B, I + 3)
+    if spread:
+        x *= np.exp2(rng.integers(-spread, spread + 1, x.shape)).astype(np.float32)
+    W16 = bf16_bits(rand(rng, B, O, I, scale=I ** -0.5))
+    W = bf16_to_float32(W16)
+    y = dev(np.zeros((T, B, O), np.float32))
+    args = (dev(x), dev(W16), y, T, I, O)
+    kw = dict(x_stride=B * (I + 3), y_stride=B * O, B=B, x_bstride=I + 3, w_bstride=O * I, y_bstride=O)
+    before = ops.ran.get("linear_mma_bf16_kernel", 0)
+    run(ops, ops.linear, *args, **kw)
+    assert ops.ran.get("linear_mma_bf16_kernel", 0) == before + 1
+    first = y.get()
+    run(ops, ops.linear, *args, **kw)
+    np.testing.assert_array_equal(y.get(), first)
+    x64 = x[..., :I].astype(np.float64)
+    oracle = np.einsum("tbi,boi->tbo", x64, W.astype(np.float64))
+    check(f"linear mma bf16 T={T} B={B} I={I} O={O}", first, oracle, np.einsum("tbi,boi->tbo", x[..., :I], W))
+    # and per element, within the worst-case bound of a float32 sum of I exact products, n u sum |x W| with the
+    # tensor cores' truncating unit u = 2^-23 and n = I additions plus 64 (an mma aligns its 16 products and its
+    # accumulator before it adds, twice per 32-k step, 34 chained; then the 8 warps' sum): small outputs beside
+    # large ones are held too, which the max-abs check above is not
+    bound = (I + 64) * 2.0**-23 * np.einsum("tbi,boi->tbo", np.abs(x64), np.abs(W.astype(np.float64)))
+    err = np.abs(first - oracle)
+    assert (err <= bound).all(), f"max err / bound {np.max(err / np.maximum(bound, 1e-300)):.3g}"
 
 
 @pytest.mark.parametrize("T,B,I,O", [(1, 1, 1, 1), (3, 5, 17, 9), (1, 64, 128, 512), (2, 64, 512, 128),

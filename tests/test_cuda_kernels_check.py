@@ -174,6 +174,20 @@ def test_linear_rows_match_the_kernel():
     assert re.search(r"#define LINEAR_ROWS (\d+)", (KERNEL_DIR / "linear.cu").read_text())[1] == str(LINEAR_ROWS)
 
 
+def test_linear_mma_tile_matches_the_kernel():
+    """ops.py launches ceil(O / LMMA_OUT) x ceil(T / LMMA_ROWS) blocks of linear_mma_bf16_kernel; a block of
+    kernels/linear.cu computes LMMA_OUT outputs of LMMA_ROWS rows: another kernel value would leave outputs
+    unwritten or write past y."""
+    import re
+
+    from cuda_engine.build import KERNEL_DIR
+    from cuda_engine.ops import LMMA_OUT, LMMA_ROWS
+
+    src = (KERNEL_DIR / "linear.cu").read_text()
+    assert re.search(r"#define LMMA_OUT (\d+)", src)[1] == str(LMMA_OUT)
+    assert re.search(r"#define LMMA_ROWS (\d+)", src)[1] == str(LMMA_ROWS)
+
+
 def test_grouped_moe_groups_cap_holds_for_every_routing():
     """The grouped MoE path launches w4a16_groups_cap(P, E, MT) z's and moe_group_kernel writes at most that
     many groups: every count of P pairs over E experts cut into chunks of MT needs no more (random routings,

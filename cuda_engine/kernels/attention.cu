@@ -22,16 +22,16 @@
 // Limits: C <= ATTN_MAX_C, R <= ATTN_MAX_R, N <= ATTN_MAX_N, n_split <= ATTN_MAX_SPLIT (K2.6: 512, 64, 128).
 #include "common.cuh"
 #include "rope.cuh"
+#include "tensor_core.cuh"
 
 #define ATTN_MAX_C 512
 #define ATTN_MAX_R 128
 #define ATTN_MAX_N 256
 #define ATTN_MAX_SPLIT 32
 #define ATTN_TOKENS 8                         // tokens per block in qprep and merge_uv: W_uk[h], W_uv[h] read once for them
-#define TILE 64                               // the GEMMs' 64 x 64 output tile, 4 x 4 per thread
-#define KSTEP 32                              // the GEMMs' k step (shared tiles [KSTEP][TILE + 4])
+#define TILE 64                               // the GEMMs' 64 x 64 output tile: four m16n8 mma tiles per warp
+#define KSTEP 32                              // the GEMMs' k step (staged in shared memory as bf16 terms)
 #define LOADS (TILE * KSTEP / BLOCK_THREADS)   // elements of each tile a thread loads per k step
-#define TPAD 4
 #define ROW_LANES 8                           // lanes that share one row of W_uv in merge_uv
 #define MERGE_U 64                            // rows of W_uv per merge_uv block
 #define GEMM_BLOCKS_PER_SM 2                  // the two GEMMs: registers capped at 128 so two blocks share an SM
@@ -88,20 +88,77 @@ extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM) m
     mla_qprep_body(q, positions, inv_freq, attn_factor, w_uk, qs, T, H, N, R, C);
 }
 
-// The FMAs of one k step of a 64x64 tile GEMM: thread (ty, tx) adds the 4x4 products of rows ty*4.. of As and
-// columns tx*4.. of Bs, k in order (mla_scores_kernel and mla_pv_kernel).
-__device__ __forceinline__ void tile_fma(const float (&As)[KSTEP][TILE + TPAD], const float (&Bs)[KSTEP][TILE + TPAD],
-                                         int ty, int tx, float (&acc)[4][4]) {
+// The tensor-core k step of a 64x64 tile GEMM (mla_scores_kernel and mla_pv_kernel), FP32-faithful: the tiles
+// are staged in shared memory as the three bf16 terms of split3 (tensor_core.cuh), A row-major [term][row][k],
+// B [term][col][k] (B_KN = false: the scores' cache rows) or [term][k][col] (B_KN = true: p c_kv's c_kv rows,
+// read with ldmatrix.trans). Warp w owns rows (w % 4) 16 .. +15 and columns (w / 4) 32 .. +31 of the tile: four
+// m16n8 tiles, six mma each per 16 k (mma_split6). `hi` starts afresh each k step and is added to `tot`
+// (rounded), `lo` runs over the whole k loop; the element is tot + lo. Fixed order: the same bits every run.
+#define SPITCH (KSTEP + 8)                    // bf16 per [row][k] staging row: 80 bytes, ldmatrix conflict-free
+static_assert(WARPS_PER_BLOCK == 8 && TILE == 64 && KSTEP == 32 && LOADS == 8,
+              "tile_mma's warp tiling (4 x 2 warps of 16 x 32) and the 8-element staging rows assume these");
+#define VPITCH (TILE + 8)                     // bf16 per [k][col] staging row: 144 bytes, the same
+template <bool B_KN>
+__device__ __forceinline__ void tile_mma(const bf16_t (&As)[3][TILE][SPITCH], const bf16_t* Bs, float (&tot)[4][4],
+                                         float (&lo)[4][4]) {
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    const int wm = (warp % 4) * 16, wn = (warp / 4) * 32;
+    float hi[4][4] = {};
 #pragma unroll
-    for (int kk = 0; kk < KSTEP; ++kk) {
-        const float4 a = *reinterpret_cast<const float4*>(&As[kk][ty * 4]);
-        const float4 b = *reinterpret_cast<const float4*>(&Bs[kk][tx * 4]);
-        const float av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
+    for (int ks = 0; ks < KSTEP; ks += 16) {
+        unsigned a[3][4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
+        for (int t = 0; t < 3; ++t) ldsm_x4(a[t], &As[t][wm + lane % 16][ks + (lane / 16) * 8]);
 #pragma unroll
-            for (int jj = 0; jj < 4; ++jj) acc[i][jj] += av[i] * bv[jj];
+        for (int np = 0; np < 2; ++np) {                      // two n8 tiles per ldmatrix.x4: regs {b0, b1} each
+            unsigned b[3][4];
+            const int n = wn + np * 16;
+#pragma unroll
+            for (int t = 0; t < 3; ++t) {
+                if (B_KN)
+                    ldsm_x4_trans(b[t], Bs + ((size_t)t * KSTEP + ks + lane % 8 + ((lane / 8) % 2) * 8) * VPITCH
+                                          + n + (lane / 16) * 8);
+                else
+                    ldsm_x4(b[t], Bs + ((size_t)t * TILE + n + (lane / 16) * 8 + lane % 8) * SPITCH + ks
+                                    + ((lane / 8) % 2) * 8);
+            }
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                mma_split6(hi[np * 2 + h], lo[np * 2 + h], a, &b[0][2 * h], &b[1][2 * h], &b[2][2 * h]);
+        }
     }
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) tot[nt][i] += hi[nt][i];
+}
+
+// Element i of thread `lane`'s m16n8 accumulator tile nt: (row, column) in the 64x64 tile.
+__device__ __forceinline__ int acc_row(int i) {
+    return ((threadIdx.x / WARP_SIZE) % 4) * 16 + (threadIdx.x % WARP_SIZE) / 4 + (i / 2) * 8;
+}
+__device__ __forceinline__ int acc_col(int nt, int i) {
+    return (threadIdx.x / WARP_SIZE / 4) * 32 + nt * 8 + (threadIdx.x % 4) * 2 + i % 2;
+}
+
+// n (<= 8, at most 0: none) consecutive float32 from p, zeros after them; one pair of 16-byte loads when aligned.
+__device__ __forceinline__ void load8(const float* __restrict__ p, int n, float (&v)[8]) {
+    if (n >= 8 && (reinterpret_cast<size_t>(p) & 15) == 0) {
+        const float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
+        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+        return;
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = j < n ? p[j] : 0.0f;
+}
+
+// Eight consecutive float32 staged as their three bf16 terms: 16 bytes per term at dst, dst + plane, dst + 2 plane.
+__device__ __forceinline__ void stage3_x8(const float (&v)[8], bf16_t* dst, int plane) {
+    uint4 t[3];
+    split3_x8(v, t);
+    *reinterpret_cast<uint4*>(dst) = t[0];
+    *reinterpret_cast<uint4*>(dst + plane) = t[1];
+    *reinterpret_cast<uint4*>(dst + 2 * plane) = t[2];
 }
 
 // The rows of one p c_kv chunk (mla_pv_kernel) for S rows in n_split chunks: ceil(S / n_split) rounded up to
@@ -119,48 +176,44 @@ extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, GEMM_BLOCKS_PER_SM)
 mla_scores_kernel(const float* __restrict__ qs, const float* __restrict__ c_kv, const float* __restrict__ k_pe,
                   const int* __restrict__ meta, const float* __restrict__ mask, int mask_stride,
                   float* __restrict__ scores, int S_cap, int T, int H, int C, int R, float scale) {
-    __shared__ __align__(16) float As[KSTEP][TILE + TPAD];
-    __shared__ __align__(16) float Bs[KSTEP][TILE + TPAD];
+    __shared__ __align__(16) bf16_t As[3][TILE][SPITCH];
+    __shared__ __align__(16) bf16_t Bs[3][TILE][SPITCH];
     const int S0 = meta[0], S = S0 + T, TH = T * H, K = C + R;
     const int r0 = blockIdx.x * TILE, s0 = blockIdx.y * TILE;
     if (s0 >= S) return;
-    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
-    float acc[4][4] = {};
-    float ra[LOADS], rb[LOADS];                               // the next k step's tiles, in flight during the FMAs
+    float tot[4][4] = {}, lo[4][4] = {};
+    float ra[LOADS], rb[LOADS];                               // the next k step's tiles, in flight during the MMAs
+    const int ia = threadIdx.x / (KSTEP / LOADS), ka = (threadIdx.x % (KSTEP / LOADS)) * LOADS;   // 8 in a row
     auto load = [&](int k0) {
+        const int r = r0 + ia, s = s0 + ia, k = k0 + ka;      // (rows past TH or S: nothing read, row 0 named)
+        load8(qs + (r < TH ? (size_t)r * K + k : 0), r < TH ? K - k : 0, ra);
+        if (s >= S || k + LOADS <= C)                          // the row's 8 columns: all c_kv, all k_pe, or both
+            load8(c_kv + (s < S ? (size_t)s * C + k : 0), s < S ? C - k : 0, rb);
+        else if (k >= C)
+            load8(k_pe + (size_t)s * R + k - C, K - k, rb);
+        else
 #pragma unroll
-        for (int j = 0; j < LOADS; ++j) {
-            const int e = threadIdx.x + j * BLOCK_THREADS, i = e / KSTEP, k = k0 + e % KSTEP;
-            const int r = r0 + i, s = s0 + i;
-            ra[j] = (r < TH && k < K) ? qs[(size_t)r * K + k] : 0.0f;
-            rb[j] = (s < S && k < K) ? (k < C ? c_kv[(size_t)s * C + k] : k_pe[(size_t)s * R + k - C]) : 0.0f;
-        }
+            for (int j = 0; j < LOADS; ++j)
+                rb[j] = k + j < C ? c_kv[(size_t)s * C + k + j] : (k + j < K ? k_pe[(size_t)s * R + k + j - C] : 0.0f);
     };
     load(0);
     for (int k0 = 0; k0 < K; k0 += KSTEP) {
-#pragma unroll
-        for (int j = 0; j < LOADS; ++j) {
-            const int e = threadIdx.x + j * BLOCK_THREADS;
-            As[e % KSTEP][e / KSTEP] = ra[j];
-            Bs[e % KSTEP][e / KSTEP] = rb[j];
-        }
+        stage3_x8(ra, &As[0][ia][ka], TILE * SPITCH);
+        stage3_x8(rb, &Bs[0][ia][ka], TILE * SPITCH);
         __syncthreads();
         if (k0 + KSTEP < K) load(k0 + KSTEP);
-        tile_fma(As, Bs, ty, tx, acc);
+        tile_mma<false>(As, &Bs[0][0][0], tot, lo);
         __syncthreads();
     }
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const int r = r0 + ty * 4 + i, t = r / H;
-        if (r >= TH) continue;
+    for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-        for (int jj = 0; jj < 4; ++jj) {
-            const int s = s0 + tx * 4 + jj;
-            if (s >= S) continue;
+        for (int i = 0; i < 4; ++i) {
+            const int r = r0 + acc_row(i), s = s0 + acc_col(nt, i), t = r / H;
+            if (r >= TH || s >= S) continue;
             const float m = mask ? mask[(size_t)t * mask_stride + s] : (s <= S0 + t ? 0.0f : -INFINITY);
-            scores[(size_t)r * S_cap + s] = acc[i][jj] * scale + m;
+            scores[(size_t)r * S_cap + s] = (tot[nt][i] + lo[nt][i]) * scale + m;
         }
-    }
 }
 
 // 3. grid (ceil(T H / TILE) * ceil(C / TILE), n_split): chunk j owns rows [j chunk, (j + 1) chunk) of the
@@ -169,8 +222,8 @@ mla_scores_kernel(const float* __restrict__ qs, const float* __restrict__ c_kv, 
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, GEMM_BLOCKS_PER_SM)
 mla_pv_kernel(const float* __restrict__ scores, int S_cap, const float* __restrict__ c_kv,
               const int* __restrict__ meta, float* __restrict__ partials, int T, int H, int C) {
-    __shared__ __align__(16) float As[KSTEP][TILE + TPAD];
-    __shared__ __align__(16) float Bs[KSTEP][TILE + TPAD];
+    __shared__ __align__(16) bf16_t As[3][TILE][SPITCH];
+    __shared__ __align__(16) bf16_t Bs[3][KSTEP][VPITCH];
     __shared__ float row_max[TILE];
     const int S = meta[0] + T, TH = T * H, n_split = gridDim.y, split = blockIdx.y;
     const int c_tiles = (C + TILE - 1) / TILE, r0 = (blockIdx.x / c_tiles) * TILE, c0 = (blockIdx.x % c_tiles) * TILE;
@@ -186,59 +239,45 @@ mla_pv_kernel(const float* __restrict__ scores, int S_cap, const float* __restri
         if (lane == 0) row_max[i] = m;
     }
     __syncthreads();
-    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
-    float acc[4][4] = {};
-    float lsum[LOADS] = {};                                   // this thread's column kk of rows i = e / KSTEP
-    float ra[LOADS], rb[LOADS];                               // the next k step's tiles, in flight during the FMAs
+    float tot[4][4] = {}, lo[4][4] = {};
+    float lsum = 0.0f;                                        // row threadIdx.x / 4: columns (threadIdx.x % 4) 8 ..
+    float ra[LOADS], rb[LOADS];                               // the next k step's tiles, in flight during the MMAs
+    const int ia = threadIdx.x / (KSTEP / LOADS), ka = (threadIdx.x % (KSTEP / LOADS)) * LOADS;   // A: 8 in a row
+    const int kb = threadIdx.x / (TILE / LOADS), cb = (threadIdx.x % (TILE / LOADS)) * LOADS;   // B: 8 in a row
     auto load = [&](int k0) {
+        const int r = r0 + ia, s = k0 + ka;
+        const float m = row_max[ia];
+        load8(scores + (r < TH ? (size_t)r * S_cap + s : 0), r < TH ? s_hi - s : 0, ra);   // (as in the scores)
 #pragma unroll
-        for (int j = 0; j < LOADS; ++j) {
-            const int e = threadIdx.x + j * BLOCK_THREADS, i = e / KSTEP, s = k0 + e % KSTEP, r = r0 + i;
-            float p = 0.0f;
-            if (r < TH && s < s_hi) {
-                const float x = scores[(size_t)r * S_cap + s], m = row_max[i];
-                p = (m == -INFINITY) ? 0.0f : expf(x - m);
-            }
-            ra[j] = p;
-            lsum[j] += p;
-            const int sb = k0 + e / TILE, c = c0 + e % TILE;
-            rb[j] = (sb < s_hi && c < C) ? c_kv[(size_t)sb * C + c] : 0.0f;
+        for (int j = 0; j < LOADS; ++j) {                     // p = 0 past the chunk, for a row of no visible entry
+            ra[j] = (r < TH && s + j < s_hi && m != -INFINITY) ? expf(ra[j] - m) : 0.0f;
+            lsum += ra[j];
         }
+        const bool kv = k0 + kb < s_hi && c0 + cb < C;
+        load8(c_kv + (kv ? (size_t)(k0 + kb) * C + c0 + cb : 0), kv ? C - c0 - cb : 0, rb);
     };
     if (s_lo < s_hi) load(s_lo);
     for (int k0 = s_lo; k0 < s_hi; k0 += KSTEP) {
-#pragma unroll
-        for (int j = 0; j < LOADS; ++j) {
-            const int e = threadIdx.x + j * BLOCK_THREADS;
-            As[e % KSTEP][e / KSTEP] = ra[j];
-            Bs[e / TILE][e % TILE] = rb[j];
-        }
+        stage3_x8(ra, &As[0][ia][ka], TILE * SPITCH);
+        stage3_x8(rb, &Bs[0][kb][cb], KSTEP * VPITCH);
         __syncthreads();
         if (k0 + KSTEP < s_hi) load(k0 + KSTEP);
-        tile_fma(As, Bs, ty, tx, acc);
+        tile_mma<true>(As, &Bs[0][0][0], tot, lo);
         __syncthreads();
     }
     float* part = partials + (size_t)split * TH * (C + 2);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const int r = r0 + ty * 4 + i;
-        if (r >= TH) continue;
+    for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-        for (int jj = 0; jj < 4; ++jj) {
-            const int c = c0 + tx * 4 + jj;
-            if (c < C) part[(size_t)r * (C + 2) + 2 + c] = acc[i][jj];
+        for (int i = 0; i < 4; ++i) {
+            const int r = r0 + acc_row(i), c = c0 + acc_col(nt, i);
+            if (r < TH && c < C) part[(size_t)r * (C + 2) + 2 + c] = tot[nt][i] + lo[nt][i];
         }
-    }
-    // l per row: the KSTEP threads of a row (consecutive lanes) add their columns in a fixed butterfly
-#pragma unroll
-    for (int j = 0; j < LOADS; ++j) {
-        float l = lsum[j];
-        for (int off = KSTEP / 2; off > 0; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
-        const int i = (threadIdx.x + j * BLOCK_THREADS) / KSTEP, r = r0 + i;
-        if (c0 == 0 && threadIdx.x % KSTEP == 0 && r < TH) {
-            part[(size_t)r * (C + 2)] = row_max[i];
-            part[(size_t)r * (C + 2) + 1] = l;
-        }
+    // l per row: the four threads of a row (consecutive lanes) add their sums in a fixed butterfly
+    for (int off = KSTEP / LOADS / 2; off > 0; off >>= 1) lsum += __shfl_xor_sync(0xffffffffu, lsum, off);
+    if (c0 == 0 && threadIdx.x % (KSTEP / LOADS) == 0 && r0 + ia < TH) {
+        part[(size_t)(r0 + ia) * (C + 2)] = row_max[ia];
+        part[(size_t)(r0 + ia) * (C + 2) + 1] = lsum;
     }
 }
 

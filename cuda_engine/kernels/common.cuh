@@ -58,7 +58,9 @@ __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-
 // expert, dense MLP, embedding and lm_head so; the engine keeps them so: half the bytes). A kernel that reads
 // weights is a template over the element type WT with one extern "C" instance per type (`name_kernel` float32,
 // `name_bf16_kernel` raw bf16 bits); wval widens an element exactly (a bf16 value is the top half of its float32),
-// so both instances do the same float32 arithmetic on the same values and give the same bits.
+// so both instances do the same float32 arithmetic on the same values and give the same bits. One exception: a
+// linear of 2 or more rows with bf16 weights runs linear_mma_bf16_kernel (tensor cores, linear.cu), which has no
+// float32 instance; the float32 weights' rows run linear_rows_kernel.
 typedef unsigned short bf16_t;
 __device__ __forceinline__ float wval(float w) { return w; }
 __device__ __forceinline__ float wval(bf16_t w) { return __uint_as_float((unsigned)w << 16); }

@@ -66,20 +66,13 @@
 // stride per z.
 // Limits: M <= 64 tokens per launch, K a multiple of 32 (G = K / 32 <= 65535), g a multiple of 32.
 #include "common.cuh"
-#include <cuda_bf16.h>
+#include "tensor_core.cuh"
 
 #define W4A16_WARPS WARPS_PER_BLOCK          // BLOCK_THREADS threads per block
 #define W4A16_XS_WORDS 11264                // 44 KB of staged activations per block: at one token (int8 digits:
                                             // 64 words per group) 176 groups per segment, K2.6's 7168 columns
                                             // (224 groups) unsplit in two
 #define W4A16_CHUNK_WORDS 144
-
-__device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, const unsigned* b) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
 
 __device__ __forceinline__ void mma_s8(int* c, const unsigned* a, uint2 b) {
     asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
