@@ -4,7 +4,7 @@ each prompt's stream decoded with fixed budgets and with the cost-aware cut of a
 priced with a verify-cost table (verify / AR step by rows; default: one K2.6 layer at 4096 cached rows on the
 H200, docs/k26-scale.md).
 
-    python bench/bench_budget_policy.py [--costs 1:1,2:1.72,5:2.46,9:3.62,17:5.92,33:10.12] [--draft-cost 0]
+    python bench/bench_budget_policy.py [--costs 1:1,2:1.54,5:2.34,9:3.42,17:6.1,33:10.54] [--draft-cost 0]
                                         [--tokens 32] [--json out.json] [BUNDLE ...]
 
 Projected speedup = tokens / (sum over rounds of draft_cost + verify_cost(rows)), in AR steps (an AR step
@@ -23,9 +23,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 BUNDLES = ["model_tiny", "model_int4_tiny", "model_edge", "model_shardable_int4"]
-# verify / AR step of one K2.6 layer at 4096 cached rows, by rows (1 = the AR step): the H200 run after
-# linear_rows_kernel (docs/k26-scale.md)
-K26_4K = {1: 1.0, 2: 1.72, 5: 2.46, 9: 3.62, 17: 5.92, 33: 10.12}
+# verify / AR step of one K2.6 layer at 4096 cached rows, by rows (1 = the AR step): the H200 runs of stop 39
+# (attention's GEMMs and the bf16 linear of 2 or more rows on the tensor cores; docs/k26-scale.md)
+K26_4K = {1: 1.0, 2: 1.54, 5: 2.34, 9: 3.42, 17: 6.10, 33: 10.54}
 K26_4K_TEXT = ",".join(f"{r}:{c:g}" for r, c in K26_4K.items())
 FIXED = (1, 2, 4, 8, 16, 32)
 
