@@ -39,7 +39,7 @@ from kdtr_format.paths import same_file
                    "is declared and judged (docs/ddtree.md §3a).")
 @click.option("--ddtree-costs", metavar="ROWS:COST,...",
               help="With --ddtree-budget cost-aware: the verify cost of a forward over ROWS rows, any unit, e.g. "
-                   "1:1,2:1.72,5:2.46,9:3.62,17:5.92,33:10.12 (one K2.6 layer at 4096 cached rows, in AR steps; "
+                   "1:1,2:1.54,5:2.34,9:3.42,17:6.1,33:10.54 (one K2.6 layer at 4096 cached rows, in AR steps; "
                    "docs/k26-scale.md); interpolated between the points.")
 @click.option("--ddtree-draft-cost", type=click.FloatRange(min=0),
               help="With --ddtree-costs: the drafter's cost per round in the same unit (default 0).")

@@ -141,14 +141,14 @@ def verify_cost_table(points: dict[int, float]):
 
 
 def parse_verify_costs(text: str) -> dict[int, float]:
-    """A verify price table written "rows:cost,rows:cost,..." (e.g. 1:1,2:1.72,33:10.12, the K2.6 layer's
+    """A verify price table written "rows:cost,rows:cost,..." (e.g. 1:1,2:1.54,33:10.54, the K2.6 layer's
     verify / AR step ratios) as {rows: cost}, checked by verify_cost_table; a ValueError naming the text."""
     try:
         costs = {int(r): float(c) for r, c in (p.split(":") for p in text.split(","))}
         verify_cost_table(costs)
     except ValueError as e:
         raise ValueError(f"verify costs {text!r}: give two or more rows:cost pairs, rows >= 1, costs positive and "
-                         f"non-decreasing in rows, e.g. 1:1,2:1.72,33:10.12 ({e})") from None
+                         f"non-decreasing in rows, e.g. 1:1,2:1.54,33:10.54 ({e})") from None
     return costs
 
 
