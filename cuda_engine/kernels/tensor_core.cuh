@@ -8,7 +8,8 @@
 // is done with integer operations, rn_bf16_bits). A product of
 // two bf16 terms is exact in float32, and the tensor cores accumulate in float32. Of the nine term products
 // mma_split6 keeps the six down to 2^-16 relative (x0 y0; x0 y1, x1 y0; x0 y2, x1 y1, x2 y0) and drops x1 y2,
-// x2 y1, x2 y2, which add below 2^-24 |x y|: under one float32 rounding of the product. The leading product
+// x2 y1, x2 y2 (|x1| <= 2^-8 |x|, |x2| <= 2^-16 |x|), which add at most 2^-23 |x y| (+ 2^-32): about one float32
+// rounding of the product, the class of a float32 multiply-add (tests/test_cuda_kernels.py). The leading product
 // x0 y0 goes into its own accumulator `hi` and the five small ones into `lo`, so the corrections are never
 // rounded against the large running sum (the tensor cores' float32 accumulation truncates); the caller starts
 // `hi` afresh every few k steps and folds it into a float32 total with a rounded add.
