@@ -66,7 +66,7 @@ if [ "$PHASE" != verify ]; then
     if [ -z "$WANT" ]; then echo "sha256: the MANIFEST records none yet"
     elif [ "$GOT" = "$WANT" ]; then echo "sha256: matches the MANIFEST"
     else echo "sha256: differs from the MANIFEST (other Python/NumPy/CPU: compare OUTDIR/tensors.json)"; fi
-    python3 -c 'import json, sys; from kdtr_format.reader import describe
+    python3 -c 'import json, sys; from kdtr_format.describe import describe
 d = describe(sys.argv[1]); mine = {t["name"]: t["sha256"] for t in d["tensors"]}
 json.dump({"metadata": d["metadata"], "tensors": mine}, open(sys.argv[2], "w"), indent=0)
 want = json.load(open(sys.argv[3]))
