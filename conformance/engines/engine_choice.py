@@ -132,7 +132,7 @@ def _cost_aware(name: str, w4a16, ddtree: dict):
                                 f"reference engine here: run where the CUDA engine can, or drop --w4a16")
     if not costs:
         raise EngineOptionError("--ddtree-budget cost-aware on the reference engine needs --ddtree-costs (it has "
-                                "no GPU times of its own to measure), e.g. --ddtree-costs 1:1,2:1.72,33:10.12")
+                                "no GPU times of its own to measure), e.g. --ddtree-costs 1:1,2:1.54,33:10.54")
     from conformance.engines.reference_engine import CostAwareReference
 
     return CostAwareReference(costs, draft), ("requested; " if name == "reference" else "auto: no CUDA engine; ") + \
