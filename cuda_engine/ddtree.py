@@ -144,7 +144,7 @@ class DDTreeState:
         + tree mask + verify); the two verifies over the first T rows where T is given (a cut tree), one graph
         per T. Re-captured when the engine's or the drafter's buffers move."""
         e, dr = self.engine, self.drafter
-        ptrs = (e.T_cap, e.S_cap, e.buf["mask"].ptr, e.cache["ckv"].ptr, e.buf["logits"].ptr,
+        ptrs = (e.T_cap, e.S_cap, e.buf["mask"].ptr, e.cache["kv"].ptr, e.buf["logits"].ptr,
                 dr.cache[0][0].ptr if dr else 0, dr.scores.ptr if dr else 0)
         if self.graphs.get("ptrs") != ptrs:
             self.destroy_graphs()

@@ -18,7 +18,7 @@
 # 5. `kdtr bench engine` (decode latency, with and without the CUDA graph, vs the launch floor; an INT4 bundle
 #    in both --w4a16 modes), `kdtr bench w4a16` (the W4A16 kernels vs floor, cuBLAS, tinygemm; MoE layer) and
 #    `kdtr bench ddtree` (DDTree vs AR tokens/s on both bundles, one run);
-# 6. `kdtr verify --engine auto` picks cuda; racecheck over the 1..5-token W4A16 entries' own GPU tests.
+# 6. `kdtr verify --engine auto` picks cuda; racecheck over the 1..16-token W4A16 entries' own GPU tests.
 # Everything goes to OUTDIR/log; the exit status is 1 when any step failed. KDTR_DEVICE_RUN_CORE=1 stops after
 # steps 1-3 (the proofs, determinism, the GPU tests): a re-proof after a change outside the kernels' code,
 # when the sanitizers and benches of the previous full run still describe the same kernel code.
@@ -84,7 +84,7 @@ step timeout 150 compute-sanitizer --tool racecheck --kernel-name kns=mla_ --err
 # racecheck over the tensor-core linear's tests (its 8 warps' sums meet in shared memory), every launch shape
 step timeout 150 compute-sanitizer --tool racecheck --kernel-name kns=linear_mma --error-exitcode 9 \
     python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_kernels.py -k linear_mma
-# racecheck over the entries of 1..5 tokens with 1, 2, 4 and 8 row blocks per block through their GPU tests,
+# racecheck over the entries of 1..16 tokens with 1, 2, 4 and 8 row blocks per block through their GPU tests,
 # every launch shape they have (the INT4 verify above runs only those its own shapes pick)
 step timeout 240 compute-sanitizer --tool racecheck --kernel-name kns=w4a16_mma --error-exitcode 9 \
     python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_w4a16.py -k every_row_count

@@ -40,7 +40,7 @@ DRAFTER_SIGNATURES = {
     "ddtree_topk_kernel": "PiiPP",
     "ddtree_heap_kernel": "PPiiiiPPPPPP",
     "ddtree_topk_sort_kernel": "PiiiPP",
-    "ddtree_compact_kernel": "PPPPiii",
+    "ddtree_compact_kernel": "PPPii",
     "ddtree_walk_kernel": "PiPi",
 }
 TOPK_SORT_MAX = 4096              # kernels/ddtree.cu: the bitonic top-K up to this vocabulary
@@ -191,9 +191,9 @@ class CudaDrafter:
 
     def compact_target(self, engine) -> None:
         """The target cache's in-order compaction that set_round described (n and start read on the device)."""
-        ckv, kpe = engine.cache["ckv"], engine.cache["kpe"]
-        self.ops._launch("ddtree_compact_kernel", (ckv.shape[0],), ckv.ptr, kpe.ptr, self.round_rows.ptr,
-                         self.meta.ptr, ckv.shape[1], ckv.shape[2], kpe.shape[2])
+        kv = engine.cache["kv"]                                  # [L, 3, rows, Kp]
+        self.ops._launch("ddtree_compact_kernel", (kv.shape[0],), kv.ptr, self.round_rows.ptr, self.meta.ptr,
+                         kv.shape[2], kv.shape[3])
 
     def ingest(self, dev_rows: DevBuf, C: int, resid_out: DevBuf, T_cap: int) -> None:
         """Append the context of C committed rows (set_round's row buffer): their features from the target's

@@ -21,7 +21,8 @@ from conformance.engines.protocol import compact_keep
 from cuda_engine.build import engine_source_hash
 from cuda_engine.device import CudaEngineError, DevBuf, device_info, driver
 from cuda_engine.drafter import read_drafter
-from cuda_engine.ops import ATTN_MAX_C, ATTN_MAX_N, ATTN_MAX_R, MOE_MAX_SLOTS, ROUTER_MAX_E, ROUTER_MAX_GROUPS, Ops
+from cuda_engine.ops import (ATTN_MAX_C, ATTN_MAX_N, ATTN_MAX_R, MOE_MAX_SLOTS, ROUTER_MAX_E, ROUTER_MAX_GROUPS, Ops,
+                             kv_planes_shape, kv_rows_to_planes)
 from cuda_engine.w4a16_plan import moe_path, w4a16_group_tokens, w4a16_groups_cap
 from cuda_engine.weights import DENSE_MODES, layer_arrays, load_weights
 from refmodel.config import ModelConfig
@@ -191,7 +192,7 @@ class CudaEngine:
                              ("act", (T_cap * S, I), f), ("y_slots", (T_cap * S, D), f), ("final", (T_cap, D), f),
                              ("logits", (T_cap, c.vocab_size), f), ("ids", (T_cap,), i), ("positions", (T_cap,), i),
                              ("argmax", (T_cap,), i), ("keep", (T_cap,), i), ("mask", (T_cap, S_cap), f),
-                             ("scores", (T_cap * H, S_cap), f), ("qs", (T_cap * H, C + R), f),
+                             ("scores", (T_cap * H, S_cap), f), ("qs", kv_planes_shape(T_cap * H, C, R), np.uint16),
                              ("partials", (self.ops.attn_partials_rows(T_cap, H, C), C + 2), f)):
             self.buf[k] = DevBuf(shape, dt)
         self.buf["dense_slots"] = DevBuf.from_array(np.zeros(T_cap, i))
@@ -202,15 +203,16 @@ class CudaEngine:
         self._drop_graph()
 
     def _alloc_cache(self, S_cap: int) -> None:
-        """(Re)allocate the cache with S_cap rows per layer, keeping the rows already cached."""
+        """(Re)allocate the cache with S_cap rows per layer, keeping the rows already cached. The cache is
+        `kv` [L, 3, S_cap, Kp]: each layer's c_kv | k_pe rows as three planes of bf16 terms (kernels/kv_layout.cuh)."""
         c, L = self.cfg, self.cfg.num_hidden_layers
-        new = {"ckv": DevBuf((L, S_cap, c.kv_lora_rank), np.float32),
-               "kpe": DevBuf((L, S_cap, c.qk_rope_head_dim), np.float32)}
+        new = DevBuf((L,) + kv_planes_shape(S_cap, c.kv_lora_rank, c.qk_rope_head_dim), np.uint16)
         if self.S_cap and self.length:
-            for k, old in (("ckv", self.cache["ckv"]), ("kpe", self.cache["kpe"])):
-                for l in range(L):
-                    new[k].view(l).copy_from(old.view(l), self.length * old.shape[2] * 4)
-        self.cache, self.S_cap = new, S_cap
+            old = self.cache["kv"]
+            for l in range(L):
+                for t in range(3):
+                    new.view(l).view(t).copy_from(old.view(l).view(t), self.length * old.shape[3] * 2)
+        self.cache, self.S_cap = {"kv": new}, S_cap
         self._drop_graph()
 
     def _ensure(self, T: int, S: int) -> None:
@@ -251,7 +253,7 @@ class CudaEngine:
         keep = compact_keep(start, keep, self.length)         # the protocol's one check of the arguments
         if keep.size:
             self.buf["keep"].set(keep.astype(np.int32))
-            self.ops.kv_compact(self.cache["ckv"], self.cache["kpe"], self.buf["keep"], keep.size, start)
+            self.ops.kv_compact(self.cache["kv"], self.buf["keep"], keep.size, start)
         self.length = start + keep.size
 
     def ddtree_generate(self, prompt_ids, pos0: int, n_tokens: int) -> dict:
@@ -279,15 +281,12 @@ class CudaEngine:
         ckv, kpe = np.asarray(inputs["c_kv"], np.float32), np.asarray(inputs["k_pe"], np.float32)
         T, S = h.shape[0], ckv.shape[0]
         self._ensure(T, S + T)
-        tmp_ckv = DevBuf((S + T, c.kv_lora_rank), np.float32)
-        tmp_kpe = DevBuf((S + T, c.qk_rope_head_dim), np.float32)
-        tmp_ckv.set(ckv)
-        tmp_kpe.set(kpe)
+        tmp_kv = DevBuf.from_array(kv_rows_to_planes(ckv, kpe, S + T))   # the golden rows as the cache holds them
         self._set_inputs(None, inputs["positions"], S, None)
         self.buf["x0"].set(h)
         self.ops.rms_norm(self.buf["x0"], c.hidden_size, self.layers[layer]["input_ln"],
                           self.buf["attn_in"].view(layer), c.hidden_size, c.hidden_size, T, c.rms_norm_eps)
-        self._layer(layer, T, self.buf["x0"], tmp_ckv, tmp_kpe, masked=False)
+        self._layer(layer, T, self.buf["x0"], tmp_kv, masked=False)
         self.ops.stream.synchronize()
         return self._layer_taps(layer, T)
 
@@ -381,11 +380,11 @@ class CudaEngine:
         o.embedding(b["ids"], self.embed, b["x0"], T, self.layers[0]["input_ln"], b["attn_in"].view(0), c.rms_norm_eps)
         for l in range(L):
             h_in = b["x0"] if l == 0 else b["resid_out"].view(l - 1)
-            self._layer(l, T, h_in, self.cache["ckv"].view(l), self.cache["kpe"].view(l), masked)
+            self._layer(l, T, h_in, self.cache["kv"].view(l), masked)
         o.linear(b["final"], self.lm_head, b["logits"], T, D, c.vocab_size)
         o.argmax(b["logits"], c.vocab_size, argmax_out, T)
 
-    def _layer(self, l: int, T: int, h_in, ckv, kpe, masked: bool) -> None:
+    def _layer(self, l: int, T: int, h_in, kv: DevBuf, masked: bool) -> None:
         """Layer l on attn_in[l] (already normed from h_in); ends with the next norm (or the final one)."""
         c, o, b, w = self.cfg, self.ops, self.buf, self.layers[l]
         D, H, R, C, Q, U = (c.hidden_size, c.num_attention_heads, c.qk_rope_head_dim, c.kv_lora_rank, c.q_lora_rank,
@@ -393,20 +392,20 @@ class CudaEngine:
         x, qkv, lat = b["attn_in"].view(l), b["qkv_a"].view(l), b["kv_latent"].view(l)
         # attention: the fused q_a/kv_a GEMV, both latent norms + k rope + cache append, queries
         o.linear(x, w["qkv_a"], qkv, T, D, Q + C + R)                                 # [T, D] -> [T, Q + C + R]
-        o.mla_latent(qkv, T, Q, C, R, w["q_a_ln"], w["kv_a_ln"], c.latent_norm_eps, b["cq"], lat, ckv, kpe,
+        o.mla_latent(qkv, T, Q, C, R, w["q_a_ln"], w["kv_a_ln"], c.latent_norm_eps, b["cq"], lat, kv,
                      self.meta, b["positions"], self.inv_freq, c.rope_attention_factor)
-        self._mla_core(l, T, ckv, kpe, masked)                                        # [T, Q] -> [T, H, U]
+        self._mla_core(l, T, kv, masked)                                        # [T, Q] -> [T, H, U]
         o.linear(b["o"], w["o_proj"], b["attn_out"].view(l), T, H * U, D)             # [T, H U] -> [T, D]
         o.add_rms_norm(h_in, b["attn_out"].view(l), b["resid_attn"].view(l), w["post_ln"], b["mlp_in"].view(l),
                        T, c.rms_norm_eps)
         self._mlp_half(l, T)
 
-    def _mla_core(self, l: int, T: int, ckv, kpe, masked: bool) -> None:
+    def _mla_core(self, l: int, T: int, kv: DevBuf, masked: bool) -> None:
         """Layer l's absorbed MLA over the latent cache, c_q -> o [T, H, U] (q_b_proj, q rope, W_uk and W_uv
         inside; kernels/attention.cu); also timed alone by bench/k26_ddtree_gpu.py."""
         c, b, w = self.cfg, self.buf, self.layers[l]
         self.ops.mla_attention(b["cq"], w["q_b"], b["q"].view(l), b["positions"], self.inv_freq,
-                               c.rope_attention_factor, w["w_uk"], w["w_uv"], ckv, kpe, self.meta,
+                               c.rope_attention_factor, w["w_uk"], w["w_uv"], kv, self.meta,
                                b["mask"] if masked else None, self.S_cap, b["scores"], self.S_cap, b["partials"],
                                b["qs"], b["o"], T, c.qk_rope_head_dim, c.softmax_scale)
 

@@ -21,6 +21,8 @@ WARPS_PER_BLOCK = 8                 # kernels/common.cuh
 BLOCK = (32 * WARPS_PER_BLOCK, 1, 1)
 ATTN_MAX_C, ATTN_MAX_R, ATTN_MAX_N, ATTN_MAX_SPLIT = 512, 128, 256, 32   # kernels/attention.cu
 ATTN_TILE, ATTN_TOKENS, ATTN_MERGE_U = 64, 8, 64   # kernels/attention.cu: GEMM tile; tokens per qprep / merge_uv block; W_uv rows per merge_uv block
+ATTN_SCORES_SMEM = 2 * 2 * 3 * ATTN_TILE * (32 + 8) * 2   # kernels/attention.cu, SCORES_SMEM: mla_scores_kernel's dynamic shared memory
+KV_PIECE = 8                        # kernels/kv_layout.cuh: a cache row is padded to whole 16-byte pieces of bf16
 ROUTER_MAX_E, ROUTER_MAX_GROUPS, MOE_MAX_SLOTS = 1024, 64, 64   # kernels/moe.cu
 LINEAR_ROWS = 8                   # kernels/linear.cu, linear_rows_kernel: rows per warp
 LMMA_OUT, LMMA_ROWS = 32, 16      # kernels/linear.cu, linear_mma_bf16_kernel: outputs and x rows per block
@@ -38,14 +40,14 @@ SIGNATURES = {
     "linear_rows_kernel": "PPPiiiiiqqq",
     "linear_bf16_kernel": "PPPiiiiqqq",
     "linear_mma_bf16_kernel": "PPPiiiiiqqq",
-    "mla_latent_kernel": "PiiiPPfPPPPPPPd",
+    "mla_latent_kernel": "PiiiPPfPPPiPPPd",
     "mla_qprep_kernel": "PPPdPPiiiii",
     "mla_qprep_bf16_kernel": "PPPdPPiiiii",
-    "mla_scores_kernel": "PPPPPiPiiiiif",
-    "mla_pv_kernel": "PiPPPiii",
+    "mla_scores_kernel": "PPiPPiPiiiiif",
+    "mla_pv_kernel": "PiPiPPiiii",
     "mla_merge_uv_kernel": "PiPPPiiii",
     "mla_merge_uv_bf16_kernel": "PiPPPiiii",
-    "kv_compact_kernel": "PPPiiiii",
+    "kv_compact_kernel": "PPiiii",
     "router_kernel": "PPPPiiiiiifPPP",
     "swiglu_gate_up_kernel": "PPPPPiiiiii",
     "expert_down_kernel": "PPPPiiiiii",
@@ -80,6 +82,55 @@ def weight_kernel(name: str, op: str, *weights: DevBuf) -> str:
 
 def _ptr(x) -> int:
     return x.ptr if isinstance(x, DevBuf) else int(x)
+
+
+def kv_pitch(C: int, R: int) -> int:
+    """bf16 per row of the latent cache's term planes: C + R rounded up to whole 16-byte pieces (kv_layout.cuh)."""
+    return -(-(C + R) // KV_PIECE) * KV_PIECE
+
+
+def kv_planes_shape(rows: int, C: int, R: int) -> tuple[int, int, int]:
+    """One layer's latent cache (kv_layout.cuh): three planes of bf16 terms, [3, rows, kv_pitch(C, R)] uint16."""
+    return (3, rows, kv_pitch(C, R))
+
+
+def split3(x: np.ndarray) -> np.ndarray:
+    """float32 x -> its three bf16 terms [3, *x.shape] (uint16 bits), x = t0 + t1 + t2 exactly: the split
+    kernels/tensor_core.cuh does (split3: round to nearest even by integer adds, differences in float32), so the
+    host writes the cache rows the device would (run_layer's golden rows, tests)."""
+    x = np.ascontiguousarray(x, np.float32)
+
+    def rn(v: np.ndarray) -> np.ndarray:                  # rn_bf16_bits: the float32 bits of v rounded to bf16
+        u = v.view(np.uint32)
+        return ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000))
+
+    with np.errstate(over="ignore"):
+        t0 = rn(x)
+        r0 = x - t0.view(np.float32)
+        t1 = rn(r0)
+        t2 = (r0 - t1.view(np.float32)).view(np.uint32) & np.uint32(0xFFFF0000)
+    return np.stack([t0, t1, t2]).__rshift__(np.uint32(16)).astype(np.uint16)
+
+
+def join3(terms: np.ndarray) -> np.ndarray:
+    """[3, ...] bf16 term bits -> the float32 values they sum to (exactly: the inverse of split3)."""
+    f = (np.asarray(terms, np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32).astype(np.float64)
+    return (f[0] + f[1] + f[2]).astype(np.float32)
+
+
+def _need_kv(kv: DevBuf, C: int, R: int, op: str) -> None:
+    _need(kv.dtype == np.uint16 and len(kv.shape) == 3 and kv.shape[0] == 3 and kv.shape[2] == kv_pitch(C, R), op,
+          f"the layer's cache must be bf16 terms [3, rows, {kv_pitch(C, R)}] (uint16), got {kv.shape} {kv.dtype}")
+
+
+def kv_rows_to_planes(ckv: np.ndarray, kpe: np.ndarray, rows: int | None = None) -> np.ndarray:
+    """Host rows c_kv [S, C] and k_pe [S, R] (float32) as one layer's cache planes [3, rows, Kp] (rows >= S;
+    rows past S and the padding columns zero)."""
+    S, C = ckv.shape
+    R = kpe.shape[1]
+    out = np.zeros(kv_planes_shape(S if rows is None else rows, C, R), np.uint16)
+    out[:, :S, :C + R] = split3(np.concatenate([ckv, kpe], axis=1))
+    return out
 
 
 GRID_X_MAX, GRID_YZ_MAX = 2**31 - 1, 65535          # CUDA launch limits (compute capability >= 3.0)
@@ -123,6 +174,8 @@ class Ops:
                 # all of L1 as shared memory: the driver's default carveout held the 45 KB blocks of w4a16_mma
                 # to 2 per SM whatever their registers allowed
                 f.set_attribute(carveout, 100)
+            if name == "mla_scores_kernel":     # its two stages take more than the 48 KB allowed without asking
+                f.set_attribute(drv.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, ATTN_SCORES_SMEM)
             self.fn[name] = f
         self.stream = drv.Stream()
         self.sm_count = driver_device().get_attribute(drv.device_attribute.MULTIPROCESSOR_COUNT)
@@ -140,7 +193,7 @@ class Ops:
         self._ws: dict[str, tuple[DevBuf, DevBuf]] = {}
         self._retired: list[DevBuf] = []
 
-    def _launch(self, name: str, grid, *args, block=BLOCK) -> None:
+    def _launch(self, name: str, grid, *args, block=BLOCK, shared: int = 0) -> None:
         grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
         if min(grid) <= 0:
             return                                              # nothing to do (e.g. T = 0 rows)
@@ -149,7 +202,7 @@ class Ops:
             # a long prompt on a wide MoE would otherwise fail with the driver's bare "invalid argument".
             raise CudaEngineError(f"{name}: launch grid {grid} exceeds the device's limits (x <= {GRID_X_MAX}, "
                                   f"y, z <= {GRID_YZ_MAX}): too many rows (tokens x expert slots) for one forward")
-        self.fn[name].prepared_async_call(grid, block, self.stream, *args)
+        self.fn[name].prepared_async_call(grid, block, self.stream, *args, shared_size=shared)
         self.count(name)
         if self.debug_sync and not self.capturing:
             try:
@@ -202,13 +255,15 @@ class Ops:
 
     # ------------------------------------------------------------ attention and cache
     def mla_latent(self, qkv, T: int, Q: int, C: int, R: int, w_q: DevBuf, w_kv: DevBuf, eps: float, cq, lat,
-                   ckv_layer, kpe_layer, meta: DevBuf, positions: DevBuf, inv_freq: DevBuf, attn_factor: float) -> None:
-        """qkv [T, Q + C + R] -> c_q [T, Q], c_kv [T, C] (+ cache), k_pe roped in place (+ cache)."""
+                   kv: DevBuf, meta: DevBuf, positions: DevBuf, inv_freq: DevBuf, attn_factor: float) -> None:
+        """qkv [T, Q + C + R] -> c_q [T, Q], c_kv [T, C], k_pe roped in place; c_kv and k_pe appended to the
+        layer's cache kv [3, rows, Kp] (their bf16 terms, kv_layout.cuh) at rows meta[0] + t."""
         _need(w_q.shape == (Q,) and w_kv.shape == (C,), "mla_latent", f"norm weights {w_q.shape}, {w_kv.shape} "
               f"!= ({Q},), ({C},)")
         _need(R % 2 == 0 and inv_freq.shape == (R // 2,), "mla_latent", f"R={R} must be even, inv_freq {inv_freq.shape}")
+        _need_kv(kv, C, R, "mla_latent")
         self._launch("mla_latent_kernel", (T,), _ptr(qkv), Q, C, R, w_q.ptr, w_kv.ptr, eps, _ptr(cq), _ptr(lat),
-                     _ptr(ckv_layer), _ptr(kpe_layer), meta.ptr, positions.ptr, inv_freq.ptr, attn_factor)
+                     kv.ptr, kv.shape[1], meta.ptr, positions.ptr, inv_freq.ptr, attn_factor)
 
     def attn_splits(self, T: int, H: int, C: int) -> int:
         """The chunks mla_pv_kernel splits the cache rows into for T tokens: as many as two blocks per SM hold in
@@ -225,12 +280,13 @@ class Ops:
         return max(self.attn_splits(T, H, C) * T * H for T in range(1, T_cap + 1))
 
     def mla_attention(self, cq, w_qb: DevBuf, q, positions: DevBuf, inv_freq: DevBuf, attn_factor: float,
-                      w_uk: DevBuf, w_uv: DevBuf, c_kv, k_pe, meta: DevBuf, mask, mask_stride: int, scores: DevBuf,
+                      w_uk: DevBuf, w_uv: DevBuf, kv: DevBuf, meta: DevBuf, mask, mask_stride: int, scores: DevBuf,
                       S_cap: int, partials: DevBuf, qs: DevBuf, o, T: int, R: int, scale: float) -> None:
         """o [T, H, U] over the cache rows, from c_q [T, Q]: q = c_q W_qb^T [T, H, N + R] (q_pe roped; written to
-        `q`); w_qb [H (N + R), Q], w_uk [H, N, C], w_uv [H, U, C]. Five launches (kernels/attention.cu): the
-        q_b GEMV/GEMM, rope + W_uk absorption into qs [T H, C + R], the scores GEMM over every query row at
-        once, the chunked p c_kv GEMM with its partial softmax, and the chunk merge + W_uv."""
+        `q`); w_qb [H (N + R), Q], w_uk [H, N, C], w_uv [H, U, C]; kv the layer's cache [3, rows, Kp] (bf16
+        terms, kv_layout.cuh). Five launches (kernels/attention.cu): the q_b GEMV/GEMM, rope + W_uk absorption
+        into qs (bf16 terms [3, T H, Kp]), the scores GEMM over every query row at once, the chunked p c_kv GEMM
+        with its partial softmax, and the chunk merge + W_uv."""
         H, N, C = w_uk.shape
         U, Q = w_uv.shape[1], w_qb.shape[1]
         _need(w_uv.shape == (H, U, C) and w_qb.shape == (H * (N + R), Q), "mla_attention",
@@ -241,7 +297,10 @@ class Ops:
         _need(R % 2 == 0 and inv_freq.shape == (R // 2,), "mla_attention", f"R={R} must be even, inv_freq "
               f"{inv_freq.shape} != ({R // 2},)")
         _need(scores.nbytes >= T * H * S_cap * 4, "mla_attention", f"scores scratch {scores.shape} < [{T * H}, {S_cap}]")
-        _need(qs.nbytes >= T * H * (C + R) * 4, "mla_attention", f"qs scratch {qs.shape} < [{T * H}, {C + R}]")
+        Kp = kv_pitch(C, R)
+        _need(qs.nbytes >= 3 * T * H * Kp * 2, "mla_attention", f"qs scratch {qs.shape} {qs.dtype} < 3 x [{T * H}, "
+              f"{Kp}] bf16")
+        _need_kv(kv, C, R, "mla_attention")
         n_split = self.attn_splits(T, H, C)
         _need(partials.nbytes >= n_split * T * H * (C + 2) * 4, "mla_attention",
               f"partials {partials.shape} < [{n_split * T * H}, {C + 2}]")
@@ -249,18 +308,20 @@ class Ops:
         tok_blocks, row_tiles = -(-T // ATTN_TOKENS), -(-T * H // ATTN_TILE)
         self._launch(weight_kernel("mla_qprep", "mla_attention", w_uk), (H, tok_blocks, -(-C // BLOCK[0])), _ptr(q),
                      positions.ptr, inv_freq.ptr, attn_factor, w_uk.ptr, qs.ptr, T, H, N, R, C)
-        self._launch("mla_scores_kernel", (row_tiles, -(-S_cap // ATTN_TILE)), qs.ptr, _ptr(c_kv), _ptr(k_pe),
-                     meta.ptr, 0 if mask is None else _ptr(mask), mask_stride, scores.ptr, S_cap, T, H, C, R, scale)
-        self._launch("mla_pv_kernel", (row_tiles * -(-C // ATTN_TILE), n_split), scores.ptr, S_cap, _ptr(c_kv),
-                     meta.ptr, partials.ptr, T, H, C)
+        self._launch("mla_scores_kernel", (row_tiles, -(-S_cap // ATTN_TILE)), qs.ptr, kv.ptr, kv.shape[1], meta.ptr,
+                     0 if mask is None else _ptr(mask), mask_stride, scores.ptr, S_cap, T, H, C, R, scale,
+                     shared=ATTN_SCORES_SMEM)
+        self._launch("mla_pv_kernel", (row_tiles * -(-C // ATTN_TILE), n_split), scores.ptr, S_cap, kv.ptr,
+                     kv.shape[1], meta.ptr, partials.ptr, T, H, C, R)
         self._launch(weight_kernel("mla_merge_uv", "mla_attention", w_uv), (H, tok_blocks, -(-U // ATTN_MERGE_U)),
                      partials.ptr, n_split, meta.ptr, w_uv.ptr, _ptr(o), T, H, C, U)
 
-    def kv_compact(self, cache_ckv: DevBuf, cache_kpe: DevBuf, keep: DevBuf, n: int, start: int) -> None:
-        L, S_cap, C = cache_ckv.shape
-        R = cache_kpe.shape[2]
-        _need(start + n <= S_cap and n <= keep.shape[0], "kv_compact", f"start {start} + n {n} > S_cap {S_cap}")
-        self._launch("kv_compact_kernel", (L,), cache_ckv.ptr, cache_kpe.ptr, keep.ptr, n, start, S_cap, C, R)
+    def kv_compact(self, kv: DevBuf, keep: DevBuf, n: int, start: int) -> None:
+        """Rows start + keep[i] -> start + i of every layer of the cache kv [L, 3, rows, Kp] (keep strictly
+        increasing)."""
+        L, _, rows, Kp = kv.shape
+        _need(start + n <= rows and n <= keep.shape[0], "kv_compact", f"start {start} + n {n} > rows {rows}")
+        self._launch("kv_compact_kernel", (L,), kv.ptr, keep.ptr, n, start, rows, Kp)
 
     # ------------------------------------------------------------ MoE
     def router(self, x, gate: DevBuf, bias: DevBuf, scores, slot_ids, slot_w, T: int, K: int, S: int, n_group: int,

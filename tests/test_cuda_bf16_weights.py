@@ -115,6 +115,7 @@ def test_gate_and_up_of_two_types_are_refused(ops):
 def test_mla_attention(ops, T, H, C, R, N, U, Q, S0):
     """W_uk (qprep) and W_uv (merge_uv) as bf16, and q_b (linear) where T = 1; from 2 tokens on q_b stays bf16 in
     both runs (the tensor-core linear, whose bits are not the float32 instance's: test_linear)."""
+    from cuda_engine.ops import kv_planes_shape, kv_rows_to_planes
     from refmodel.model import yarn_inv_freq
 
     rng = np.random.default_rng(T * H + C)
@@ -123,16 +124,16 @@ def test_mla_attention(ops, T, H, C, R, N, U, Q, S0):
     qb, uk, uv = (bf16_pair(rng, H * (N + R), Q, scale=Q ** -0.5), bf16_pair(rng, H, N, C, scale=0.3 * N ** -0.5),
                   bf16_pair(rng, H, U, C, scale=C ** -0.5))
     inv_freq = yarn_inv_freq(PRESETS["k26" if C == 512 else "tiny"])[:R // 2]
-    ckv, kpe = dev(rand(rng, S_cap, C)), dev(rand(rng, S_cap, R))
+    kv = dev(kv_rows_to_planes(rand(rng, S_cap, C), rand(rng, S_cap, R)))
     positions = dev(S0 + np.arange(T), np.int32)
 
     def launch(kind):
         i = 0 if kind == "bf16" else 1
         o, q = dev(np.zeros((T, H, U), np.float32)), dev(np.zeros((T, H, N + R), np.float32))
         scores = dev(np.zeros((T * H, S_cap), np.float32))
-        qs = dev(np.zeros((T * H, C + R), np.float32))
+        qs = dev(np.zeros(kv_planes_shape(T * H, C, R), np.uint16))
         partials = dev(np.zeros((ops.attn_splits(T, H, C) * T * H, C + 2), np.float32))
-        ops.mla_attention(dev(cq), dev(qb[i if T == 1 else 0]), q, positions, dev(inv_freq), 1.0, dev(uk[i]), dev(uv[i]), ckv, kpe,
+        ops.mla_attention(dev(cq), dev(qb[i if T == 1 else 0]), q, positions, dev(inv_freq), 1.0, dev(uk[i]), dev(uv[i]), kv,
                           dev(np.array([S0, 0, 0, 0], np.int32)), None, S_cap, scores, S_cap, partials, qs, o, T, R,
                           float((N + R) ** -0.5))
         return [q, o]

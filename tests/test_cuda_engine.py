@@ -103,6 +103,7 @@ def test_growing_buffers_change_no_bit(engine_cls, monkeypatch):
 @pytest.mark.cuda
 def test_run_layer_reproduces_the_forward(engine_cls):
     """run_layer on the engine's own layer input and cache rows gives the forward's taps bit for bit."""
+    from cuda_engine.ops import join3
     from kdtr_format import open_kdtr
 
     e = engine_cls()
@@ -112,8 +113,10 @@ def test_run_layer_reproduces_the_forward(engine_cls):
     P, L = len(prompt), e.cfg.num_hidden_layers
     assert P >= 3, "the bundle needs a prompt of 3+ tokens for this test"
     e.prefill(prompt[:-2], np.arange(P - 2))
-    ckv = [e.cache["ckv"].view(l).get()[:P - 2] for l in range(L)]
-    kpe = [e.cache["kpe"].view(l).get()[:P - 2] for l in range(L)]
+    C = e.cfg.kv_lora_rank
+    rows = [join3(e.cache["kv"].view(l).get()[:, :P - 2]) for l in range(L)]   # the cached values, from their terms
+    ckv = [r[:, :C] for r in rows]
+    kpe = [r[:, C:C + e.cfg.qk_rope_head_dim] for r in rows]
     _, taps = e.prefill(prompt[-2:], np.arange(P - 2, P))                # 2 new rows over a cache of P - 2
     for l in range(1, L):                                                # layer 0's input is the embedding
         local = e.run_layer(l, {"hidden": taps[f"L{l - 1}/resid_out"], "positions": np.arange(P - 2, P),

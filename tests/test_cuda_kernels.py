@@ -8,6 +8,7 @@ import pytest
 
 from refmodel.config import PRESETS
 from refmodel.model import apply_rope, rms_norm, route, rope_cos_sin, silu, softmax, yarn_inv_freq
+from cuda_engine.ops import kv_planes_shape, kv_rows_to_planes
 from cuda_oracle import check, gpu_ops, rand
 
 pytestmark = pytest.mark.cuda
@@ -166,10 +167,10 @@ def test_mla_latent(ops, cfg_name, positions, S0):
     qkv, w_q, w_kv = rand(rng, T, Q + C + R), rand(rng, Q) + 1, rand(rng, C) + 1
     S_cap = S0 + T + 2
     ckv, kpe = rand(rng, S_cap, C), rand(rng, S_cap, R)
-    qkv_d, cq, lat, ckv_d, kpe_d = dev(qkv), dev(np.zeros((T, Q), np.float32)), dev(np.zeros((T, C), np.float32)), \
-        dev(ckv), dev(kpe)
+    kv = kv_rows_to_planes(ckv, kpe)
+    qkv_d, cq, lat, kv_d = dev(qkv), dev(np.zeros((T, Q), np.float32)), dev(np.zeros((T, C), np.float32)), dev(kv)
     pos = np.asarray(positions, np.int64)
-    run(ops, ops.mla_latent, qkv_d, T, Q, C, R, dev(w_q), dev(w_kv), 1e-6, cq, lat, ckv_d, kpe_d,
+    run(ops, ops.mla_latent, qkv_d, T, Q, C, R, dev(w_q), dev(w_kv), 1e-6, cq, lat, kv_d,
         dev(np.array([S0, 0, 0, 0], np.int32)), dev(pos, np.int32), dev(yarn_inv_freq(cfg)), cfg.rope_attention_factor)
     f64 = lambda a: a.astype(np.float64)  # noqa: E731
     case = f"mla_latent {cfg_name} pos={positions}"
@@ -181,9 +182,10 @@ def test_mla_latent(ops, cfg_name, positions, S0):
     got = qkv_d.get()
     np.testing.assert_array_equal(got[:, :Q + C], qkv[:, :Q + C])      # only the rope part changes in place
     check(case + " k_pe", got[:, Q + C:], apply_rope(f64(qkv[:, Q + C:]), cos, sin), apply_rope(qkv[:, Q + C:], c32, s32))
-    ckv[S0:S0 + T], kpe[S0:S0 + T] = lat.get(), got[:, Q + C:]         # appended at rows meta[0] + t, bit for bit
-    np.testing.assert_array_equal(ckv_d.get(), ckv)
-    np.testing.assert_array_equal(kpe_d.get(), kpe)
+    # appended at rows meta[0] + t as the bf16 terms of the tapped values, bit for bit (the host's split3 is the
+    # device's: tests/test_cuda_kv_terms.py holds it to torch's bf16 rounding); the other rows and the padding kept
+    kv[:, S0:S0 + T] = kv_rows_to_planes(lat.get(), got[:, Q + C:])
+    np.testing.assert_array_equal(kv_d.get(), kv)
 
 
 # ---------------------------------------------------------------- attention
@@ -225,13 +227,13 @@ def test_mla_attention(ops, T, H, C, R, N, U, Q, S0, tree):
     else:
         mask = np.where(np.arange(S)[None, :] <= S0 + np.arange(T)[:, None], 0.0, -np.inf)
     S_cap = S + 3
-    ckv_d, kpe_d = dev(np.pad(ckv, ((0, 3), (0, 0)))), dev(np.pad(kpe, ((0, 3), (0, 0))))
+    kv_d = dev(kv_rows_to_planes(ckv, kpe, S + 3))
     mask_d = dev(np.pad(mask, ((0, 0), (0, 3)), constant_values=-np.inf).astype(np.float32)) if tree else None
     scores = dev(np.zeros((T * H, S_cap), np.float32))
     o, q_d = dev(np.zeros((T, H, U), np.float32)), dev(np.zeros((T, H, N + R), np.float32))
-    qs = dev(np.zeros((T * H, C + R), np.float32))
+    qs = dev(np.zeros(kv_planes_shape(T * H, C, R), np.uint16))
     partials = dev(np.zeros((ops.attn_splits(T, H, C) * T * H, C + 2), np.float32))
-    args = (dev(cq), dev(w_qb), q_d, dev(positions, np.int32), dev(inv_freq), 1.0, dev(w_uk), dev(w_uv), ckv_d, kpe_d,
+    args = (dev(cq), dev(w_qb), q_d, dev(positions, np.int32), dev(inv_freq), 1.0, dev(w_uk), dev(w_uv), kv_d,
             dev(np.array([S0, 0, 0, 0], np.int32)), mask_d, S_cap, scores, S_cap, partials, qs, o, T, R, scale)
     run(ops, ops.mla_attention, *args)
     first = o.get()
@@ -260,13 +262,14 @@ def test_mla_attention(ops, T, H, C, R, N, U, Q, S0, tree):
     (2, 600, 512, 64, 300, [0, 4, 5, 9, 31])])                   # K2.6 latent width
 def test_kv_compact_in_order(ops, L, S_cap, C, R, start, keep):
     rng = np.random.default_rng(C)
-    ckv, kpe = rand(rng, L, S_cap, C), rand(rng, L, S_cap, R)
-    ckv_d, kpe_d = dev(ckv), dev(kpe)
+    kv = np.stack([kv_rows_to_planes(rand(rng, S_cap, C), rand(rng, S_cap, R)) for _ in range(L)])
+    kv_d = dev(kv)
     keep = np.asarray(keep)
-    run(ops, ops.kv_compact, ckv_d, kpe_d, dev(keep, np.int32), len(keep), start)
+    run(ops, ops.kv_compact, kv_d, dev(keep, np.int32), len(keep), start)
     rows = np.concatenate([np.arange(start), start + keep])
-    np.testing.assert_array_equal(ckv_d.get()[:, :len(rows)], ckv[:, rows])
-    np.testing.assert_array_equal(kpe_d.get()[:, :len(rows)], kpe[:, rows])
+    got = kv_d.get()
+    np.testing.assert_array_equal(got[:, :, :len(rows)], kv[:, :, rows])       # every term plane, padding too
+    np.testing.assert_array_equal(got[:, :, len(rows):], kv[:, :, len(rows):])  # the rows after: untouched
 
 
 # ---------------------------------------------------------------- MoE

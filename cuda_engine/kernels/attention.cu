@@ -1,6 +1,7 @@
 // MLA attention in the absorbed latent form over the latent cache, as four launches after q = W_qb c_q
 // (ops.linear, which writes the `q` tap's pre-rope values):
-//   1. mla_qprep_kernel:  q_pe <- rope(q_pe) in place (the `q` tap); qs[t, h] = [q_nope @ W_uk[h] | q_pe]
+//   1. mla_qprep_kernel:  q_pe <- rope(q_pe) in place (the `q` tap); qs[t, h] = [q_nope @ W_uk[h] | q_pe], stored
+//                         as its bf16 terms (split once here, not by each scores block)
 //   2. mla_scores_kernel: scores[t h, s] = qs[t, h] . [c_kv[s] | k_pe[s]] * scale + mask(t, s)
 //   3. mla_pv_kernel:     per chunk j of the rows: m_j = max_s score, l_j = sum_s p, o_j = sum_s p c_kv[s],
 //                         p = exp(score - m_j) (flash-decoding's partial softmax)
@@ -9,18 +10,20 @@
 // all T H query rows at once; each cache tile is loaded once per 64 query rows, not once per (token, head)
 // as a per-head kernel would (64 times per token at K2.6, ~23 GB at 33 rows and 4K cached rows). W_uk[h]
 // and W_uv[h] are read once per 8 tokens.
-// Contract (float32): q [T, H, A] (A = N + R; q_nope at 0..N-1, q_pe at N..A-1 of each head), q_pe rotated
-// at positions[t] (int32 [T], device) with inv_freq float64 [R/2]; w_uk [H, N, C] and w_uv [H, U, C]
-// (kv_b_proj split per head, as stored); qs: scratch [T H, C + R]; this layer's cache c_kv [S_cap, C],
-// k_pe [S_cap, R], rows 0 .. S-1 valid, S = meta[0] + T (meta[0] = rows cached before this forward, read on
-// the device so a replayed graph follows the cache); mask: NULL = causal (token t sees rows s <= meta[0] +
-// t), else additive float32 [T, mask_stride] (0 visible, -inf hidden: DDTree verification); scores:
-// scratch [T H, S_cap]; partials: scratch [n_split, T H, C + 2] (m, l, o_j); o [T, H, U].
+// Contract (float32 unless said): q [T, H, A] (A = N + R; q_nope at 0..N-1, q_pe at N..A-1 of each head), q_pe
+// rotated at positions[t] (int32 [T], device) with inv_freq float64 [R/2]; w_uk [H, N, C] and w_uv [H, U, C]
+// (kv_b_proj split per head, as stored); qs: scratch, bf16 terms [3][T H][Kp] (Kp = kv_pitch(C, R), the
+// cache's row layout: kv_layout.cuh); this layer's cache kv: bf16 terms [3][kv_rows][Kp], rows 0 .. S-1 valid,
+// S = meta[0] + T (meta[0] = rows cached before this forward, read on the device so a replayed graph follows
+// the cache); mask: NULL = causal (token t sees rows s <= meta[0] + t), else additive float32 [T, mask_stride]
+// (0 visible, -inf hidden: DDTree verification); scores: scratch [T H, S_cap]; partials: scratch
+// [n_split, T H, C + 2] (m, l, o_j); o [T, H, U].
 // Determinism: every sum has a fixed order for a given launch shape (k loops in order, fixed butterflies,
 // chunks merged in chunk order); n_split is fixed per (T, H, C, S_cap) on the host and the chunk bounds
 // follow S on the device.
 // Limits: C <= ATTN_MAX_C, R <= ATTN_MAX_R, N <= ATTN_MAX_N, n_split <= ATTN_MAX_SPLIT (K2.6: 512, 64, 128).
 #include "common.cuh"
+#include "kv_layout.cuh"
 #include "rope.cuh"
 #include "tensor_core.cuh"
 
@@ -34,17 +37,19 @@
 #define LOADS (TILE * KSTEP / BLOCK_THREADS)   // elements of each tile a thread loads per k step
 #define ROW_LANES 8                           // lanes that share one row of W_uv in merge_uv
 #define MERGE_U 64                            // rows of W_uv per merge_uv block
-#define GEMM_BLOCKS_PER_SM 2                  // the two GEMMs: registers capped at 128 so two blocks share an SM
+#define GEMM_BLOCKS_PER_SM 2                  // mla_pv_kernel: registers capped at 128 so two blocks share an SM
 
 // 1. grid (H, ceil(T / ATTN_TOKENS), ceil(C / BLOCK_THREADS)): a thread per latent column c; slice z = 0 ropes
 // (w_uk float32 in mla_qprep_kernel, bf16 bits in mla_qprep_bf16_kernel: common.cuh, wval)
 template <typename WT>
 __device__ __forceinline__ void mla_qprep_body(float* __restrict__ q, const int* __restrict__ positions,
                                                const double* __restrict__ inv_freq, double attn_factor,
-                                               const WT* __restrict__ w_uk, float* __restrict__ qs, int T, int H,
+                                               const WT* __restrict__ w_uk, bf16_t* __restrict__ qs, int T, int H,
                                                int N, int R, int C) {
     __shared__ float qn[ATTN_TOKENS][ATTN_MAX_N];
-    const int h = blockIdx.x, t0 = blockIdx.y * ATTN_TOKENS, nt = min(ATTN_TOKENS, T - t0), A = N + R, K = C + R;
+    const int h = blockIdx.x, t0 = blockIdx.y * ATTN_TOKENS, nt = min(ATTN_TOKENS, T - t0), A = N + R;
+    const int Kp = kv_pitch(C, R);
+    const size_t plane = (size_t)T * H * Kp;
     for (int i = threadIdx.x; i < ATTN_TOKENS * N; i += blockDim.x) {   // tokens past T: zeros
         const int tt = i / N, n = i % N;
         qn[tt][n] = tt < nt ? q[((size_t)(t0 + tt) * H + h) * A + n] : 0.0f;
@@ -56,9 +61,13 @@ __device__ __forceinline__ void mla_qprep_body(float* __restrict__ q, const int*
         rope_pair(qp[0], qp[1], (double)positions[t0 + tt], inv_freq[p], attn_factor, &y0, &y1);
         qp[0] = y0;
         qp[1] = y1;
-        float* d = qs + ((size_t)(t0 + tt) * H + h) * K + C + 2 * p;
-        d[0] = y0;
-        d[1] = y1;
+        bf16_t* d = qs + ((size_t)(t0 + tt) * H + h) * Kp + C + 2 * p;
+        store_terms(d, plane, y0);
+        store_terms(d + 1, plane, y1);
+    }
+    for (int i = threadIdx.x; blockIdx.z == 0 && i < nt * (Kp - C - R); i += blockDim.x) {   // the row's padding
+        const int tt = i / (Kp - C - R), j = C + R + i % (Kp - C - R);
+        store_terms(qs + ((size_t)(t0 + tt) * H + h) * Kp + j, plane, 0.0f);
     }
     __syncthreads();
     const WT* wk = w_uk + (size_t)h * N * C;
@@ -75,12 +84,12 @@ __device__ __forceinline__ void mla_qprep_body(float* __restrict__ q, const int*
         }
 #pragma unroll
         for (int tt = 0; tt < ATTN_TOKENS; ++tt)
-            if (tt < nt) qs[((size_t)(t0 + tt) * H + h) * K + c] = acc[tt];
+            if (tt < nt) store_terms(qs + ((size_t)(t0 + tt) * H + h) * Kp + c, plane, acc[tt]);
     }
 }
 
 #define MLA_QPREP_ARGS(WT) float* __restrict__ q, const int* __restrict__ positions, const double* __restrict__ inv_freq, \
-    double attn_factor, const WT* __restrict__ w_uk, float* __restrict__ qs, int T, int H, int N, int R, int C
+    double attn_factor, const WT* __restrict__ w_uk, bf16_t* __restrict__ qs, int T, int H, int N, int R, int C
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM) mla_qprep_kernel(MLA_QPREP_ARGS(float)) {
     mla_qprep_body(q, positions, inv_freq, attn_factor, w_uk, qs, T, H, N, R, C);
 }
@@ -141,17 +150,6 @@ __device__ __forceinline__ int acc_col(int nt, int i) {
     return (threadIdx.x / WARP_SIZE / 4) * 32 + nt * 8 + (threadIdx.x % 4) * 2 + i % 2;
 }
 
-// n (<= 8, at most 0: none) consecutive float32 from p, zeros after them; one pair of 16-byte loads when aligned.
-__device__ __forceinline__ void load8(const float* __restrict__ p, int n, float (&v)[8]) {
-    if (n >= 8 && (reinterpret_cast<size_t>(p) & 15) == 0) {
-        const float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
-        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-        return;
-    }
-#pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] = j < n ? p[j] : 0.0f;
-}
-
 // Eight consecutive float32 staged as their three bf16 terms: 16 bytes per term at dst, dst + plane, dst + 2 plane.
 __device__ __forceinline__ void stage3_x8(const float (&v)[8], bf16_t* dst, int plane) {
     uint4 t[3];
@@ -171,39 +169,53 @@ __device__ __forceinline__ int pv_chunk(int S, int n_split) {
 }
 
 // 2. grid (ceil(T H / TILE), ceil(S_cap / TILE)): query tiles vary fastest, so the blocks in flight share
-// their cache tiles through L2. Tiles at or past S = meta[0] + T exit.
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, GEMM_BLOCKS_PER_SM)
-mla_scores_kernel(const float* __restrict__ qs, const float* __restrict__ c_kv, const float* __restrict__ k_pe,
-                  const int* __restrict__ meta, const float* __restrict__ mask, int mask_stride,
-                  float* __restrict__ scores, int S_cap, int T, int H, int C, int R, float scale) {
-    __shared__ __align__(16) bf16_t As[3][TILE][SPITCH];
-    __shared__ __align__(16) bf16_t Bs[3][TILE][SPITCH];
-    const int S0 = meta[0], S = S0 + T, TH = T * H, K = C + R;
+// their cache tiles through L2. Tiles at or past S = meta[0] + T exit. Both operands arrive as bf16 terms
+// (qs from mla_qprep, the cache as appended), so a k step is SCORES_STAGES-deep cp.async copies straight into the
+// shared-memory planes and the MMAs: no registers hold the next tile and no block rounds anything. Dynamic shared
+// memory: SCORES_SMEM bytes (two stages of both tiles, over the 48 KB a static array may take).
+#define SCORES_STAGES 2
+#define SCORES_SMEM (2 * SCORES_STAGES * 3 * TILE * SPITCH * 2)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+#define SCORES_BLOCKS_PER_SM 1                // sm_120: its 100 KB of shared memory per SM holds one block's 61 KB
+#else
+#define SCORES_BLOCKS_PER_SM 3                // sm_90: three blocks (80 registers a thread, no spill): 12 warps per SM
+#endif
+typedef bf16_t StagePlanes[3][TILE][SPITCH];
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, SCORES_BLOCKS_PER_SM)
+mla_scores_kernel(const bf16_t* __restrict__ qs, const bf16_t* __restrict__ kv, int kv_rows, const int* __restrict__ meta,
+                  const float* __restrict__ mask, int mask_stride, float* __restrict__ scores, int S_cap, int T, int H,
+                  int C, int R, float scale) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    StagePlanes* As = reinterpret_cast<StagePlanes*>(smem);   // [stage][term][query row][k]
+    StagePlanes* Bs = As + SCORES_STAGES;                     // [stage][term][cache row][k]
+    const int S0 = meta[0], S = S0 + T, TH = T * H, Kp = kv_pitch(C, R);
     const int r0 = blockIdx.x * TILE, s0 = blockIdx.y * TILE;
     if (s0 >= S) return;
-    float tot[4][4] = {}, lo[4][4] = {};
-    float ra[LOADS], rb[LOADS];                               // the next k step's tiles, in flight during the MMAs
+    const size_t qplane = (size_t)TH * Kp, kplane = (size_t)kv_rows * Kp;
     const int ia = threadIdx.x / (KSTEP / LOADS), ka = (threadIdx.x % (KSTEP / LOADS)) * LOADS;   // 8 in a row
-    auto load = [&](int k0) {
-        const int r = r0 + ia, s = s0 + ia, k = k0 + ka;      // (rows past TH or S: nothing read, row 0 named)
-        load8(qs + (r < TH ? (size_t)r * K + k : 0), r < TH ? K - k : 0, ra);
-        if (s >= S || k + LOADS <= C)                          // the row's 8 columns: all c_kv, all k_pe, or both
-            load8(c_kv + (s < S ? (size_t)s * C + k : 0), s < S ? C - k : 0, rb);
-        else if (k >= C)
-            load8(k_pe + (size_t)s * R + k - C, K - k, rb);
-        else
+    const bool qok = r0 + ia < TH, kok = s0 + ia < S;          // rows past TH or S: zeros, a valid row named
+    const bf16_t* qrow = qs + (size_t)(qok ? r0 + ia : 0) * Kp;
+    const bf16_t* krow = kv + (size_t)(kok ? s0 + ia : 0) * Kp;
+    auto load = [&](int stage, int k0) {                      // one 16-byte piece per term and operand
+        const int k = k0 + ka, kk = k < Kp ? k : 0;
+        const int na = qok && k < Kp ? 16 : 0, nb = kok && k < Kp ? 16 : 0;
 #pragma unroll
-            for (int j = 0; j < LOADS; ++j)
-                rb[j] = k + j < C ? c_kv[(size_t)s * C + k + j] : (k + j < K ? k_pe[(size_t)s * R + k + j - C] : 0.0f);
+        for (int t = 0; t < 3; ++t) {
+            cp_async16(&As[stage][t][ia][ka], qrow + t * qplane + kk, na);
+            cp_async16(&Bs[stage][t][ia][ka], krow + t * kplane + kk, nb);
+        }
     };
-    load(0);
-    for (int k0 = 0; k0 < K; k0 += KSTEP) {
-        stage3_x8(ra, &As[0][ia][ka], TILE * SPITCH);
-        stage3_x8(rb, &Bs[0][ia][ka], TILE * SPITCH);
+    float tot[4][4] = {}, lo[4][4] = {};
+    const int steps = (Kp + KSTEP - 1) / KSTEP;
+    load(0, 0);
+    cp_async_commit();
+    for (int i = 0; i < steps; ++i) {                         // stage i % 2 computes while stage (i + 1) % 2 loads
+        if (i + 1 < steps) load((i + 1) % SCORES_STAGES, (i + 1) * KSTEP);
+        cp_async_commit();
+        cp_async_wait<SCORES_STAGES - 1>();
         __syncthreads();
-        if (k0 + KSTEP < K) load(k0 + KSTEP);
-        tile_mma<false>(As, &Bs[0][0][0], tot, lo);
-        __syncthreads();
+        tile_mma<false>(As[i % SCORES_STAGES], &Bs[i % SCORES_STAGES][0][0][0], tot, lo);
+        __syncthreads();                                      // before the next load overwrites this stage
     }
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt)
@@ -218,14 +230,17 @@ mla_scores_kernel(const float* __restrict__ qs, const float* __restrict__ c_kv, 
 
 // 3. grid (ceil(T H / TILE) * ceil(C / TILE), n_split): chunk j owns rows [j chunk, (j + 1) chunk) of the
 // S rows, chunk = ceil(S / n_split) rounded up to KSTEP. Blocks of one (row tile, chunk) share their
-// scores; the column tiles vary fastest, so the cache chunk is shared through L2.
+// scores; the column tiles vary fastest, so the cache chunk is shared through L2. c_kv's terms come by cp.async,
+// PV_STAGES deep; p = exp(score - max) is computed here, so it is split here (a thread's 8, as in stage3_x8).
+#define PV_STAGES 2
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, GEMM_BLOCKS_PER_SM)
-mla_pv_kernel(const float* __restrict__ scores, int S_cap, const float* __restrict__ c_kv,
-              const int* __restrict__ meta, float* __restrict__ partials, int T, int H, int C) {
+mla_pv_kernel(const float* __restrict__ scores, int S_cap, const bf16_t* __restrict__ kv, int kv_rows,
+              const int* __restrict__ meta, float* __restrict__ partials, int T, int H, int C, int R) {
     __shared__ __align__(16) bf16_t As[3][TILE][SPITCH];
-    __shared__ __align__(16) bf16_t Bs[3][KSTEP][VPITCH];
+    __shared__ __align__(16) bf16_t Bs[PV_STAGES][3][KSTEP][VPITCH];
     __shared__ float row_max[TILE];
-    const int S = meta[0] + T, TH = T * H, n_split = gridDim.y, split = blockIdx.y;
+    const int S = meta[0] + T, TH = T * H, n_split = gridDim.y, split = blockIdx.y, Kp = kv_pitch(C, R);
+    const size_t kplane = (size_t)kv_rows * Kp;
     const int c_tiles = (C + TILE - 1) / TILE, r0 = (blockIdx.x / c_tiles) * TILE, c0 = (blockIdx.x % c_tiles) * TILE;
     const int chunk = pv_chunk(S, n_split);
     const int s_lo = min(S, split * chunk), s_hi = min(S, s_lo + chunk);
@@ -241,10 +256,11 @@ mla_pv_kernel(const float* __restrict__ scores, int S_cap, const float* __restri
     __syncthreads();
     float tot[4][4] = {}, lo[4][4] = {};
     float lsum = 0.0f;                                        // row threadIdx.x / 4: columns (threadIdx.x % 4) 8 ..
-    float ra[LOADS], rb[LOADS];                               // the next k step's tiles, in flight during the MMAs
+    float ra[LOADS];                                          // the next k step's p, in flight during the MMAs
     const int ia = threadIdx.x / (KSTEP / LOADS), ka = (threadIdx.x % (KSTEP / LOADS)) * LOADS;   // A: 8 in a row
     const int kb = threadIdx.x / (TILE / LOADS), cb = (threadIdx.x % (TILE / LOADS)) * LOADS;   // B: 8 in a row
-    auto load = [&](int k0) {
+    const int cbytes = max(0, min(LOADS, C - c0 - cb)) * 2;   // the piece's c_kv columns (k_pe's: zeros)
+    auto load_p = [&](int k0) {
         const int r = r0 + ia, s = k0 + ka;
         const float m = row_max[ia];
         load8(scores + (r < TH ? (size_t)r * S_cap + s : 0), r < TH ? s_hi - s : 0, ra);   // (as in the scores)
@@ -253,16 +269,28 @@ mla_pv_kernel(const float* __restrict__ scores, int S_cap, const float* __restri
             ra[j] = (r < TH && s + j < s_hi && m != -INFINITY) ? expf(ra[j] - m) : 0.0f;
             lsum += ra[j];
         }
-        const bool kv = k0 + kb < s_hi && c0 + cb < C;
-        load8(c_kv + (kv ? (size_t)(k0 + kb) * C + c0 + cb : 0), kv ? C - c0 - cb : 0, rb);
     };
-    if (s_lo < s_hi) load(s_lo);
-    for (int k0 = s_lo; k0 < s_hi; k0 += KSTEP) {
+    auto load_kv = [&](int stage, int k0) {                   // c_kv's terms by cp.async (split when appended)
+        const int s = k0 + kb, n = s < s_hi ? cbytes : 0;
+        const bf16_t* src = kv + (n ? (size_t)s * Kp + c0 + cb : 0);
+#pragma unroll
+        for (int t = 0; t < 3; ++t) cp_async16(&Bs[stage][t][kb][cb], src + t * kplane, n);
+    };
+    if (s_lo < s_hi) {
+        load_kv(0, s_lo);
+        load_p(s_lo);
+    }
+    cp_async_commit();
+    int stage = 0;
+    for (int k0 = s_lo; k0 < s_hi; k0 += KSTEP, stage ^= 1) {
         stage3_x8(ra, &As[0][ia][ka], TILE * SPITCH);
-        stage3_x8(rb, &Bs[0][kb][cb], KSTEP * VPITCH);
+        const bool more = k0 + KSTEP < s_hi;
+        if (more) load_kv(stage ^ 1, k0 + KSTEP);
+        cp_async_commit();
+        cp_async_wait<PV_STAGES - 1>();
         __syncthreads();
-        if (k0 + KSTEP < s_hi) load(k0 + KSTEP);
-        tile_mma<true>(As, &Bs[0][0][0], tot, lo);
+        if (more) load_p(k0 + KSTEP);
+        tile_mma<true>(As, &Bs[stage][0][0][0], tot, lo);
         __syncthreads();
     }
     float* part = partials + (size_t)split * TH * (C + 2);

@@ -2,7 +2,8 @@
 // compaction inside a captured round, the verify's tree mask, the tree builder and the greedy walk. Row
 // offsets and positions come from the drafter's meta block (drafter_meta.cuh).
 //
-//   ddtree_compact_kernel: kv_cache.cu's in-order compaction of the TARGET cache with n and start from the
+//   ddtree_compact_kernel: kv_cache.cu's in-order compaction of the TARGET cache (kv_layout.cuh: kv_move_rows)
+//       with n and start from the
 //       drafter's meta (keep_n, keep_start) and keep = the context rows, so it sits in a captured round.
 //       Launch grid (target layers), block BLOCK_THREADS.
 //   tree_mask_kernel: the verify's additive mask [T, mask_stride]: columns [0, start) 0 (committed), column
@@ -10,19 +11,13 @@
 //       of the TARGET (its cached rows). Launch grid (T), block BLOCK_THREADS.
 #include "common.cuh"
 #include "drafter_meta.cuh"
+#include "kv_layout.cuh"
 
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
-ddtree_compact_kernel(float* cache_ckv, float* cache_kpe, const int* __restrict__ keep, const int* __restrict__ meta,
-                      int S_cap, int C, int R) {
-    const int n = meta[DMETA_KEEP_N], start = meta[DMETA_KEEP_START];
-    float* ckv = cache_ckv + (size_t)blockIdx.x * S_cap * C;
-    float* kpe = cache_kpe + (size_t)blockIdx.x * S_cap * R;
-    for (int i = 0; i < n; ++i) {                          // keep strictly increasing: dst <= src, in order
-        const size_t src = (size_t)start + keep[i], dst = (size_t)start + i;
-        for (int c = threadIdx.x; c < C; c += blockDim.x) ckv[dst * C + c] = ckv[src * C + c];
-        for (int r = threadIdx.x; r < R; r += blockDim.x) kpe[dst * R + r] = kpe[src * R + r];
-        __syncthreads();
-    }
+ddtree_compact_kernel(unsigned short* kv, const int* __restrict__ keep, const int* __restrict__ meta, int kv_rows,
+                      int Kp) {
+    kv_move_rows(kv + (size_t)blockIdx.x * 3 * kv_rows * Kp, keep, meta[DMETA_KEEP_N], meta[DMETA_KEEP_START],
+                 kv_rows, Kp);
 }
 
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)

@@ -120,15 +120,16 @@ __device__ __forceinline__ void lmma_load_w(const bf16_t* __restrict__ row, int 
 // x[k .. k + 7] of one row as its three bf16 terms, packed in pairs (t[term][j] = k + 2j, k + 2j + 1)
 __device__ __forceinline__ void lmma_load_x(const float* __restrict__ row, int k, int I, bool ok, unsigned (&t)[3][4]) {
     float v[8];
-    if (ok && k + 8 <= I && ((reinterpret_cast<size_t>(row + k) & 15) == 0)) {
-        const float4 a = *reinterpret_cast<const float4*>(row + k), b = *reinterpret_cast<const float4*>(row + k + 4);
-        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-    } else {
+    load8(ok ? row + k : row, ok ? I - k : 0, v);
+    uint4 u[3];
+    split3_x8(v, u);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) v[j] = (ok && k + j < I) ? row[k + j] : 0.0f;
+    for (int i = 0; i < 3; ++i) {
+        t[i][0] = u[i].x;
+        t[i][1] = u[i].y;
+        t[i][2] = u[i].z;
+        t[i][3] = u[i].w;
     }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) split3_pair(v[2 * j], v[2 * j + 1], t[0][j], t[1][j], t[2][j]);
 }
 
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)

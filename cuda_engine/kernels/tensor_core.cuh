@@ -1,5 +1,5 @@
 // Tensor-core helpers shared by the kernels that use mma.sync (w4a16_mma.cu, attention.cu, linear.cu). Only
-// instructions sm_90 and sm_120 both have: mma.sync m16n8k16 bf16 -> f32, ldmatrix, prmt.
+// instructions sm_90 and sm_120 both have: mma.sync m16n8k16 bf16 -> f32, ldmatrix, prmt, cp.async.
 //
 // FP32-faithful products of two float32 operands (attention.cu's GEMMs; linear.cu's bf16 linear splits only its
 // activations, its weights being exact in bf16 already): each operand is split exactly into
@@ -8,8 +8,8 @@
 // is done with integer operations, rn_bf16_bits). A product of
 // two bf16 terms is exact in float32, and the tensor cores accumulate in float32. Of the nine term products
 // mma_split6 keeps the six down to 2^-16 relative (x0 y0; x0 y1, x1 y0; x0 y2, x1 y1, x2 y0) and drops x1 y2,
-// x2 y1, x2 y2 (|x1| <= 2^-8 |x|, |x2| <= 2^-16 |x|), which add at most 2^-23 |x y| (+ 2^-32): about one float32
-// rounding of the product, the class of a float32 multiply-add (tests/test_cuda_kernels.py). The leading product
+// x2 y1, x2 y2 (|x1| <= 2^-8 |x|, |x2| <= 2^-16 |x|), which add at most 2^-23 |x y| (+ 2^-32): one float32 ulp
+// of the product (two unit roundoffs), the class of a float32 multiply-add (tests/test_cuda_kernels.py). The leading product
 // x0 y0 goes into its own accumulator `hi` and the five small ones into `lo`, so the corrections are never
 // rounded against the large running sum (the tensor cores' float32 accumulation truncates); the caller starts
 // `hi` afresh every few k steps and folds it into a float32 total with a rounded add.
@@ -76,6 +76,39 @@ __device__ __forceinline__ void split3_x8(const float (&v)[8], uint4 (&t)[3]) {
     split3_pair(v[4], v[5], t[0].z, t[1].z, t[2].z);
     split3_pair(v[6], v[7], t[0].w, t[1].w, t[2].w);
 }
+
+// n (<= 8, at most 0: none) consecutive float32 from p, zeros after them; one pair of 16-byte loads when aligned.
+__device__ __forceinline__ void load8(const float* __restrict__ p, int n, float (&v)[8]) {
+    if (n >= 8 && (reinterpret_cast<size_t>(p) & 15) == 0) {
+        const float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
+        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+        return;
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = j < n ? p[j] : 0.0f;
+}
+
+// x's three bf16 terms (split3) stored at dst, dst + plane, dst + 2 plane: the latent cache and the attention's
+// queries are kept so (kv_layout.cuh), split once where they are written instead of by every block that reads them.
+__device__ __forceinline__ void store_terms(unsigned short* dst, size_t plane, float x) {
+    unsigned t[3];
+    split3(x, t);
+    dst[0] = static_cast<unsigned short>(t[0] >> 16);
+    dst[plane] = static_cast<unsigned short>(t[1] >> 16);
+    dst[2 * plane] = static_cast<unsigned short>(t[2] >> 16);
+}
+
+// 16 bytes from global to shared memory without passing through registers (cp.async.cg: cached in L2 only); the
+// bytes past src_bytes (0 .. 16) are filled with zeros, so src_bytes = 0 stages a zero row (src must still be a
+// valid address). Completion: cp_async_commit closes a group, cp_async_wait<N> waits until at most N groups are
+// still in flight (then __syncthreads before other threads read the data).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
 // One m16n8k16 tile of sum_k a[m, k] b[k, n] from the split operands: a[t] the A fragment of term t, b[t] the
 // B fragment (two registers) of term t.
