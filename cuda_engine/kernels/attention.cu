@@ -185,8 +185,8 @@ extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, SCORES_BLOCKS_PER_SM
 mla_scores_kernel(const bf16_t* __restrict__ qs, const bf16_t* __restrict__ kv, int kv_rows, const int* __restrict__ meta,
                   const float* __restrict__ mask, int mask_stride, float* __restrict__ scores, int S_cap, int T, int H,
                   int C, int R, float scale) {
-    extern __shared__ __align__(16) unsigned char smem[];
-    StagePlanes* As = reinterpret_cast<StagePlanes*>(smem);   // [stage][term][query row][k]
+    extern __shared__ __align__(16) unsigned char scores_smem[];   // (one name per dynamic array in the umbrella build)
+    StagePlanes* As = reinterpret_cast<StagePlanes*>(scores_smem);   // [stage][term][query row][k]
     StagePlanes* Bs = As + SCORES_STAGES;                     // [stage][term][cache row][k]
     const int S0 = meta[0], S = S0 + T, TH = T * H, Kp = kv_pitch(C, R);
     const int r0 = blockIdx.x * TILE, s0 = blockIdx.y * TILE;
