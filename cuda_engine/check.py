@@ -1,7 +1,8 @@
 """`kdtr kernels check`: build every kernel with nvcc (no GPU needed) and hold it to sm_120's limits.
 
-For each architecture and each kernel: registers, spill stores/loads, stack frame and static shared
-memory, as ptxas reports them (-Xptxas -v). A kernel fails the check on any spill, or when it would
+For each architecture and each kernel: registers, spill stores/loads, stack frame and shared memory
+(static, as ptxas reports it with -Xptxas -v, plus the dynamic shared memory the engine launches it with:
+DYNAMIC_SMEM). A kernel fails the check on any spill, or when it would
 not launch on sm_120 (the target, the smaller of our two GPUs): more than 99 KB shared memory per block
 (sm_120 has 100 KB per SM and keeps 1 KB per block), more than 255 registers per thread, or more than
 64 K registers for one block at its __launch_bounds__ thread count (1024 when it declares none).
@@ -14,8 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cuda_engine.build import ARCHS, KERNEL_DIR, NVCC_FLAGS, gencode, kernel_files, run_nvcc
+from cuda_engine.ops import ATTN_PV_SMEM, ATTN_SCORES_SMEM
 
 SM120_SMEM_PER_BLOCK = 99 * 1024
+# kernels launched with dynamic shared memory (cuda_engine/ops.py asks for it over 48 KB): kernel -> bytes
+DYNAMIC_SMEM = {"mla_scores_kernel": ATTN_SCORES_SMEM, "mla_pv_kernel": ATTN_PV_SMEM}
 SM120_REGS_PER_SM = 64 * 1024
 MAX_REGS_PER_THREAD = 255
 MAX_THREADS_PER_BLOCK = 1024
@@ -93,6 +97,8 @@ def kernel_usage(arch: str, files=None) -> list[KernelUsage]:
             text = run_nvcc([*NVCC_FLAGS, *gencode([arch]), f"-I{KERNEL_DIR}", "-cubin", "-Xptxas", "-v",
                              "-o", str(Path(tmp) / (f.stem + ".cubin")), str(f)])
             rows += parse_ptxas(text, arch, f.name, launch_bounds(f.read_text(), constants))
+    for r in rows:
+        r.smem += DYNAMIC_SMEM.get(r.kernel, 0)
     return rows
 
 

@@ -22,7 +22,7 @@ from cuda_engine.build import engine_source_hash
 from cuda_engine.device import CudaEngineError, DevBuf, device_info, driver
 from cuda_engine.drafter import read_drafter
 from cuda_engine.ops import (ATTN_MAX_C, ATTN_MAX_N, ATTN_MAX_R, MOE_MAX_SLOTS, ROUTER_MAX_E, ROUTER_MAX_GROUPS, Ops,
-                             kv_planes_shape, kv_rows_to_planes)
+                             kv_planes_shape, kv_rows_to_planes, p_terms_shape)
 from cuda_engine.w4a16_plan import moe_path, w4a16_group_tokens, w4a16_groups_cap
 from cuda_engine.weights import DENSE_MODES, layer_arrays, load_weights
 from refmodel.config import ModelConfig
@@ -192,7 +192,8 @@ class CudaEngine:
                              ("act", (T_cap * S, I), f), ("y_slots", (T_cap * S, D), f), ("final", (T_cap, D), f),
                              ("logits", (T_cap, c.vocab_size), f), ("ids", (T_cap,), i), ("positions", (T_cap,), i),
                              ("argmax", (T_cap,), i), ("keep", (T_cap,), i), ("mask", (T_cap, S_cap), f),
-                             ("scores", (T_cap * H, S_cap), f), ("qs", kv_planes_shape(T_cap * H, C, R), np.uint16),
+                             ("scores", (T_cap * H, S_cap), f), ("p_terms", p_terms_shape(T_cap * H, S_cap), np.uint16),
+                             ("qs", kv_planes_shape(T_cap * H, C, R), np.uint16),
                              ("partials", (self.ops.attn_partials_rows(T_cap, H, C), C + 2), f)):
             self.buf[k] = DevBuf(shape, dt)
         self.buf["dense_slots"] = DevBuf.from_array(np.zeros(T_cap, i))
@@ -406,8 +407,8 @@ class CudaEngine:
         c, b, w = self.cfg, self.buf, self.layers[l]
         self.ops.mla_attention(b["cq"], w["q_b"], b["q"].view(l), b["positions"], self.inv_freq,
                                c.rope_attention_factor, w["w_uk"], w["w_uv"], kv, self.meta,
-                               b["mask"] if masked else None, self.S_cap, b["scores"], self.S_cap, b["partials"],
-                               b["qs"], b["o"], T, c.qk_rope_head_dim, c.softmax_scale)
+                               b["mask"] if masked else None, self.S_cap, b["scores"], b["p_terms"], self.S_cap,
+                               b["partials"], b["qs"], b["o"], T, c.qk_rope_head_dim, c.softmax_scale)
 
     def _mlp_half(self, l: int, T: int) -> None:
         """Layer l from mlp_in[l]: the router and the experts (routed + shared), or the dense MLP as one slot

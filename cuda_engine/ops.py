@@ -22,6 +22,8 @@ BLOCK = (32 * WARPS_PER_BLOCK, 1, 1)
 ATTN_MAX_C, ATTN_MAX_R, ATTN_MAX_N, ATTN_MAX_SPLIT = 512, 128, 256, 32   # kernels/attention.cu
 ATTN_TILE, ATTN_TOKENS, ATTN_MERGE_U = 64, 8, 64   # kernels/attention.cu: GEMM tile; tokens per qprep / merge_uv block; W_uv rows per merge_uv block
 ATTN_SCORES_SMEM = 2 * 2 * 3 * ATTN_TILE * (32 + 8) * 2   # kernels/attention.cu, SCORES_SMEM: mla_scores_kernel's dynamic shared memory
+ATTN_PV_SMEM = 2 * 3 * (ATTN_TILE * (32 + 8) + 32 * (ATTN_TILE + 8)) * 2   # kernels/attention.cu, PV_SMEM: mla_pv_kernel's
+ATTN_SOFTMAX_ROWS = 16              # kernels/attention.cu, SOFTMAX_ROWS: query rows per mla_softmax_kernel block (4 threads each)
 KV_PIECE = 8                        # kernels/kv_layout.cuh: a cache row is padded to whole 16-byte pieces of bf16
 ROUTER_MAX_E, ROUTER_MAX_GROUPS, MOE_MAX_SLOTS = 1024, 64, 64   # kernels/moe.cu
 LINEAR_ROWS = 8                   # kernels/linear.cu, linear_rows_kernel: rows per warp
@@ -44,6 +46,7 @@ SIGNATURES = {
     "mla_qprep_kernel": "PPPdPPiiiii",
     "mla_qprep_bf16_kernel": "PPPdPPiiiii",
     "mla_scores_kernel": "PPiPPiPiiiiif",
+    "mla_softmax_kernel": "PiPPiPiii",
     "mla_pv_kernel": "PiPiPPiiii",
     "mla_merge_uv_kernel": "PiPPPiiii",
     "mla_merge_uv_bf16_kernel": "PiPPPiiii",
@@ -118,6 +121,12 @@ def join3(terms: np.ndarray) -> np.ndarray:
     return (f[0] + f[1] + f[2]).astype(np.float32)
 
 
+def p_terms_shape(rows: int, S_cap: int) -> tuple[int, int, int]:
+    """The attention probabilities' scratch for `rows` query rows over S_cap cached rows: [3, rows, S_cap rounded
+    up to a multiple of 8] uint16 (bf16 terms; whole 16-byte pieces per row, kernels/attention.cu)."""
+    return (3, rows, -(-S_cap // KV_PIECE) * KV_PIECE)
+
+
 def _need_kv(kv: DevBuf, C: int, R: int, op: str) -> None:
     _need(kv.dtype == np.uint16 and len(kv.shape) == 3 and kv.shape[0] == 3 and kv.shape[2] == kv_pitch(C, R), op,
           f"the layer's cache must be bf16 terms [3, rows, {kv_pitch(C, R)}] (uint16), got {kv.shape} {kv.dtype}")
@@ -174,8 +183,9 @@ class Ops:
                 # all of L1 as shared memory: the driver's default carveout held the 45 KB blocks of w4a16_mma
                 # to 2 per SM whatever their registers allowed
                 f.set_attribute(carveout, 100)
-            if name == "mla_scores_kernel":     # its two stages take more than the 48 KB allowed without asking
-                f.set_attribute(drv.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, ATTN_SCORES_SMEM)
+            if name in ("mla_scores_kernel", "mla_pv_kernel"):   # their two stages: over the 48 KB allowed unasked
+                f.set_attribute(drv.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                ATTN_SCORES_SMEM if name == "mla_scores_kernel" else ATTN_PV_SMEM)
             self.fn[name] = f
         self.stream = drv.Stream()
         self.sm_count = driver_device().get_attribute(drv.device_attribute.MULTIPROCESSOR_COUNT)
@@ -281,12 +291,14 @@ class Ops:
 
     def mla_attention(self, cq, w_qb: DevBuf, q, positions: DevBuf, inv_freq: DevBuf, attn_factor: float,
                       w_uk: DevBuf, w_uv: DevBuf, kv: DevBuf, meta: DevBuf, mask, mask_stride: int, scores: DevBuf,
-                      S_cap: int, partials: DevBuf, qs: DevBuf, o, T: int, R: int, scale: float) -> None:
+                      p_terms: DevBuf, S_cap: int, partials: DevBuf, qs: DevBuf, o, T: int, R: int,
+                      scale: float) -> None:
         """o [T, H, U] over the cache rows, from c_q [T, Q]: q = c_q W_qb^T [T, H, N + R] (q_pe roped; written to
         `q`); w_qb [H (N + R), Q], w_uk [H, N, C], w_uv [H, U, C]; kv the layer's cache [3, rows, Kp] (bf16
-        terms, kv_layout.cuh). Five launches (kernels/attention.cu): the q_b GEMV/GEMM, rope + W_uk absorption
-        into qs (bf16 terms [3, T H, Kp]), the scores GEMM over every query row at once, the chunked p c_kv GEMM
-        with its partial softmax, and the chunk merge + W_uv."""
+        terms, kv_layout.cuh); p_terms the probabilities' scratch [3, >= T H, pitch] (bf16 terms, pitch >= S_cap
+        and a multiple of 8: p_terms_shape). Six launches (kernels/attention.cu): the q_b GEMV/GEMM, rope + W_uk
+        absorption into qs (bf16 terms [3, T H, Kp]), the scores GEMM over every query row at once, the chunks'
+        partial softmax (p's terms, m, l), the chunked p c_kv GEMM, and the chunk merge + W_uv."""
         H, N, C = w_uk.shape
         U, Q = w_uv.shape[1], w_qb.shape[1]
         _need(w_uv.shape == (H, U, C) and w_qb.shape == (H * (N + R), Q), "mla_attention",
@@ -301,6 +313,10 @@ class Ops:
         _need(qs.nbytes >= 3 * T * H * Kp * 2, "mla_attention", f"qs scratch {qs.shape} {qs.dtype} < 3 x [{T * H}, "
               f"{Kp}] bf16")
         _need_kv(kv, C, R, "mla_attention")
+        pitch = p_terms.shape[2] if len(p_terms.shape) == 3 else 0
+        _need(p_terms.dtype == np.uint16 and p_terms.shape[0] == 3 and p_terms.shape[1] >= T * H and pitch >= S_cap
+              and pitch % KV_PIECE == 0, "mla_attention", f"p_terms {p_terms.shape} {p_terms.dtype} is not bf16 terms "
+              f"{p_terms_shape(T * H, S_cap)} or larger")
         n_split = self.attn_splits(T, H, C)
         _need(partials.nbytes >= n_split * T * H * (C + 2) * 4, "mla_attention",
               f"partials {partials.shape} < [{n_split * T * H}, {C + 2}]")
@@ -311,8 +327,10 @@ class Ops:
         self._launch("mla_scores_kernel", (row_tiles, -(-S_cap // ATTN_TILE)), qs.ptr, kv.ptr, kv.shape[1], meta.ptr,
                      0 if mask is None else _ptr(mask), mask_stride, scores.ptr, S_cap, T, H, C, R, scale,
                      shared=ATTN_SCORES_SMEM)
-        self._launch("mla_pv_kernel", (row_tiles * -(-C // ATTN_TILE), n_split), scores.ptr, S_cap, kv.ptr,
-                     kv.shape[1], meta.ptr, partials.ptr, T, H, C, R)
+        self._launch("mla_softmax_kernel", (-(-T * H // ATTN_SOFTMAX_ROWS), n_split), scores.ptr, S_cap, meta.ptr,
+                     p_terms.ptr, pitch, partials.ptr, T, H, C, block=(4 * ATTN_SOFTMAX_ROWS, 1, 1))
+        self._launch("mla_pv_kernel", (row_tiles * -(-C // ATTN_TILE), n_split), p_terms.ptr, pitch, kv.ptr,
+                     kv.shape[1], meta.ptr, partials.ptr, T, H, C, R, shared=ATTN_PV_SMEM)
         self._launch(weight_kernel("mla_merge_uv", "mla_attention", w_uv), (H, tok_blocks, -(-U // ATTN_MERGE_U)),
                      partials.ptr, n_split, meta.ptr, w_uv.ptr, _ptr(o), T, H, C, U)
 

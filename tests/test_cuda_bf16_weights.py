@@ -115,7 +115,7 @@ def test_gate_and_up_of_two_types_are_refused(ops):
 def test_mla_attention(ops, T, H, C, R, N, U, Q, S0):
     """W_uk (qprep) and W_uv (merge_uv) as bf16, and q_b (linear) where T = 1; from 2 tokens on q_b stays bf16 in
     both runs (the tensor-core linear, whose bits are not the float32 instance's: test_linear)."""
-    from cuda_engine.ops import kv_planes_shape, kv_rows_to_planes
+    from cuda_engine.ops import kv_planes_shape, kv_rows_to_planes, p_terms_shape
     from refmodel.model import yarn_inv_freq
 
     rng = np.random.default_rng(T * H + C)
@@ -134,7 +134,8 @@ def test_mla_attention(ops, T, H, C, R, N, U, Q, S0):
         qs = dev(np.zeros(kv_planes_shape(T * H, C, R), np.uint16))
         partials = dev(np.zeros((ops.attn_splits(T, H, C) * T * H, C + 2), np.float32))
         ops.mla_attention(dev(cq), dev(qb[i if T == 1 else 0]), q, positions, dev(inv_freq), 1.0, dev(uk[i]), dev(uv[i]), kv,
-                          dev(np.array([S0, 0, 0, 0], np.int32)), None, S_cap, scores, S_cap, partials, qs, o, T, R,
+                          dev(np.array([S0, 0, 0, 0], np.int32)), None, S_cap, scores,
+                          dev(np.zeros(p_terms_shape(T * H, S_cap), np.uint16)), S_cap, partials, qs, o, T, R,
                           float((N + R) ** -0.5))
         return [q, o]
     same_bits(ops, "mla_merge_uv_bf16_kernel", launch)

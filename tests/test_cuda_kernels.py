@@ -8,7 +8,7 @@ import pytest
 
 from refmodel.config import PRESETS
 from refmodel.model import apply_rope, rms_norm, route, rope_cos_sin, silu, softmax, yarn_inv_freq
-from cuda_engine.ops import kv_planes_shape, kv_rows_to_planes
+from cuda_engine.ops import kv_planes_shape, kv_rows_to_planes, p_terms_shape
 from cuda_oracle import check, gpu_ops, rand
 
 pytestmark = pytest.mark.cuda
@@ -232,9 +232,10 @@ def test_mla_attention(ops, T, H, C, R, N, U, Q, S0, tree):
     scores = dev(np.zeros((T * H, S_cap), np.float32))
     o, q_d = dev(np.zeros((T, H, U), np.float32)), dev(np.zeros((T, H, N + R), np.float32))
     qs = dev(np.zeros(kv_planes_shape(T * H, C, R), np.uint16))
+    p_terms = dev(np.zeros(p_terms_shape(T * H, S_cap), np.uint16))
     partials = dev(np.zeros((ops.attn_splits(T, H, C) * T * H, C + 2), np.float32))
     args = (dev(cq), dev(w_qb), q_d, dev(positions, np.int32), dev(inv_freq), 1.0, dev(w_uk), dev(w_uv), kv_d,
-            dev(np.array([S0, 0, 0, 0], np.int32)), mask_d, S_cap, scores, S_cap, partials, qs, o, T, R, scale)
+            dev(np.array([S0, 0, 0, 0], np.int32)), mask_d, S_cap, scores, p_terms, S_cap, partials, qs, o, T, R, scale)
     run(ops, ops.mla_attention, *args)
     first = o.get()
     run(ops, ops.mla_attention, *args)                            # the same launch again: the same bits

@@ -1,12 +1,13 @@
-// MLA attention in the absorbed latent form over the latent cache, as four launches after q = W_qb c_q
+// MLA attention in the absorbed latent form over the latent cache, as five launches after q = W_qb c_q
 // (ops.linear, which writes the `q` tap's pre-rope values):
 //   1. mla_qprep_kernel:  q_pe <- rope(q_pe) in place (the `q` tap); qs[t, h] = [q_nope @ W_uk[h] | q_pe], stored
 //                         as its bf16 terms (split once here, not by each scores block)
 //   2. mla_scores_kernel: scores[t h, s] = qs[t, h] . [c_kv[s] | k_pe[s]] * scale + mask(t, s)
-//   3. mla_pv_kernel:     per chunk j of the rows: m_j = max_s score, l_j = sum_s p, o_j = sum_s p c_kv[s],
-//                         p = exp(score - m_j) (flash-decoding's partial softmax)
+//   3a. mla_softmax_kernel: per chunk j of the rows: m_j = max_s score, p = exp(score - m_j) (as bf16 terms),
+//                         l_j = sum_s p (flash-decoding's partial softmax)
+//   3b. mla_pv_kernel:    o_j = sum_s p c_kv[s] over chunk j
 //   4. mla_merge_uv_kernel: o_lat = sum_j exp(m_j - M) o_j / L (chunk order), o = W_uv[h] @ o_lat
-// Why four: every (token, head) query shares one latent cache, so the scores and p c_kv are two GEMMs over
+// Why so: every (token, head) query shares one latent cache, so the scores and p c_kv are two GEMMs over
 // all T H query rows at once; each cache tile is loaded once per 64 query rows, not once per (token, head)
 // as a per-head kernel would (64 times per token at K2.6, ~23 GB at 33 rows and 4K cached rows). W_uk[h]
 // and W_uv[h] are read once per 8 tokens.
@@ -16,7 +17,8 @@
 // cache's row layout: kv_layout.cuh); this layer's cache kv: bf16 terms [3][kv_rows][Kp], rows 0 .. S-1 valid,
 // S = meta[0] + T (meta[0] = rows cached before this forward, read on the device so a replayed graph follows
 // the cache); mask: NULL = causal (token t sees rows s <= meta[0] + t), else additive float32 [T, mask_stride]
-// (0 visible, -inf hidden: DDTree verification); scores: scratch [T H, S_cap]; partials: scratch
+// (0 visible, -inf hidden: DDTree verification); scores: scratch [T H, S_cap]; p: scratch, bf16 terms
+// [3][T H][p_pitch] (p_pitch >= S_cap, a multiple of 8); partials: scratch
 // [n_split, T H, C + 2] (m, l, o_j); o [T, H, U].
 // Determinism: every sum has a fixed order for a given launch shape (k loops in order, fixed butterflies,
 // chunks merged in chunk order); n_split is fixed per (T, H, C, S_cap) on the host and the chunk bounds
@@ -151,7 +153,7 @@ __device__ __forceinline__ int acc_col(int nt, int i) {
 }
 
 // Eight consecutive float32 staged as their three bf16 terms: 16 bytes per term at dst, dst + plane, dst + 2 plane.
-__device__ __forceinline__ void stage3_x8(const float (&v)[8], bf16_t* dst, int plane) {
+__device__ __forceinline__ void stage3_x8(const float (&v)[8], bf16_t* dst, size_t plane) {
     uint4 t[3];
     split3_x8(v, t);
     *reinterpret_cast<uint4*>(dst) = t[0];
@@ -160,9 +162,8 @@ __device__ __forceinline__ void stage3_x8(const float (&v)[8], bf16_t* dst, int 
 }
 
 // The rows of one p c_kv chunk (mla_pv_kernel) for S rows in n_split chunks: ceil(S / n_split) rounded up to
-// KSTEP; chunks at or past ceil(S / chunk) hold no row (mla_pv_kernel's blocks there write m = -inf, l = 0,
-// o = 0; mla_merge_uv_kernel leaves them out, where they would add exactly 0). An early exit of those pv blocks
-// made sm_90's build spill (128 registers a thread at two blocks per SM).
+// KSTEP; chunks at or past ceil(S / chunk) hold no row (mla_softmax_kernel writes m = -inf, l = 0 there and
+// mla_pv_kernel o = 0; mla_merge_uv_kernel leaves them out, where they would add exactly 0).
 __device__ __forceinline__ int pv_chunk(int S, int n_split) {
     const int per = (S + n_split - 1) / n_split;
     return (per + KSTEP - 1) / KSTEP * KSTEP;
@@ -228,70 +229,102 @@ mla_scores_kernel(const bf16_t* __restrict__ qs, const bf16_t* __restrict__ kv, 
         }
 }
 
-// 3. grid (ceil(T H / TILE) * ceil(C / TILE), n_split): chunk j owns rows [j chunk, (j + 1) chunk) of the
-// S rows, chunk = ceil(S / n_split) rounded up to KSTEP. Blocks of one (row tile, chunk) share their
-// scores; the column tiles vary fastest, so the cache chunk is shared through L2. c_kv's terms come by cp.async,
-// PV_STAGES deep; p = exp(score - max) is computed here, so it is split here (a thread's 8, as in stage3_x8).
+// 3a. grid (ceil(T H / SOFTMAX_ROWS), n_split), block SOFTMAX_ROWS * 4: chunk j's partial softmax, four threads
+// per query row (thread q takes the row's columns k0 + 8 q .. + 7 of every k step k0 of KSTEP, as p c_kv's tile
+// loads them): m_j = max_s score, p = exp(score - m_j) stored as its bf16 terms in p [3][T H][p_pitch] (zeros
+// from S to the next multiple of 8), l_j = sum_s p (each thread's sum in column order, then the four in a fixed
+// butterfly) -> partials[j, row, 0..1]. Done once per element here, not again by each of p c_kv's column tiles.
+// Chunk j owns rows [j chunk, (j + 1) chunk) of the S rows, chunk = pv_chunk(S, n_split).
+#define SOFTMAX_ROWS 16
+extern "C" __global__ void __launch_bounds__(SOFTMAX_ROWS * 4, MIN_BLOCKS_PER_SM)
+mla_softmax_kernel(const float* __restrict__ scores, int S_cap, const int* __restrict__ meta, bf16_t* __restrict__ p,
+                   int p_pitch, float* __restrict__ partials, int T, int H, int C) {
+    const int S = meta[0] + T, TH = T * H, n_split = gridDim.y, split = blockIdx.y;
+    const int chunk = pv_chunk(S, n_split);
+    const int s_lo = min(S, split * chunk), s_hi = min(S, s_lo + chunk);
+    const int r = blockIdx.x * SOFTMAX_ROWS + threadIdx.x / 4, q = (threadIdx.x % 4) * LOADS;
+    const bool ok = r < TH;
+    const float* row = scores + (size_t)(ok ? r : 0) * S_cap;
+    float m = -INFINITY, v[LOADS];
+    for (int k0 = s_lo; k0 < s_hi; k0 += KSTEP) {           // the max: the same value in any order
+        const int n = ok ? s_hi - k0 - q : 0;
+        load8(row + (n > 0 ? k0 + q : 0), n, v);
+#pragma unroll
+        for (int j = 0; j < LOADS; ++j)
+            if (j < n) m = fmaxf(m, v[j]);
+    }
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+    float lsum = 0.0f;
+    const size_t plane = (size_t)TH * p_pitch;
+    for (int k0 = s_lo; k0 < s_hi; k0 += KSTEP) {
+        const int s = k0 + q, n = ok ? s_hi - s : 0;
+        load8(row + (n > 0 ? s : 0), n, v);
+#pragma unroll
+        for (int j = 0; j < LOADS; ++j) {                     // p = 0 past the chunk, for a row of no visible entry
+            v[j] = (j < n && m != -INFINITY) ? expf(v[j] - m) : 0.0f;
+            lsum += v[j];
+        }
+        if (n > 0) stage3_x8(v, p + (size_t)r * p_pitch + s, plane);   // (a chunk ends on a piece, or at S)
+    }
+    for (int off = 2; off > 0; off >>= 1) lsum += __shfl_xor_sync(0xffffffffu, lsum, off);
+    if (ok && q == 0) {
+        float* part = partials + ((size_t)split * TH + r) * (C + 2);
+        part[0] = m;
+        part[1] = lsum;
+    }
+}
+
+// 3b. grid (ceil(T H / TILE) * ceil(C / TILE), n_split): o_j = sum_s p c_kv[s] over chunk j, both operands bf16
+// terms already (p from 3a, c_kv as appended), by PV_STAGES-deep cp.async copies as in the scores. Blocks of one
+// (row tile, chunk) share their p; the column tiles vary fastest, so the cache chunk is shared through L2.
+// Dynamic shared memory: PV_SMEM bytes.
 #define PV_STAGES 2
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, GEMM_BLOCKS_PER_SM)
-mla_pv_kernel(const float* __restrict__ scores, int S_cap, const bf16_t* __restrict__ kv, int kv_rows,
+#define PV_SMEM (PV_STAGES * 3 * (TILE * SPITCH + KSTEP * VPITCH) * 2)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+#define PV_BLOCKS_PER_SM 1                    // sm_120: 100 KB of shared memory per SM, one block's 58 KB
+#else
+#define PV_BLOCKS_PER_SM GEMM_BLOCKS_PER_SM
+#endif
+typedef bf16_t KvStagePlanes[3][KSTEP][VPITCH];
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, PV_BLOCKS_PER_SM)
+mla_pv_kernel(const bf16_t* __restrict__ p, int p_pitch, const bf16_t* __restrict__ kv, int kv_rows,
               const int* __restrict__ meta, float* __restrict__ partials, int T, int H, int C, int R) {
-    __shared__ __align__(16) bf16_t As[3][TILE][SPITCH];
-    __shared__ __align__(16) bf16_t Bs[PV_STAGES][3][KSTEP][VPITCH];
-    __shared__ float row_max[TILE];
+    extern __shared__ __align__(16) unsigned char pv_smem[];   // (one name per dynamic array in the umbrella build)
+    StagePlanes* As = reinterpret_cast<StagePlanes*>(pv_smem);                      // [stage][term][row][s]
+    KvStagePlanes* Bs = reinterpret_cast<KvStagePlanes*>(pv_smem + PV_STAGES * sizeof(StagePlanes));   // [stage][term][s][c]
     const int S = meta[0] + T, TH = T * H, n_split = gridDim.y, split = blockIdx.y, Kp = kv_pitch(C, R);
-    const size_t kplane = (size_t)kv_rows * Kp;
+    const size_t pplane = (size_t)TH * p_pitch, kplane = (size_t)kv_rows * Kp;
     const int c_tiles = (C + TILE - 1) / TILE, r0 = (blockIdx.x / c_tiles) * TILE, c0 = (blockIdx.x % c_tiles) * TILE;
     const int chunk = pv_chunk(S, n_split);
     const int s_lo = min(S, split * chunk), s_hi = min(S, s_lo + chunk);
-    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
-    for (int i = warp; i < TILE; i += WARPS_PER_BLOCK) {       // the chunk's max per row: a warp per row
-        const int r = r0 + i;
-        float m = -INFINITY;
-        if (r < TH)
-            for (int s = s_lo + lane; s < s_hi; s += WARP_SIZE) m = fmaxf(m, scores[(size_t)r * S_cap + s]);
-        m = warp_max(m);
-        if (lane == 0) row_max[i] = m;
-    }
-    __syncthreads();
-    float tot[4][4] = {}, lo[4][4] = {};
-    float lsum = 0.0f;                                        // row threadIdx.x / 4: columns (threadIdx.x % 4) 8 ..
-    float ra[LOADS];                                          // the next k step's p, in flight during the MMAs
     const int ia = threadIdx.x / (KSTEP / LOADS), ka = (threadIdx.x % (KSTEP / LOADS)) * LOADS;   // A: 8 in a row
     const int kb = threadIdx.x / (TILE / LOADS), cb = (threadIdx.x % (TILE / LOADS)) * LOADS;   // B: 8 in a row
     const int cbytes = max(0, min(LOADS, C - c0 - cb)) * 2;   // the piece's c_kv columns (k_pe's: zeros)
-    auto load_p = [&](int k0) {
-        const int r = r0 + ia, s = k0 + ka;
-        const float m = row_max[ia];
-        load8(scores + (r < TH ? (size_t)r * S_cap + s : 0), r < TH ? s_hi - s : 0, ra);   // (as in the scores)
+    const bool rok = r0 + ia < TH;
+    const bf16_t* prow = p + (size_t)(rok ? r0 + ia : 0) * p_pitch;
+    auto load = [&](int stage, int k0) {                      // one 16-byte piece per term and operand
+        const int k = k0 + ka, na = rok ? max(0, min(LOADS, s_hi - k)) * 2 : 0;
+        const int s = k0 + kb, nb = s < s_hi ? cbytes : 0;
+        const bf16_t* pa = prow + (na ? k : 0);
+        const bf16_t* pb = kv + (nb ? (size_t)s * Kp + c0 + cb : 0);
 #pragma unroll
-        for (int j = 0; j < LOADS; ++j) {                     // p = 0 past the chunk, for a row of no visible entry
-            ra[j] = (r < TH && s + j < s_hi && m != -INFINITY) ? expf(ra[j] - m) : 0.0f;
-            lsum += ra[j];
+        for (int t = 0; t < 3; ++t) {
+            cp_async16(&As[stage][t][ia][ka], pa + t * pplane, na);
+            cp_async16(&Bs[stage][t][kb][cb], pb + t * kplane, nb);
         }
     };
-    auto load_kv = [&](int stage, int k0) {                   // c_kv's terms by cp.async (split when appended)
-        const int s = k0 + kb, n = s < s_hi ? cbytes : 0;
-        const bf16_t* src = kv + (n ? (size_t)s * Kp + c0 + cb : 0);
-#pragma unroll
-        for (int t = 0; t < 3; ++t) cp_async16(&Bs[stage][t][kb][cb], src + t * kplane, n);
-    };
-    if (s_lo < s_hi) {
-        load_kv(0, s_lo);
-        load_p(s_lo);
-    }
+    float tot[4][4] = {}, lo[4][4] = {};
+    const int steps = (s_hi - s_lo + KSTEP - 1) / KSTEP;
+    if (steps > 0) load(0, s_lo);
     cp_async_commit();
-    int stage = 0;
-    for (int k0 = s_lo; k0 < s_hi; k0 += KSTEP, stage ^= 1) {
-        stage3_x8(ra, &As[0][ia][ka], TILE * SPITCH);
-        const bool more = k0 + KSTEP < s_hi;
-        if (more) load_kv(stage ^ 1, k0 + KSTEP);
+    for (int i = 0; i < steps; ++i) {                         // stage i % 2 computes while stage (i + 1) % 2 loads
+        if (i + 1 < steps) load((i + 1) % PV_STAGES, s_lo + (i + 1) * KSTEP);
         cp_async_commit();
         cp_async_wait<PV_STAGES - 1>();
         __syncthreads();
-        if (more) load_p(k0 + KSTEP);
-        tile_mma<true>(As, &Bs[stage][0][0][0], tot, lo);
-        __syncthreads();
+        tile_mma<true>(As[i % PV_STAGES], &Bs[i % PV_STAGES][0][0][0], tot, lo);
+        __syncthreads();                                      // before the next load overwrites this stage
     }
     float* part = partials + (size_t)split * TH * (C + 2);
 #pragma unroll
@@ -301,12 +334,6 @@ mla_pv_kernel(const float* __restrict__ scores, int S_cap, const bf16_t* __restr
             const int r = r0 + acc_row(i), c = c0 + acc_col(nt, i);
             if (r < TH && c < C) part[(size_t)r * (C + 2) + 2 + c] = tot[nt][i] + lo[nt][i];
         }
-    // l per row: the four threads of a row (consecutive lanes) add their sums in a fixed butterfly
-    for (int off = KSTEP / LOADS / 2; off > 0; off >>= 1) lsum += __shfl_xor_sync(0xffffffffu, lsum, off);
-    if (c0 == 0 && threadIdx.x % (KSTEP / LOADS) == 0 && r0 + ia < TH) {
-        part[(size_t)(r0 + ia) * (C + 2)] = row_max[ia];
-        part[(size_t)(r0 + ia) * (C + 2) + 1] = lsum;
-    }
 }
 
 // 4. grid (H, ceil(T / ATTN_TOKENS), ceil(U / MERGE_U)): each block merges its tokens' chunks that hold rows
