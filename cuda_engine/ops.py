@@ -23,7 +23,6 @@ ATTN_MAX_C, ATTN_MAX_R, ATTN_MAX_N, ATTN_MAX_SPLIT = 512, 128, 256, 32   # kerne
 ATTN_TILE, ATTN_TOKENS, ATTN_MERGE_U = 64, 8, 64   # kernels/attention.cu: GEMM tile; tokens per qprep / merge_uv block; W_uv rows per merge_uv block
 ATTN_SCORES_SMEM = 2 * 2 * 3 * ATTN_TILE * (32 + 8) * 2   # kernels/attention.cu, SCORES_SMEM: mla_scores_kernel's dynamic shared memory
 ATTN_PV_SMEM = 2 * 3 * (ATTN_TILE * (32 + 8) + 32 * (ATTN_TILE + 8)) * 2   # kernels/attention.cu, PV_SMEM: mla_pv_kernel's
-ATTN_SOFTMAX_ROWS = 16              # kernels/attention.cu, SOFTMAX_ROWS: query rows per mla_softmax_kernel block (4 threads each)
 KV_PIECE = 8                        # kernels/kv_layout.cuh: a cache row is padded to whole 16-byte pieces of bf16
 ROUTER_MAX_E, ROUTER_MAX_GROUPS, MOE_MAX_SLOTS = 1024, 64, 64   # kernels/moe.cu
 LINEAR_ROWS = 8                   # kernels/linear.cu, linear_rows_kernel: rows per warp
@@ -327,8 +326,8 @@ class Ops:
         self._launch("mla_scores_kernel", (row_tiles, -(-S_cap // ATTN_TILE)), qs.ptr, kv.ptr, kv.shape[1], meta.ptr,
                      0 if mask is None else _ptr(mask), mask_stride, scores.ptr, S_cap, T, H, C, R, scale,
                      shared=ATTN_SCORES_SMEM)
-        self._launch("mla_softmax_kernel", (-(-T * H // ATTN_SOFTMAX_ROWS), n_split), scores.ptr, S_cap, meta.ptr,
-                     p_terms.ptr, pitch, partials.ptr, T, H, C, block=(4 * ATTN_SOFTMAX_ROWS, 1, 1))
+        self._launch("mla_softmax_kernel", (-(-T * H // WARPS_PER_BLOCK), n_split), scores.ptr, S_cap, meta.ptr,
+                     p_terms.ptr, pitch, partials.ptr, T, H, C)
         self._launch("mla_pv_kernel", (row_tiles * -(-C // ATTN_TILE), n_split), p_terms.ptr, pitch, kv.ptr,
                      kv.shape[1], meta.ptr, partials.ptr, T, H, C, R, shared=ATTN_PV_SMEM)
         self._launch(weight_kernel("mla_merge_uv", "mla_attention", w_uv), (H, tok_blocks, -(-U // ATTN_MERGE_U)),

@@ -229,46 +229,44 @@ mla_scores_kernel(const bf16_t* __restrict__ qs, const bf16_t* __restrict__ kv, 
         }
 }
 
-// 3a. grid (ceil(T H / SOFTMAX_ROWS), n_split), block SOFTMAX_ROWS * 4: chunk j's partial softmax, four threads
-// per query row (thread q takes the row's columns k0 + 8 q .. + 7 of every k step k0 of KSTEP, as p c_kv's tile
-// loads them): m_j = max_s score, p = exp(score - m_j) stored as its bf16 terms in p [3][T H][p_pitch] (zeros
-// from S to the next multiple of 8), l_j = sum_s p (each thread's sum in column order, then the four in a fixed
-// butterfly) -> partials[j, row, 0..1]. Done once per element here, not again by each of p c_kv's column tiles.
-// Chunk j owns rows [j chunk, (j + 1) chunk) of the S rows, chunk = pv_chunk(S, n_split).
-#define SOFTMAX_ROWS 16
-extern "C" __global__ void __launch_bounds__(SOFTMAX_ROWS * 4, MIN_BLOCKS_PER_SM)
+// 3a. grid (ceil(T H / WARPS_PER_BLOCK), n_split): chunk j's partial softmax, a warp per query row (lane l takes
+// the columns s_lo + 8 l + 256 i .. + 7): m_j = max_s score, p = exp(score - m_j) stored as its bf16 terms in
+// p [3][T H][p_pitch] (zeros from S to the next multiple of 8), l_j = sum_s p (each lane's sum in column order,
+// then the warp's fixed butterfly) -> partials[j, row, 0..1]. Once per element here, not again by each of p
+// c_kv's column tiles. Chunk j owns rows [j chunk, (j + 1) chunk) of the S rows, chunk = pv_chunk(S, n_split).
+#define SOFTMAX_SPAN (WARP_SIZE * LOADS)      // columns a warp takes per step
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
 mla_softmax_kernel(const float* __restrict__ scores, int S_cap, const int* __restrict__ meta, bf16_t* __restrict__ p,
                    int p_pitch, float* __restrict__ partials, int T, int H, int C) {
     const int S = meta[0] + T, TH = T * H, n_split = gridDim.y, split = blockIdx.y;
     const int chunk = pv_chunk(S, n_split);
     const int s_lo = min(S, split * chunk), s_hi = min(S, s_lo + chunk);
-    const int r = blockIdx.x * SOFTMAX_ROWS + threadIdx.x / 4, q = (threadIdx.x % 4) * LOADS;
-    const bool ok = r < TH;
-    const float* row = scores + (size_t)(ok ? r : 0) * S_cap;
+    const int lane = threadIdx.x % WARP_SIZE, r = blockIdx.x * WARPS_PER_BLOCK + threadIdx.x / WARP_SIZE;
+    if (r >= TH) return;                                      // a whole warp (no barrier below)
+    const float* row = scores + (size_t)r * S_cap;
     float m = -INFINITY, v[LOADS];
-    for (int k0 = s_lo; k0 < s_hi; k0 += KSTEP) {           // the max: the same value in any order
-        const int n = ok ? s_hi - k0 - q : 0;
-        load8(row + (n > 0 ? k0 + q : 0), n, v);
+#pragma unroll 4
+    for (int s = s_lo + lane * LOADS; s < s_hi; s += SOFTMAX_SPAN) {   // the max: the same value in any order
+        load8(row + s, s_hi - s, v);
 #pragma unroll
         for (int j = 0; j < LOADS; ++j)
-            if (j < n) m = fmaxf(m, v[j]);
+            if (j < s_hi - s) m = fmaxf(m, v[j]);
     }
-    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+    m = warp_max(m);
     float lsum = 0.0f;
     const size_t plane = (size_t)TH * p_pitch;
-    for (int k0 = s_lo; k0 < s_hi; k0 += KSTEP) {
-        const int s = k0 + q, n = ok ? s_hi - s : 0;
-        load8(row + (n > 0 ? s : 0), n, v);
+#pragma unroll 2
+    for (int s = s_lo + lane * LOADS; s < s_hi; s += SOFTMAX_SPAN) {
+        load8(row + s, s_hi - s, v);
 #pragma unroll
         for (int j = 0; j < LOADS; ++j) {                     // p = 0 past the chunk, for a row of no visible entry
-            v[j] = (j < n && m != -INFINITY) ? expf(v[j] - m) : 0.0f;
+            v[j] = (j < s_hi - s && m != -INFINITY) ? expf(v[j] - m) : 0.0f;
             lsum += v[j];
         }
-        if (n > 0) stage3_x8(v, p + (size_t)r * p_pitch + s, plane);   // (a chunk ends on a piece, or at S)
+        stage3_x8(v, p + (size_t)r * p_pitch + s, plane);     // (a chunk ends on a piece, or at S)
     }
-    for (int off = 2; off > 0; off >>= 1) lsum += __shfl_xor_sync(0xffffffffu, lsum, off);
-    if (ok && q == 0) {
+    lsum = warp_sum(lsum);
+    if (lane == 0) {
         float* part = partials + ((size_t)split * TH + r) * (C + 2);
         part[0] = m;
         part[1] = lsum;
