@@ -22,6 +22,7 @@ BLOCK = (32 * WARPS_PER_BLOCK, 1, 1)
 ATTN_MAX_C, ATTN_MAX_R, ATTN_MAX_N, ATTN_MAX_SPLIT = 512, 128, 256, 32   # kernels/attention.cu
 ATTN_TILE, ATTN_TOKENS, ATTN_MERGE_U = 64, 8, 64   # kernels/attention.cu: GEMM tile; tokens per qprep / merge_uv block; W_uv rows per merge_uv block
 ATTN_SCORES_SMEM = 2 * 2 * 3 * ATTN_TILE * (32 + 8) * 2   # kernels/attention.cu, SCORES_SMEM: mla_scores_kernel's dynamic shared memory
+ATTN_PV_BLOCKS_PER_SM = 3           # kernels/attention.cu, PV_BLOCKS_PER_SM (sm_90): the chunk count fills one wave of them
 ATTN_PV_SMEM = 2 * 3 * (ATTN_TILE * (32 + 8) + 32 * (ATTN_TILE + 8)) * 2   # kernels/attention.cu, PV_SMEM: mla_pv_kernel's
 KV_PIECE = 8                        # kernels/kv_layout.cuh: a cache row is padded to whole 16-byte pieces of bf16
 ROUTER_MAX_E, ROUTER_MAX_GROUPS, MOE_MAX_SLOTS = 1024, 64, 64   # kernels/moe.cu
@@ -275,14 +276,14 @@ class Ops:
                      kv.ptr, kv.shape[1], meta.ptr, positions.ptr, inv_freq.ptr, attn_factor)
 
     def attn_splits(self, T: int, H: int, C: int) -> int:
-        """The chunks mla_pv_kernel splits the cache rows into for T tokens: as many as two blocks per SM hold in
-        one wave (rounded down: a second wave of a few blocks would cost a whole chunk's time), at most
+        """The chunks mla_pv_kernel splits the cache rows into for T tokens: as many as three blocks per SM hold in
+        one wave (sm_90's occupancy; rounded down: a second wave of a few blocks would cost a whole chunk's time), at most
         ATTN_MAX_SPLIT. It depends on (T, H, C) and the GPU alone, not on the cache's capacity, so a forward sums
         in the same order whatever the buffers have grown to. A chunk past the cache's rows (ceil(S / chunk) and
         on, S read on the device) costs a block that writes m = -inf, l = 0, o = 0; the merge leaves it out, where
         it would have added exactly 0."""
         blocks = -(-T * H // ATTN_TILE) * -(-C // ATTN_TILE)
-        return max(1, min(ATTN_MAX_SPLIT, 2 * self.sm_count // blocks))
+        return max(1, min(ATTN_MAX_SPLIT, ATTN_PV_BLOCKS_PER_SM * self.sm_count // blocks))
 
     def attn_partials_rows(self, T_cap: int, H: int, C: int) -> int:
         """Rows of [C + 2] floats the partials scratch needs for any forward of 1 .. T_cap tokens."""

@@ -39,7 +39,6 @@
 #define LOADS (TILE * KSTEP / BLOCK_THREADS)   // elements of each tile a thread loads per k step
 #define ROW_LANES 8                           // lanes that share one row of W_uv in merge_uv
 #define MERGE_U 64                            // rows of W_uv per merge_uv block
-#define GEMM_BLOCKS_PER_SM 2                  // mla_pv_kernel: registers capped at 128 so two blocks share an SM
 
 // 1. grid (H, ceil(T / ATTN_TOKENS), ceil(C / BLOCK_THREADS)): a thread per latent column c; slice z = 0 ropes
 // (w_uk float32 in mla_qprep_kernel, bf16 bits in mla_qprep_bf16_kernel: common.cuh, wval)
@@ -282,7 +281,7 @@ mla_softmax_kernel(const float* __restrict__ scores, int S_cap, const int* __res
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
 #define PV_BLOCKS_PER_SM 1                    // sm_120: 100 KB of shared memory per SM, one block's 58 KB
 #else
-#define PV_BLOCKS_PER_SM GEMM_BLOCKS_PER_SM
+#define PV_BLOCKS_PER_SM 3                    // sm_90: three blocks (80 registers, no spill); Ops.attn_splits' chunks
 #endif
 typedef bf16_t KvStagePlanes[3][KSTEP][VPITCH];
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, PV_BLOCKS_PER_SM)
