@@ -1,7 +1,7 @@
 """CudaEngine: the conformance protocol (docs/architecture.md) on hand-written CUDA kernels, float32.
 
-Weights are uploaded once at load(); the latent KV cache lives on the device ([L, S_cap, C] and
-[L, S_cap, R]); a forward runs entirely on the device and copies back only the logits and, for the
+Weights are uploaded once at load(); the latent KV cache lives on the device ([L, 3, S_cap, Kp]: each row's
+c_kv | k_pe as three bf16 terms, kernels/kv_layout.cuh); a forward runs entirely on the device and copies back only the logits and, for the
 runner, the taps. Every tap has its own per-layer device buffer ([L, T_cap, width]), so a whole forward
 is one uninterrupted launch sequence and the decode step (T = 1) can be captured once as a CUDA graph
 (cuda_engine/graph.py) and replayed: the step's inputs (token, position, cached rows) are read by the
