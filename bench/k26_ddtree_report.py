@@ -170,6 +170,8 @@ def table(r: dict) -> str:
     lines += ["tokens per round (tau) by acceptance model:", head(44)]
     for name, a in r["acceptance"].items():
         lines.append(f"  {name:<44}" + "".join(f"{_f(a['tau'][str(b)], '7.2f')}" for b in budgets))
+    if "bundles" in r["acceptance"]:               # which bundles: the row moves with the ones present
+        lines.append(f"  (bundles: {r['acceptance']['bundles']['source']})")
     lines += ["bytes-bound speedup (tau / verify-over-AR weight bytes: an engine at its copy floor), best budget:",
               head(44)]
     for p in r["bytes_bound"]:

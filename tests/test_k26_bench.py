@@ -201,6 +201,7 @@ def test_summary_projection_and_table_of_a_device_result(rounds):
     text = rp.table(r)
     assert "verify/AR" in text and f"b={p['best_budget']}" in text and "published GSM8K" in text
     assert "MLA us" in text and f"{router[1]['us_mla']:9.1f}" in text
+    assert f"(bundles: {acc['bundles']['source']})" in text              # which bundles the row's tau came from
 
 
 def test_cli_host_half_writes_the_json(tmp_path):
