@@ -49,7 +49,9 @@ def dense_bytes(c: dict = K26, dense: str = "bf16") -> int:
 
 
 def cache_bytes(rows: int, c: dict = K26) -> int:
-    """Bytes of one layer's float32 latent cache over `rows` rows (c_kv and k_pe)."""
+    """Bytes of one layer's latent cache over `rows` rows (c_kv and k_pe) at 4 bytes a value: the least an
+    FP32-faithful engine reads (the CUDA engine holds each value as three bf16 terms, 6 bytes: docs/cuda-engine.md,
+    "The latent cache"), so the bytes-bound speedup stays an engine-independent floor."""
     return 4 * rows * (c["kv_lora_rank"] + c["qk_rope_head_dim"])
 
 
