@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from cuda_engine.device import CudaEngineError, DevBuf
-from cuda_engine.ops import BLOCK, WARPS_PER_BLOCK, weight_kernel
+from cuda_engine.ops import BLOCK, WARPS_PER_BLOCK, need_kv_cache, weight_kernel
 from kdtr_format import open_kdtr
 from refmodel import drafter as refmodel_drafter
 from refmodel.drafter import DrafterConfig, drafter_shapes
@@ -192,6 +192,7 @@ class CudaDrafter:
     def compact_target(self, engine) -> None:
         """The target cache's in-order compaction that set_round described (n and start read on the device)."""
         kv = engine.cache["kv"]                                  # [L, 3, rows, Kp]
+        need_kv_cache(kv, "ddtree_compact")
         self.ops._launch("ddtree_compact_kernel", (kv.shape[0],), kv.ptr, self.round_rows.ptr, self.meta.ptr,
                          kv.shape[2], kv.shape[3])
 

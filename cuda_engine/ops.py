@@ -22,7 +22,7 @@ BLOCK = (32 * WARPS_PER_BLOCK, 1, 1)
 ATTN_MAX_C, ATTN_MAX_R, ATTN_MAX_N, ATTN_MAX_SPLIT = 512, 128, 256, 32   # kernels/attention.cu
 ATTN_TILE, ATTN_TOKENS, ATTN_MERGE_U = 64, 8, 64   # kernels/attention.cu: GEMM tile; tokens per qprep / merge_uv block; W_uv rows per merge_uv block
 ATTN_SCORES_SMEM = 2 * 2 * 3 * ATTN_TILE * (32 + 8) * 2   # kernels/attention.cu, SCORES_SMEM: mla_scores_kernel's dynamic shared memory
-ATTN_PV_BLOCKS_PER_SM = 3           # kernels/attention.cu, PV_BLOCKS_PER_SM (sm_90): the chunk count fills one wave of them
+ATTN_PV_BLOCKS_PER_SM = {9: 3, 12: 1}   # kernels/attention.cu, PV_BLOCKS_PER_SM by compute capability (major): the chunk count fills one wave of them
 ATTN_PV_SMEM = 2 * 3 * (ATTN_TILE * (32 + 8) + 32 * (ATTN_TILE + 8)) * 2   # kernels/attention.cu, PV_SMEM: mla_pv_kernel's
 KV_PIECE = 8                        # kernels/kv_layout.cuh: a cache row is padded to whole 16-byte pieces of bf16
 ROUTER_MAX_E, ROUTER_MAX_GROUPS, MOE_MAX_SLOTS = 1024, 64, 64   # kernels/moe.cu
@@ -132,6 +132,13 @@ def _need_kv(kv: DevBuf, C: int, R: int, op: str) -> None:
           f"the layer's cache must be bf16 terms [3, rows, {kv_pitch(C, R)}] (uint16), got {kv.shape} {kv.dtype}")
 
 
+def need_kv_cache(kv: DevBuf, op: str) -> None:
+    """kv is a whole cache, [L, 3, rows, Kp] bf16 terms with Kp a multiple of 8 (the row moves copy 16 bytes)."""
+    _need(kv.dtype == np.uint16 and len(kv.shape) == 4 and kv.shape[1] == 3 and kv.shape[3] % KV_PIECE == 0, op,
+          f"the cache must be bf16 terms [L, 3, rows, Kp] (uint16, Kp a multiple of {KV_PIECE}), got {kv.shape} "
+          f"{kv.dtype}")
+
+
 def kv_rows_to_planes(ckv: np.ndarray, kpe: np.ndarray, rows: int | None = None) -> np.ndarray:
     """Host rows c_kv [S, C] and k_pe [S, R] (float32) as one layer's cache planes [3, rows, Kp] (rows >= S;
     rows past S and the padding columns zero)."""
@@ -186,9 +193,13 @@ class Ops:
             if name in ("mla_scores_kernel", "mla_pv_kernel"):   # their two stages: over the 48 KB allowed unasked
                 f.set_attribute(drv.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                 ATTN_SCORES_SMEM if name == "mla_scores_kernel" else ATTN_PV_SMEM)
+                if carveout is not None:        # all of L1 as shared memory, so three blocks' stages fit an SM (sm_90)
+                    f.set_attribute(carveout, 100)
             self.fn[name] = f
         self.stream = drv.Stream()
         self.sm_count = driver_device().get_attribute(drv.device_attribute.MULTIPROCESSOR_COUNT)
+        # mla_pv_kernel's blocks per SM as its build for this GPU declares them (three on sm_90, one on sm_120)
+        self.pv_blocks_per_sm = ATTN_PV_BLOCKS_PER_SM.get(driver_device().compute_capability()[0], 1)
         self.launches = 0
         # what ran (a captured graph's launches counted once, at capture): kernel name -> launches, and the
         # w4a16_mma launches' "path:regime" (w4a16_plan.py: W4A16_PATHS, W4A16_REGIMES) -> launches; a run dump's engine_info
@@ -276,14 +287,14 @@ class Ops:
                      kv.ptr, kv.shape[1], meta.ptr, positions.ptr, inv_freq.ptr, attn_factor)
 
     def attn_splits(self, T: int, H: int, C: int) -> int:
-        """The chunks mla_pv_kernel splits the cache rows into for T tokens: as many as three blocks per SM hold in
-        one wave (sm_90's occupancy; rounded down: a second wave of a few blocks would cost a whole chunk's time), at most
-        ATTN_MAX_SPLIT. It depends on (T, H, C) and the GPU alone, not on the cache's capacity, so a forward sums
+        """The chunks mla_pv_kernel splits the cache rows into for T tokens: as many as its blocks resident on
+        the GPU at once hold in one wave (pv_blocks_per_sm: three on sm_90, one on sm_120; rounded down: a second
+        wave of a few blocks would cost a whole chunk's time), at most ATTN_MAX_SPLIT. It depends on (T, H, C) and the GPU alone, not on the cache's capacity, so a forward sums
         in the same order whatever the buffers have grown to. A chunk past the cache's rows (ceil(S / chunk) and
         on, S read on the device) costs a block that writes m = -inf, l = 0, o = 0; the merge leaves it out, where
         it would have added exactly 0."""
         blocks = -(-T * H // ATTN_TILE) * -(-C // ATTN_TILE)
-        return max(1, min(ATTN_MAX_SPLIT, ATTN_PV_BLOCKS_PER_SM * self.sm_count // blocks))
+        return max(1, min(ATTN_MAX_SPLIT, self.pv_blocks_per_sm * self.sm_count // blocks))
 
     def attn_partials_rows(self, T_cap: int, H: int, C: int) -> int:
         """Rows of [C + 2] floats the partials scratch needs for any forward of 1 .. T_cap tokens."""
@@ -310,8 +321,8 @@ class Ops:
               f"{inv_freq.shape} != ({R // 2},)")
         _need(scores.nbytes >= T * H * S_cap * 4, "mla_attention", f"scores scratch {scores.shape} < [{T * H}, {S_cap}]")
         Kp = kv_pitch(C, R)
-        _need(qs.nbytes >= 3 * T * H * Kp * 2, "mla_attention", f"qs scratch {qs.shape} {qs.dtype} < 3 x [{T * H}, "
-              f"{Kp}] bf16")
+        _need(qs.dtype == np.uint16 and qs.nbytes >= 3 * T * H * Kp * 2, "mla_attention", f"qs scratch {qs.shape} "
+              f"{qs.dtype} is not bf16 terms (uint16) of at least 3 x [{T * H}, {Kp}]")
         _need_kv(kv, C, R, "mla_attention")
         pitch = p_terms.shape[2] if len(p_terms.shape) == 3 else 0
         _need(p_terms.dtype == np.uint16 and p_terms.shape[0] == 3 and p_terms.shape[1] >= T * H and pitch >= S_cap
@@ -337,6 +348,7 @@ class Ops:
     def kv_compact(self, kv: DevBuf, keep: DevBuf, n: int, start: int) -> None:
         """Rows start + keep[i] -> start + i of every layer of the cache kv [L, 3, rows, Kp] (keep strictly
         increasing)."""
+        need_kv_cache(kv, "kv_compact")
         L, _, rows, Kp = kv.shape
         _need(start + n <= rows and n <= keep.shape[0], "kv_compact", f"start {start} + n {n} > rows {rows}")
         self._launch("kv_compact_kernel", (L,), kv.ptr, keep.ptr, n, start, rows, Kp)

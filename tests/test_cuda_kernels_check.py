@@ -262,3 +262,25 @@ def test_kernels_check_exits_with_the_named_codes(monkeypatch):
     r = run(NvccNotFound("nvcc not found on PATH"))
     assert r.exit_code == ExitCode.USAGE and "kdtr kernels check: nvcc not found on PATH" in r.output
     assert run(([KernelUsage("sm_120", "f.cu", "k", registers=32, threads=256)], [])).exit_code == ExitCode.OK
+
+
+def test_the_hosts_launch_constants_are_the_kernels():
+    """ops.py launches the attention GEMMs with dynamic shared memory and sizes p c_kv's chunks by its blocks per
+    SM; both are written in kernels/attention.cu too. A host figure smaller than the kernel's would let the kernel
+    run past its shared memory; blocks per SM that differ would leave a wave part empty or add a second one."""
+    import re
+
+    from cuda_engine.build import KERNEL_DIR
+    from cuda_engine.ops import ATTN_PV_BLOCKS_PER_SM, ATTN_PV_SMEM, ATTN_SCORES_SMEM
+
+    src = (KERNEL_DIR / "attention.cu").read_text()
+    d = {k: int(v) for k, v in re.findall(r"#define (TILE|KSTEP|SCORES_STAGES|PV_STAGES) (\d+)\b", src)}
+    spitch, vpitch = d["KSTEP"] + 8, d["TILE"] + 8
+    assert re.search(r"#define SPITCH \(KSTEP \+ 8\)", src) and re.search(r"#define VPITCH \(TILE \+ 8\)", src)
+    assert re.search(r"#define SCORES_SMEM \(2 \* SCORES_STAGES \* 3 \* TILE \* SPITCH \* 2\)", src)
+    assert re.search(r"#define PV_SMEM \(PV_STAGES \* 3 \* \(TILE \* SPITCH \+ KSTEP \* VPITCH\) \* 2\)", src)
+    assert ATTN_SCORES_SMEM == 2 * d["SCORES_STAGES"] * 3 * d["TILE"] * spitch * 2
+    assert ATTN_PV_SMEM == d["PV_STAGES"] * 3 * (d["TILE"] * spitch + d["KSTEP"] * vpitch) * 2
+    # `#if __CUDA_ARCH__ >= 1000` (sm_120) first, then sm_90's
+    sm120, sm90 = (int(v) for v in re.findall(r"#define PV_BLOCKS_PER_SM (\d+)\b", src))
+    assert ATTN_PV_BLOCKS_PER_SM == {9: sm90, 12: sm120}

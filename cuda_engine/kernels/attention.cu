@@ -21,7 +21,7 @@
 // [3][T H][p_pitch] (p_pitch >= S_cap, a multiple of 8); partials: scratch
 // [n_split, T H, C + 2] (m, l, o_j); o [T, H, U].
 // Determinism: every sum has a fixed order for a given launch shape (k loops in order, fixed butterflies,
-// chunks merged in chunk order); n_split is fixed per (T, H, C, S_cap) on the host and the chunk bounds
+// chunks merged in chunk order); n_split is fixed per (T, H, C) and GPU on the host and the chunk bounds
 // follow S on the device.
 // Limits: C <= ATTN_MAX_C, R <= ATTN_MAX_R, N <= ATTN_MAX_N, n_split <= ATTN_MAX_SPLIT (K2.6: 512, 64, 128).
 #include "common.cuh"
@@ -281,7 +281,7 @@ mla_softmax_kernel(const float* __restrict__ scores, int S_cap, const int* __res
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
 #define PV_BLOCKS_PER_SM 1                    // sm_120: 100 KB of shared memory per SM, one block's 58 KB
 #else
-#define PV_BLOCKS_PER_SM 3                    // sm_90: three blocks (80 registers, no spill); Ops.attn_splits' chunks
+#define PV_BLOCKS_PER_SM 3                    // sm_90: three blocks (80 registers, no spill); ops.ATTN_PV_BLOCKS_PER_SM
 #endif
 typedef bf16_t KvStagePlanes[3][KSTEP][VPITCH];
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, PV_BLOCKS_PER_SM)
