@@ -57,3 +57,21 @@ def test_cache_rows_are_padded_to_whole_pieces(C, R):
     np.testing.assert_array_equal(join3(planes[:, :5, :C]), ckv)
     np.testing.assert_array_equal(join3(planes[:, :5, C:C + R]), kpe)
     assert not planes[:, :, C + R:].any() and not planes[:, 5:].any()          # padding and spare rows: zero
+
+
+@pytest.mark.parametrize("shape,dtype,why", [
+    ((2, 3, 8, 16), np.float32, "float32"),                    # a float32 cache: the old layout
+    ((2, 8, 16), np.uint16, "(2, 8, 16)"),                     # one layer's planes, not the whole cache
+    ((2, 2, 8, 16), np.uint16, "(2, 2, 8, 16)"),               # two planes
+    ((2, 3, 8, 20), np.uint16, "multiple of 8"),               # rows not in whole 16-byte pieces
+])
+def test_a_cache_of_another_layout_is_refused_before_a_launch(shape, dtype, why):
+    """The compactions move rows in 16-byte pieces of three term planes (kv_layout.cuh): anything else is a clear
+    error naming what was given (checked on the host; no device needed)."""
+    from cuda_engine.device import DevBuf
+    from cuda_engine.ops import need_kv_cache
+
+    with pytest.raises(ValueError, match="kv_compact: the cache must be bf16 terms") as e:
+        need_kv_cache(DevBuf(shape, dtype, ptr=1), "kv_compact")     # a fake address: nothing is allocated or read
+    assert why in str(e.value)
+    need_kv_cache(DevBuf((2, 3, 8, 16), np.uint16, ptr=1), "kv_compact")   # the layout itself passes
