@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cuda_engine.build import ARCHS, KERNEL_DIR, NVCC_FLAGS, gencode, kernel_files, run_nvcc
-from cuda_engine.ops import ATTN_PV_SMEM, ATTN_SCORES_SMEM
+from cuda_engine.ops import ATTN_DYNAMIC_SMEM
 
 SM120_SMEM_PER_BLOCK = 99 * 1024
 # kernels launched with dynamic shared memory (cuda_engine/ops.py asks for it over 48 KB): kernel -> bytes
-DYNAMIC_SMEM = {"mla_scores_kernel": ATTN_SCORES_SMEM, "mla_pv_kernel": ATTN_PV_SMEM}
+DYNAMIC_SMEM = ATTN_DYNAMIC_SMEM
 SM120_REGS_PER_SM = 64 * 1024
 MAX_REGS_PER_THREAD = 255
 MAX_THREADS_PER_BLOCK = 1024

@@ -9,6 +9,7 @@ and names the kernel that faulted.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -20,10 +21,33 @@ from cuda_engine.w4a16_plan import (W4A16_DIGITS_ROWS, W4A16_DIGITS_TOKENS, W4A1
 WARPS_PER_BLOCK = 8                 # kernels/common.cuh
 BLOCK = (32 * WARPS_PER_BLOCK, 1, 1)
 ATTN_MAX_C, ATTN_MAX_R, ATTN_MAX_N, ATTN_MAX_SPLIT = 512, 128, 256, 32   # kernels/attention.cu
-ATTN_TILE, ATTN_TOKENS, ATTN_MERGE_U = 64, 8, 64   # kernels/attention.cu: GEMM tile; tokens per qprep / merge_uv block; W_uv rows per merge_uv block
-ATTN_SCORES_SMEM = 2 * 2 * 3 * ATTN_TILE * (32 + 8) * 2   # kernels/attention.cu, SCORES_SMEM: mla_scores_kernel's dynamic shared memory
-ATTN_PV_BLOCKS_PER_SM = {9: 3, 12: 1}   # kernels/attention.cu, PV_BLOCKS_PER_SM by compute capability (major): the chunk count fills one wave of them
-ATTN_PV_SMEM = 2 * 3 * (ATTN_TILE * (32 + 8) + 32 * (ATTN_TILE + 8)) * 2   # kernels/attention.cu, PV_SMEM: mla_pv_kernel's
+ATTN_TOKENS, ATTN_MERGE_U = 8, 64   # kernels/attention.cu: tokens per qprep / merge_uv block; W_uv rows per merge_uv block
+ATTN_KSTEP, ATTN_SPITCH, ATTN_STAGES = 32, 32 + 8, 2   # kernels/attention.cu: the GEMMs' k step, staging row, stages
+
+
+@dataclass(frozen=True)
+class AttnTiling:
+    """One of the attention GEMMs' block tilings (kernels/attention.cu, Narrow and Wide): the kernels' name
+    suffix, the output tile (rows x cols) and the blocks per SM their __launch_bounds__ declare, by compute
+    capability (major)."""
+    suffix: str
+    rows: int
+    cols: int
+    blocks_per_sm: dict
+
+    def scores_smem(self) -> int:      # SCORES_SMEM(TL): both operand tiles, ATTN_STAGES stages, three terms
+        return ATTN_STAGES * 3 * (self.rows + self.cols) * ATTN_SPITCH * 2
+
+    def pv_smem(self) -> int:          # PV_SMEM(TL)
+        return ATTN_STAGES * 3 * (self.rows * ATTN_SPITCH + ATTN_KSTEP * (self.cols + 8)) * 2
+
+
+ATTN_NARROW = AttnTiling("", 64, 64, {9: 3, 12: 1})        # a decode step's 64 query rows (K2.6)
+ATTN_WIDE = AttnTiling("_wide", 64, 128, {9: 2, 12: 1})    # a verify's: 0.75x the L2 bytes per product at 320 rows
+ATTN_WIDE_MIN_ROWS = 65             # T H query rows from which the GEMMs run the wide tiling (more than one row tile)
+# kernel -> dynamic shared memory bytes it is launched with (over the 48 KB allowed unasked)
+ATTN_DYNAMIC_SMEM = {f"mla_{g}{t.suffix}_kernel": (t.scores_smem() if g == "scores" else t.pv_smem())
+                     for t in (ATTN_NARROW, ATTN_WIDE) for g in ("scores", "pv")}
 KV_PIECE = 8                        # kernels/kv_layout.cuh: a cache row is padded to whole 16-byte pieces of bf16
 ROUTER_MAX_E, ROUTER_MAX_GROUPS, MOE_MAX_SLOTS = 1024, 64, 64   # kernels/moe.cu
 LINEAR_ROWS = 8                   # kernels/linear.cu, linear_rows_kernel: rows per warp
@@ -46,8 +70,10 @@ SIGNATURES = {
     "mla_qprep_kernel": "PPPdPPiiiii",
     "mla_qprep_bf16_kernel": "PPPdPPiiiii",
     "mla_scores_kernel": "PPiPPiPiiiiif",
+    "mla_scores_wide_kernel": "PPiPPiPiiiiif",
     "mla_softmax_kernel": "PiPPiPiii",
     "mla_pv_kernel": "PiPiPPiiii",
+    "mla_pv_wide_kernel": "PiPiPPiiii",
     "mla_merge_uv_kernel": "PiPPPiiii",
     "mla_merge_uv_bf16_kernel": "PiPPPiiii",
     "kv_compact_kernel": "PPiiii",
@@ -87,9 +113,14 @@ def _ptr(x) -> int:
     return x.ptr if isinstance(x, DevBuf) else int(x)
 
 
+def whole_pieces(n: int) -> int:
+    """n bf16 rounded up to whole 16-byte pieces (KV_PIECE bf16 each): the term planes' row pitch."""
+    return -(-n // KV_PIECE) * KV_PIECE
+
+
 def kv_pitch(C: int, R: int) -> int:
     """bf16 per row of the latent cache's term planes: C + R rounded up to whole 16-byte pieces (kv_layout.cuh)."""
-    return -(-(C + R) // KV_PIECE) * KV_PIECE
+    return whole_pieces(C + R)
 
 
 def kv_planes_shape(rows: int, C: int, R: int) -> tuple[int, int, int]:
@@ -112,7 +143,7 @@ def split3(x: np.ndarray) -> np.ndarray:
         r0 = x - t0.view(np.float32)
         t1 = rn(r0)
         t2 = (r0 - t1.view(np.float32)).view(np.uint32) & np.uint32(0xFFFF0000)
-    return np.stack([t0, t1, t2]).__rshift__(np.uint32(16)).astype(np.uint16)
+    return (np.stack([t0, t1, t2]) >> np.uint32(16)).astype(np.uint16)
 
 
 def join3(terms: np.ndarray) -> np.ndarray:
@@ -124,7 +155,7 @@ def join3(terms: np.ndarray) -> np.ndarray:
 def p_terms_shape(rows: int, S_cap: int) -> tuple[int, int, int]:
     """The attention probabilities' scratch for `rows` query rows over S_cap cached rows: [3, rows, S_cap rounded
     up to a multiple of 8] uint16 (bf16 terms; whole 16-byte pieces per row, kernels/attention.cu)."""
-    return (3, rows, -(-S_cap // KV_PIECE) * KV_PIECE)
+    return (3, rows, whole_pieces(S_cap))
 
 
 def _need_kv(kv: DevBuf, C: int, R: int, op: str) -> None:
@@ -190,16 +221,14 @@ class Ops:
                 # all of L1 as shared memory: the driver's default carveout held the 45 KB blocks of w4a16_mma
                 # to 2 per SM whatever their registers allowed
                 f.set_attribute(carveout, 100)
-            if name in ("mla_scores_kernel", "mla_pv_kernel"):   # their two stages: over the 48 KB allowed unasked
-                f.set_attribute(drv.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                ATTN_SCORES_SMEM if name == "mla_scores_kernel" else ATTN_PV_SMEM)
-                if carveout is not None:        # all of L1 as shared memory, so three blocks' stages fit an SM (sm_90)
+            if name in ATTN_DYNAMIC_SMEM:   # the attention GEMMs' two stages: over the 48 KB allowed unasked
+                f.set_attribute(drv.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, ATTN_DYNAMIC_SMEM[name])
+                if carveout is not None:        # all of L1 as shared memory, so 2-3 blocks' stages fit an SM (sm_90)
                     f.set_attribute(carveout, 100)
             self.fn[name] = f
         self.stream = drv.Stream()
         self.sm_count = driver_device().get_attribute(drv.device_attribute.MULTIPROCESSOR_COUNT)
-        # mla_pv_kernel's blocks per SM as its build for this GPU declares them (three on sm_90, one on sm_120)
-        self.pv_blocks_per_sm = ATTN_PV_BLOCKS_PER_SM.get(driver_device().compute_capability()[0], 1)
+        self.cc_major = driver_device().compute_capability()[0]   # the attention GEMMs' blocks per SM follow it
         self.launches = 0
         # what ran (a captured graph's launches counted once, at capture): kernel name -> launches, and the
         # w4a16_mma launches' "path:regime" (w4a16_plan.py: W4A16_PATHS, W4A16_REGIMES) -> launches; a run dump's engine_info
@@ -286,15 +315,24 @@ class Ops:
         self._launch("mla_latent_kernel", (T,), _ptr(qkv), Q, C, R, w_q.ptr, w_kv.ptr, eps, _ptr(cq), _ptr(lat),
                      kv.ptr, kv.shape[1], meta.ptr, positions.ptr, inv_freq.ptr, attn_factor)
 
+    @staticmethod
+    def attn_tiling(T: int, H: int) -> AttnTiling:
+        """The attention GEMMs' tiling for T tokens of H heads: the wide one from ATTN_WIDE_MIN_ROWS query rows
+        on (a verify), else the narrow one (a decode step). It depends on (T, H) alone, so a forward of a given
+        shape always sums in the same order."""
+        return ATTN_WIDE if T * H >= ATTN_WIDE_MIN_ROWS else ATTN_NARROW
+
     def attn_splits(self, T: int, H: int, C: int) -> int:
-        """The chunks mla_pv_kernel splits the cache rows into for T tokens: as many as its blocks resident on
-        the GPU at once hold in one wave (pv_blocks_per_sm: three on sm_90, one on sm_120; rounded down: a second
-        wave of a few blocks would cost a whole chunk's time), at most ATTN_MAX_SPLIT. It depends on (T, H, C) and the GPU alone, not on the cache's capacity, so a forward sums
-        in the same order whatever the buffers have grown to. A chunk past the cache's rows (ceil(S / chunk) and
-        on, S read on the device) costs a block that writes m = -inf, l = 0, o = 0; the merge leaves it out, where
-        it would have added exactly 0."""
-        blocks = -(-T * H // ATTN_TILE) * -(-C // ATTN_TILE)
-        return max(1, min(ATTN_MAX_SPLIT, self.pv_blocks_per_sm * self.sm_count // blocks))
+        """The chunks p c_kv (mla_pv_*) splits the cache rows into for T tokens: as many as its blocks resident
+        on the GPU at once hold in one wave (the tiling's blocks per SM, by compute capability; rounded down: a
+        second wave of a few blocks would cost a whole chunk's time), at most ATTN_MAX_SPLIT. It depends on
+        (T, H, C) and the GPU alone, not on the cache's capacity, so a forward sums in the same order whatever
+        the buffers have grown to. A chunk past the cache's rows (ceil(S / chunk) and on, S read on the device)
+        costs a block that writes m = -inf, l = 0, o = 0; the merge leaves it out, where it would have added
+        exactly 0."""
+        tl = self.attn_tiling(T, H)
+        blocks = -(-T * H // tl.rows) * -(-C // tl.cols)
+        return max(1, min(ATTN_MAX_SPLIT, tl.blocks_per_sm.get(self.cc_major, 1) * self.sm_count // blocks))
 
     def attn_partials_rows(self, T_cap: int, H: int, C: int) -> int:
         """Rows of [C + 2] floats the partials scratch needs for any forward of 1 .. T_cap tokens."""
@@ -332,16 +370,17 @@ class Ops:
         _need(partials.nbytes >= n_split * T * H * (C + 2) * 4, "mla_attention",
               f"partials {partials.shape} < [{n_split * T * H}, {C + 2}]")
         self.linear(cq, w_qb, q, T, Q, H * (N + R))
-        tok_blocks, row_tiles = -(-T // ATTN_TOKENS), -(-T * H // ATTN_TILE)
+        tl = self.attn_tiling(T, H)
+        tok_blocks, row_tiles = -(-T // ATTN_TOKENS), -(-T * H // tl.rows)
         self._launch(weight_kernel("mla_qprep", "mla_attention", w_uk), (H, tok_blocks, -(-C // BLOCK[0])), _ptr(q),
                      positions.ptr, inv_freq.ptr, attn_factor, w_uk.ptr, qs.ptr, T, H, N, R, C)
-        self._launch("mla_scores_kernel", (row_tiles, -(-S_cap // ATTN_TILE)), qs.ptr, kv.ptr, kv.shape[1], meta.ptr,
-                     0 if mask is None else _ptr(mask), mask_stride, scores.ptr, S_cap, T, H, C, R, scale,
-                     shared=ATTN_SCORES_SMEM)
+        self._launch(f"mla_scores{tl.suffix}_kernel", (row_tiles, -(-S_cap // tl.cols)), qs.ptr, kv.ptr, kv.shape[1],
+                     meta.ptr, 0 if mask is None else _ptr(mask), mask_stride, scores.ptr, S_cap, T, H, C, R, scale,
+                     shared=tl.scores_smem())
         self._launch("mla_softmax_kernel", (-(-T * H // WARPS_PER_BLOCK), n_split), scores.ptr, S_cap, meta.ptr,
                      p_terms.ptr, pitch, partials.ptr, T, H, C)
-        self._launch("mla_pv_kernel", (row_tiles * -(-C // ATTN_TILE), n_split), p_terms.ptr, pitch, kv.ptr,
-                     kv.shape[1], meta.ptr, partials.ptr, T, H, C, R, shared=ATTN_PV_SMEM)
+        self._launch(f"mla_pv{tl.suffix}_kernel", (row_tiles * -(-C // tl.cols), n_split), p_terms.ptr, pitch,
+                     kv.ptr, kv.shape[1], meta.ptr, partials.ptr, T, H, C, R, shared=tl.pv_smem())
         self._launch(weight_kernel("mla_merge_uv", "mla_attention", w_uv), (H, tok_blocks, -(-U // ATTN_MERGE_U)),
                      partials.ptr, n_split, meta.ptr, w_uv.ptr, _ptr(o), T, H, C, U)
 

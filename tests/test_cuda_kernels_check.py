@@ -265,22 +265,37 @@ def test_kernels_check_exits_with_the_named_codes(monkeypatch):
 
 
 def test_the_hosts_launch_constants_are_the_kernels():
-    """ops.py launches the attention GEMMs with dynamic shared memory and sizes p c_kv's chunks by its blocks per
-    SM; both are written in kernels/attention.cu too. A host figure smaller than the kernel's would let the kernel
-    run past its shared memory; blocks per SM that differ would leave a wave part empty or add a second one."""
+    """ops.py launches the attention GEMMs with dynamic shared memory and sizes p c_kv's chunks by their blocks
+    per SM; both are written in kernels/attention.cu too, per tiling (Narrow, Wide). A host figure smaller than
+    the kernel's would let the kernel run past its shared memory; blocks per SM that differ would leave a wave
+    part empty or add a second one; a tile the host counts otherwise would leave rows or columns out."""
     import re
 
     from cuda_engine.build import KERNEL_DIR
-    from cuda_engine.ops import ATTN_PV_BLOCKS_PER_SM, ATTN_PV_SMEM, ATTN_SCORES_SMEM
+    from cuda_engine.ops import ATTN_DYNAMIC_SMEM, ATTN_KSTEP, ATTN_NARROW, ATTN_SPITCH, ATTN_STAGES, ATTN_WIDE
 
     src = (KERNEL_DIR / "attention.cu").read_text()
-    d = {k: int(v) for k, v in re.findall(r"#define (TILE|KSTEP|SCORES_STAGES|PV_STAGES) (\d+)\b", src)}
-    spitch, vpitch = d["KSTEP"] + 8, d["TILE"] + 8
-    assert re.search(r"#define SPITCH \(KSTEP \+ 8\)", src) and re.search(r"#define VPITCH \(TILE \+ 8\)", src)
-    assert re.search(r"#define SCORES_SMEM \(2 \* SCORES_STAGES \* 3 \* TILE \* SPITCH \* 2\)", src)
-    assert re.search(r"#define PV_SMEM \(PV_STAGES \* 3 \* \(TILE \* SPITCH \+ KSTEP \* VPITCH\) \* 2\)", src)
-    assert ATTN_SCORES_SMEM == 2 * d["SCORES_STAGES"] * 3 * d["TILE"] * spitch * 2
-    assert ATTN_PV_SMEM == d["PV_STAGES"] * 3 * (d["TILE"] * spitch + d["KSTEP"] * vpitch) * 2
+    d = {k: int(v) for k, v in re.findall(r"#define (KSTEP|GEMM_STAGES) (\d+)\b", src)}
+    assert (d["KSTEP"], d["GEMM_STAGES"]) == (ATTN_KSTEP, ATTN_STAGES)
+    assert re.search(r"#define SPITCH \(KSTEP \+ 8\)", src) and ATTN_SPITCH == ATTN_KSTEP + 8
+    assert re.search(r"static constexpr int VPITCH = COLS \+ 8;", src)
+    assert re.search(r"#define SCORES_SMEM\(TL\) \(GEMM_STAGES \* 3 \* \(TL::ROWS \+ TL::COLS\) \* SPITCH \* 2\)", src)
+    assert re.search(r"#define PV_SMEM\(TL\) \(GEMM_STAGES \* 3 \* \(TL::ROWS \* SPITCH \+ KSTEP \* TL::VPITCH\) \* 2\)",
+                     src)
+    assert re.search(r"ROWS = WARPS_M \* 16 \* WM, COLS = WARPS_PER_BLOCK / WARPS_M \* 8 \* WN;", src)
+    tilings = {name: (int(wm_) * 16 * int(wm), 8 // int(wm_) * 8 * int(wn))
+               for wm_, wm, wn, _, name in re.findall(r"typedef Tiling<(\d+), (\d+), (\d+), (true|false)> (\w+);", src)}
     # `#if __CUDA_ARCH__ >= 1000` (sm_120) first, then sm_90's
-    sm120, sm90 = (int(v) for v in re.findall(r"#define PV_BLOCKS_PER_SM (\d+)\b", src))
-    assert ATTN_PV_BLOCKS_PER_SM == {9: sm90, 12: sm120}
+    bps = {name: dict(zip((12, 9), (int(v) for v in re.findall(rf"#define {name.upper()}_BLOCKS_PER_SM (\d+)\b", src))))
+           for name in tilings}
+    host = {"Narrow": ATTN_NARROW, "Wide": ATTN_WIDE}
+    assert set(tilings) == set(host)
+    for name, tl in host.items():
+        assert (tl.rows, tl.cols) == tilings[name] and tl.blocks_per_sm == bps[name], name
+    kernels = re.findall(r"__launch_bounds__\(BLOCK_THREADS, (\w+)_BLOCKS_PER_SM\) (mla_(?:scores|pv)\w*_kernel)\("
+                         r"[^{]*\{[^}]*?mla_\w+_body<(\w+)>", src)
+    assert sorted(k for _, k, _ in kernels) == sorted(ATTN_DYNAMIC_SMEM)
+    for bound, kernel, tiling in kernels:
+        tl = host[tiling]
+        assert bound == tiling.upper() and kernel.endswith(f"{tl.suffix}_kernel"), kernel
+        assert ATTN_DYNAMIC_SMEM[kernel] == (tl.scores_smem() if "_scores" in kernel else tl.pv_smem()), kernel

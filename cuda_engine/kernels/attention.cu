@@ -2,10 +2,10 @@
 // (ops.linear, which writes the `q` tap's pre-rope values):
 //   1. mla_qprep_kernel:  q_pe <- rope(q_pe) in place (the `q` tap); qs[t, h] = [q_nope @ W_uk[h] | q_pe], stored
 //                         as its bf16 terms (split once here, not by each scores block)
-//   2. mla_scores_kernel: scores[t h, s] = qs[t, h] . [c_kv[s] | k_pe[s]] * scale + mask(t, s)
+//   2. mla_scores_kernel (or _wide): scores[t h, s] = qs[t, h] . [c_kv[s] | k_pe[s]] * scale + mask(t, s)
 //   3a. mla_softmax_kernel: per chunk j of the rows: m_j = max_s score, p = exp(score - m_j) (as bf16 terms),
 //                         l_j = sum_s p (flash-decoding's partial softmax)
-//   3b. mla_pv_kernel:    o_j = sum_s p c_kv[s] over chunk j
+//   3b. mla_pv_kernel (or _wide): o_j = sum_s p c_kv[s] over chunk j
 //   4. mla_merge_uv_kernel: o_lat = sum_j exp(m_j - M) o_j / L (chunk order), o = W_uv[h] @ o_lat
 // Why so: every (token, head) query shares one latent cache, so the scores and p c_kv are two GEMMs over
 // all T H query rows at once; each cache tile is loaded once per 64 query rows, not once per (token, head)
@@ -21,8 +21,8 @@
 // [3][T H][p_pitch] (p_pitch >= S_cap, a multiple of 8); partials: scratch
 // [n_split, T H, C + 2] (m, l, o_j); o [T, H, U].
 // Determinism: every sum has a fixed order for a given launch shape (k loops in order, fixed butterflies,
-// chunks merged in chunk order); n_split is fixed per (T, H, C) and GPU on the host and the chunk bounds
-// follow S on the device.
+// chunks merged in chunk order); the GEMMs' tiling (narrow or wide) and n_split are fixed per (T, H, C) and GPU
+// on the host (ops.Ops.attn_wide, attn_splits) and the chunk bounds follow S on the device.
 // Limits: C <= ATTN_MAX_C, R <= ATTN_MAX_R, N <= ATTN_MAX_N, n_split <= ATTN_MAX_SPLIT (K2.6: 512, 64, 128).
 #include "common.cuh"
 #include "kv_layout.cuh"
@@ -34,9 +34,8 @@
 #define ATTN_MAX_N 256
 #define ATTN_MAX_SPLIT 32
 #define ATTN_TOKENS 8                         // tokens per block in qprep and merge_uv: W_uk[h], W_uv[h] read once for them
-#define TILE 64                               // the GEMMs' 64 x 64 output tile: four m16n8 mma tiles per warp
 #define KSTEP 32                              // the GEMMs' k step (staged in shared memory as bf16 terms)
-#define LOADS (TILE * KSTEP / BLOCK_THREADS)   // elements of each tile a thread loads per k step
+#define LOADS 8                               // elements per 16-byte staging piece (bf16) or load8 (float32)
 #define ROW_LANES 8                           // lanes that share one row of W_uv in merge_uv
 #define MERGE_U 64                            // rows of W_uv per merge_uv block
 
@@ -98,57 +97,91 @@ extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM) m
     mla_qprep_body(q, positions, inv_freq, attn_factor, w_uk, qs, T, H, N, R, C);
 }
 
-// The tensor-core k step of a 64x64 tile GEMM (mla_scores_kernel and mla_pv_kernel), FP32-faithful: the tiles
-// are staged in shared memory as the three bf16 terms of split3 (tensor_core.cuh), A row-major [term][row][k],
-// B [term][col][k] (B_KN = false: the scores' cache rows) or [term][k][col] (B_KN = true: p c_kv's c_kv rows,
-// read with ldmatrix.trans). Warp w owns rows (w % 4) 16 .. +15 and columns (w / 4) 32 .. +31 of the tile: four
-// m16n8 tiles, six mma each per 16 k (mma_split6). `hi` starts afresh each k step and is added to `tot`
-// (rounded), `lo` runs over the whole k loop; the element is tot + lo. Fixed order: the same bits every run.
+// The attention GEMMs' block tiles (mla_scores_* and mla_pv_*). A block of 8 warps computes a ROWS x COLS output
+// tile: WARPS_M x (8 / WARPS_M) warps, each WM m16 tiles by WN n8 tiles. Two tilings:
+//   Narrow (64 x 64; 4 x 2 warps of 16 x 32): a decode step's 64 query rows (K2.6) fill one tile; three blocks
+//     per SM on sm_90 (80 registers);
+//   Wide (64 x 128; 2 x 4 warps of 32 x 32): a verify's query rows; per product it moves 0.75x the L2 bytes of
+//     the narrow tile at T H = 320 rows (each operand tile is fetched by fewer blocks) and issues 12 ldmatrix per
+//     48 mma instead of 9 per 24; two blocks per SM on sm_90 (<= 128 registers).
+// FOLD16: `hi` (the leading term product's accumulator, tensor_core.cuh) is folded into `tot` after every k16
+// (the wide tile: 4 registers at a time instead of WM x WN x 4) instead of after every KSTEP.
+template <int WARPS_M_, int WM_, int WN_, bool FOLD16_>
+struct Tiling {
+    static constexpr int WARPS_M = WARPS_M_, WM = WM_, WN = WN_;
+    static constexpr bool FOLD16 = FOLD16_;
+    static constexpr int ROWS = WARPS_M * 16 * WM, COLS = WARPS_PER_BLOCK / WARPS_M * 8 * WN;
+    static constexpr int VPITCH = COLS + 8;   // bf16 per [k][col] staging row (p c_kv's c_kv): ldmatrix conflict-free
+    static_assert(WARPS_PER_BLOCK % WARPS_M == 0 && WN % 2 == 0, "whole warps; n8 tiles in ldmatrix.x4 pairs");
+    __device__ static int wm() { return (threadIdx.x / WARP_SIZE % WARPS_M) * 16 * WM; }
+    __device__ static int wn() { return (threadIdx.x / WARP_SIZE / WARPS_M) * 8 * WN; }
+    // Element i of the thread's accumulator tile (mi, ni): its (row, column) in the block tile.
+    __device__ static int row(int mi, int i) { return wm() + mi * 16 + (threadIdx.x % WARP_SIZE) / 4 + (i / 2) * 8; }
+    __device__ static int col(int ni, int i) { return wn() + ni * 8 + (threadIdx.x % 4) * 2 + i % 2; }
+};
+typedef Tiling<4, 1, 4, false> Narrow;
+typedef Tiling<2, 2, 4, true> Wide;
+
+// The tensor-core k step of a tile GEMM, FP32-faithful: the tiles are staged in shared memory as the three bf16
+// terms of split3 (tensor_core.cuh), A row-major [term][row][k] (TL::ROWS rows), B [term][col][k] (B_KN = false:
+// the scores' cache rows, TL::COLS of them) or [term][k][col] (B_KN = true: p c_kv's c_kv rows, pitch
+// TL::VPITCH, read with ldmatrix.trans). Six mma per m16n8 tile and 16 k (mma_split6). `hi` starts afresh each
+// fold (every k step, or every k16 with TL::FOLD16) and is added to `tot` (rounded); `lo` runs over the whole k
+// loop; the element is tot + lo. Fixed order: the same bits every run.
 #define SPITCH (KSTEP + 8)                    // bf16 per [row][k] staging row: 80 bytes, ldmatrix conflict-free
-static_assert(WARPS_PER_BLOCK == 8 && TILE == 64 && KSTEP == 32 && LOADS == 8,
-              "tile_mma's warp tiling (4 x 2 warps of 16 x 32) and the 8-element staging rows assume these");
-#define VPITCH (TILE + 8)                     // bf16 per [k][col] staging row: 144 bytes, the same
-template <bool B_KN>
-__device__ __forceinline__ void tile_mma(const bf16_t (&As)[3][TILE][SPITCH], const bf16_t* Bs, float (&tot)[4][4],
-                                         float (&lo)[4][4]) {
-    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
-    const int wm = (warp % 4) * 16, wn = (warp / 4) * 32;
-    float hi[4][4] = {};
-#pragma unroll
+static_assert(WARPS_PER_BLOCK == 8 && KSTEP == 32 && LOADS == 8,
+              "the tilings and the 8-element (16-byte) staging pieces assume these");
+template <typename TL, bool B_KN>
+__device__ __forceinline__ void tile_mma(const bf16_t* As, const bf16_t* Bs, float (&tot)[TL::WM][TL::WN][4],
+                                         float (&lo)[TL::WM][TL::WN][4]) {
+    const int lane = threadIdx.x % WARP_SIZE, wm = TL::wm(), wn = TL::wn();
+    float hi[TL::FOLD16 ? 1 : TL::WM][TL::FOLD16 ? 1 : TL::WN][4] = {};
+    constexpr int KS_UNROLL = TL::FOLD16 ? 1 : KSTEP / 16;   // the wide tile: one k16's fragments live at a time
+#pragma unroll KS_UNROLL
     for (int ks = 0; ks < KSTEP; ks += 16) {
-        unsigned a[3][4];
+        unsigned a[TL::WM][3][4];
 #pragma unroll
-        for (int t = 0; t < 3; ++t) ldsm_x4(a[t], &As[t][wm + lane % 16][ks + (lane / 16) * 8]);
+        for (int mi = 0; mi < TL::WM; ++mi)
 #pragma unroll
-        for (int np = 0; np < 2; ++np) {                      // two n8 tiles per ldmatrix.x4: regs {b0, b1} each
+            for (int t = 0; t < 3; ++t)
+                ldsm_x4(a[mi][t], As + ((size_t)t * TL::ROWS + wm + mi * 16 + lane % 16) * SPITCH + ks + (lane / 16) * 8);
+#pragma unroll
+        for (int np = 0; np < TL::WN / 2; ++np) {             // two n8 tiles per ldmatrix.x4: regs {b0, b1} each
             unsigned b[3][4];
             const int n = wn + np * 16;
 #pragma unroll
             for (int t = 0; t < 3; ++t) {
                 if (B_KN)
-                    ldsm_x4_trans(b[t], Bs + ((size_t)t * KSTEP + ks + lane % 8 + ((lane / 8) % 2) * 8) * VPITCH
+                    ldsm_x4_trans(b[t], Bs + ((size_t)t * KSTEP + ks + lane % 8 + ((lane / 8) % 2) * 8) * TL::VPITCH
                                           + n + (lane / 16) * 8);
                 else
-                    ldsm_x4(b[t], Bs + ((size_t)t * TILE + n + (lane / 16) * 8 + lane % 8) * SPITCH + ks
+                    ldsm_x4(b[t], Bs + ((size_t)t * TL::COLS + n + (lane / 16) * 8 + lane % 8) * SPITCH + ks
                                     + ((lane / 8) % 2) * 8);
             }
 #pragma unroll
             for (int h = 0; h < 2; ++h)
-                mma_split6(hi[np * 2 + h], lo[np * 2 + h], a, &b[0][2 * h], &b[1][2 * h], &b[2][2 * h]);
+#pragma unroll
+                for (int mi = 0; mi < TL::WM; ++mi) {
+                    const int ni = np * 2 + h;
+                    if (TL::FOLD16) {
+                        float f[4] = {};
+                        mma_split6(f, lo[mi][ni], a[mi], &b[0][2 * h], &b[1][2 * h], &b[2][2 * h]);
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) tot[mi][ni][i] += f[i];
+                    } else {
+                        mma_split6(hi[TL::FOLD16 ? 0 : mi][TL::FOLD16 ? 0 : ni], lo[mi][ni], a[mi], &b[0][2 * h],
+                                   &b[1][2 * h], &b[2][2 * h]);
+                    }
+                }
         }
     }
+    if (!TL::FOLD16)
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
+        for (int mi = 0; mi < TL::WM; ++mi)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) tot[nt][i] += hi[nt][i];
-}
-
-// Element i of thread `lane`'s m16n8 accumulator tile nt: (row, column) in the 64x64 tile.
-__device__ __forceinline__ int acc_row(int i) {
-    return ((threadIdx.x / WARP_SIZE) % 4) * 16 + (threadIdx.x % WARP_SIZE) / 4 + (i / 2) * 8;
-}
-__device__ __forceinline__ int acc_col(int nt, int i) {
-    return (threadIdx.x / WARP_SIZE / 4) * 32 + nt * 8 + (threadIdx.x % 4) * 2 + i % 2;
+            for (int ni = 0; ni < TL::WN; ++ni)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) tot[mi][ni][i] += hi[TL::FOLD16 ? 0 : mi][TL::FOLD16 ? 0 : ni][i];
 }
 
 // Eight consecutive float32 staged as their three bf16 terms: 16 bytes per term at dst, dst + plane, dst + 2 plane.
@@ -160,72 +193,115 @@ __device__ __forceinline__ void stage3_x8(const float (&v)[8], bf16_t* dst, size
     *reinterpret_cast<uint4*>(dst + 2 * plane) = t[2];
 }
 
-// The rows of one p c_kv chunk (mla_pv_kernel) for S rows in n_split chunks: ceil(S / n_split) rounded up to
+// The rows of one p c_kv chunk (mla_pv_*) for S rows in n_split chunks: ceil(S / n_split) rounded up to
 // KSTEP; chunks at or past ceil(S / chunk) hold no row (mla_softmax_kernel writes m = -inf, l = 0 there and
-// mla_pv_kernel o = 0; mla_merge_uv_kernel leaves them out, where they would add exactly 0).
+// mla_pv_* o = 0; mla_merge_uv_kernel leaves them out, where they would add exactly 0).
 __device__ __forceinline__ int pv_chunk(int S, int n_split) {
     const int per = (S + n_split - 1) / n_split;
     return (per + KSTEP - 1) / KSTEP * KSTEP;
 }
 
-// 2. grid (ceil(T H / TILE), ceil(S_cap / TILE)): query tiles vary fastest, so the blocks in flight share
-// their cache tiles through L2. Tiles at or past S = meta[0] + T exit. Both operands arrive as bf16 terms
-// (qs from mla_qprep, the cache as appended), so a k step is SCORES_STAGES-deep cp.async copies straight into the
-// shared-memory planes and the MMAs: no registers hold the next tile and no block rounds anything. Dynamic shared
-// memory: SCORES_SMEM bytes (two stages of both tiles, over the 48 KB a static array may take).
-#define SCORES_STAGES 2
-#define SCORES_SMEM (2 * SCORES_STAGES * 3 * TILE * SPITCH * 2)
+// The GEMMs' blocks per SM (__launch_bounds__; ops.ATTN_BLOCKS_PER_SM sizes p c_kv's chunk count from them) and
+// their dynamic shared memory: GEMM_STAGES-deep cp.async stages of both operand tiles, over the 48 KB a static
+// array may take (ops.attn_smem computes the same bytes).
+#define GEMM_STAGES 2
+#define SCORES_SMEM(TL) (GEMM_STAGES * 3 * (TL::ROWS + TL::COLS) * SPITCH * 2)
+#define PV_SMEM(TL) (GEMM_STAGES * 3 * (TL::ROWS * SPITCH + KSTEP * TL::VPITCH) * 2)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
-#define SCORES_BLOCKS_PER_SM 1                // sm_120: its 100 KB of shared memory per SM holds one block's 61 KB
+#define NARROW_BLOCKS_PER_SM 1                // sm_120: its 100 KB of shared memory per SM holds one block
+#define WIDE_BLOCKS_PER_SM 1
 #else
-#define SCORES_BLOCKS_PER_SM 3                // sm_90: three blocks (80 registers a thread, no spill): 12 warps per SM
+#define NARROW_BLOCKS_PER_SM 3                // sm_90: three blocks (80 registers a thread, no spill): 12 warps per SM
+#define WIDE_BLOCKS_PER_SM 2                  // sm_90: two blocks (<= 128 registers a thread, no spill)
 #endif
-typedef bf16_t StagePlanes[3][TILE][SPITCH];
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, SCORES_BLOCKS_PER_SM)
-mla_scores_kernel(const bf16_t* __restrict__ qs, const bf16_t* __restrict__ kv, int kv_rows, const int* __restrict__ meta,
-                  const float* __restrict__ mask, int mask_stride, float* __restrict__ scores, int S_cap, int T, int H,
-                  int C, int R, float scale) {
-    extern __shared__ __align__(16) unsigned char scores_smem[];   // (one name per dynamic array in the umbrella build)
-    StagePlanes* As = reinterpret_cast<StagePlanes*>(scores_smem);   // [stage][term][query row][k]
-    StagePlanes* Bs = As + SCORES_STAGES;                     // [stage][term][cache row][k]
+
+// 2. grid (ceil(T H / TL::ROWS), ceil(S_cap / TL::COLS)): query tiles vary fastest, so the blocks in flight share
+// their cache tiles through L2. Tiles at or past S = meta[0] + T exit. Both operands arrive as bf16 terms
+// (qs from mla_qprep, the cache as appended), so a k step is GEMM_STAGES-deep cp.async copies straight into the
+// shared-memory planes and the MMAs: no registers hold the next tile and no block rounds anything.
+template <typename TL>
+__device__ __forceinline__ void mla_scores_body(unsigned char* smem, const bf16_t* __restrict__ qs,
+                                                const bf16_t* __restrict__ kv, int kv_rows, const int* __restrict__ meta,
+                                                const float* __restrict__ mask, int mask_stride,
+                                                float* __restrict__ scores, int S_cap, int T, int H, int C, int R,
+                                                float scale) {
+    constexpr int A_ELEMS = 3 * TL::ROWS * SPITCH, B_ELEMS = 3 * TL::COLS * SPITCH;
+    constexpr int AP = TL::ROWS * KSTEP / LOADS / BLOCK_THREADS, BP = TL::COLS * KSTEP / LOADS / BLOCK_THREADS;
+    bf16_t* As = reinterpret_cast<bf16_t*>(smem);             // [stage][term][query row][k]
+    bf16_t* Bs = As + GEMM_STAGES * A_ELEMS;                  // [stage][term][cache row][k]
     const int S0 = meta[0], S = S0 + T, TH = T * H, Kp = kv_pitch(C, R);
-    const int r0 = blockIdx.x * TILE, s0 = blockIdx.y * TILE;
+    const int r0 = blockIdx.x * TL::ROWS, s0 = blockIdx.y * TL::COLS;
     if (s0 >= S) return;
     const size_t qplane = (size_t)TH * Kp, kplane = (size_t)kv_rows * Kp;
-    const int ia = threadIdx.x / (KSTEP / LOADS), ka = (threadIdx.x % (KSTEP / LOADS)) * LOADS;   // 8 in a row
-    const bool qok = r0 + ia < TH, kok = s0 + ia < S;          // rows past TH or S: zeros, a valid row named
-    const bf16_t* qrow = qs + (size_t)(qok ? r0 + ia : 0) * Kp;
-    const bf16_t* krow = kv + (size_t)(kok ? s0 + ia : 0) * Kp;
-    auto load = [&](int stage, int k0) {                      // one 16-byte piece per term and operand
-        const int k = k0 + ka, kk = k < Kp ? k : 0;
-        const int na = qok && k < Kp ? 16 : 0, nb = kok && k < Kp ? 16 : 0;
+    const int i0 = threadIdx.x / (KSTEP / LOADS), ka = (threadIdx.x % (KSTEP / LOADS)) * LOADS;   // 8 in a row
+    const bf16_t* qrow[AP];
+    const bf16_t* krow[BP];
+    bool qok[AP], kok[BP];
 #pragma unroll
-        for (int t = 0; t < 3; ++t) {
-            cp_async16(&As[stage][t][ia][ka], qrow + t * qplane + kk, na);
-            cp_async16(&Bs[stage][t][ia][ka], krow + t * kplane + kk, nb);
+    for (int j = 0; j < AP; ++j) {                            // rows past TH or S: zeros, a valid row named
+        const int i = i0 + j * (BLOCK_THREADS / (KSTEP / LOADS));
+        qok[j] = r0 + i < TH;
+        qrow[j] = qs + (size_t)(qok[j] ? r0 + i : 0) * Kp;
+    }
+#pragma unroll
+    for (int j = 0; j < BP; ++j) {
+        const int i = i0 + j * (BLOCK_THREADS / (KSTEP / LOADS));
+        kok[j] = s0 + i < S;
+        krow[j] = kv + (size_t)(kok[j] ? s0 + i : 0) * Kp;
+    }
+    auto load = [&](int stage, int k0) {                      // one 16-byte piece per term, operand and row
+        const int k = k0 + ka, kk = k < Kp ? k : 0;
+#pragma unroll
+        for (int j = 0; j < AP; ++j) {
+            const int i = i0 + j * (BLOCK_THREADS / (KSTEP / LOADS)), n = qok[j] && k < Kp ? 16 : 0;
+#pragma unroll
+            for (int t = 0; t < 3; ++t)
+                cp_async16(As + stage * A_ELEMS + ((size_t)t * TL::ROWS + i) * SPITCH + ka, qrow[j] + t * qplane + kk, n);
+        }
+#pragma unroll
+        for (int j = 0; j < BP; ++j) {
+            const int i = i0 + j * (BLOCK_THREADS / (KSTEP / LOADS)), n = kok[j] && k < Kp ? 16 : 0;
+#pragma unroll
+            for (int t = 0; t < 3; ++t)
+                cp_async16(Bs + stage * B_ELEMS + ((size_t)t * TL::COLS + i) * SPITCH + ka, krow[j] + t * kplane + kk, n);
         }
     };
-    float tot[4][4] = {}, lo[4][4] = {};
+    float tot[TL::WM][TL::WN][4] = {}, lo[TL::WM][TL::WN][4] = {};
     const int steps = (Kp + KSTEP - 1) / KSTEP;
     load(0, 0);
     cp_async_commit();
     for (int i = 0; i < steps; ++i) {                         // stage i % 2 computes while stage (i + 1) % 2 loads
-        if (i + 1 < steps) load((i + 1) % SCORES_STAGES, (i + 1) * KSTEP);
+        if (i + 1 < steps) load((i + 1) % GEMM_STAGES, (i + 1) * KSTEP);
         cp_async_commit();
-        cp_async_wait<SCORES_STAGES - 1>();
+        cp_async_wait<GEMM_STAGES - 1>();
         __syncthreads();
-        tile_mma<false>(As[i % SCORES_STAGES], &Bs[i % SCORES_STAGES][0][0][0], tot, lo);
+        tile_mma<TL, false>(As + (i % GEMM_STAGES) * A_ELEMS, Bs + (i % GEMM_STAGES) * B_ELEMS, tot, lo);
         __syncthreads();                                      // before the next load overwrites this stage
     }
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
+    for (int mi = 0; mi < TL::WM; ++mi)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int r = r0 + acc_row(i), s = s0 + acc_col(nt, i), t = r / H;
-            if (r >= TH || s >= S) continue;
-            const float m = mask ? mask[(size_t)t * mask_stride + s] : (s <= S0 + t ? 0.0f : -INFINITY);
-            scores[(size_t)r * S_cap + s] = (tot[nt][i] + lo[nt][i]) * scale + m;
-        }
+        for (int ni = 0; ni < TL::WN; ++ni)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int r = r0 + TL::row(mi, i), s = s0 + TL::col(ni, i), t = r / H;
+                if (r >= TH || s >= S) continue;
+                const float m = mask ? mask[(size_t)t * mask_stride + s] : (s <= S0 + t ? 0.0f : -INFINITY);
+                scores[(size_t)r * S_cap + s] = (tot[mi][ni][i] + lo[mi][ni][i]) * scale + m;
+            }
+}
+
+// (one name per dynamic shared array in the umbrella build)
+#define MLA_SCORES_ARGS const bf16_t* __restrict__ qs, const bf16_t* __restrict__ kv, int kv_rows, \
+    const int* __restrict__ meta, const float* __restrict__ mask, int mask_stride, float* __restrict__ scores, \
+    int S_cap, int T, int H, int C, int R, float scale
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, NARROW_BLOCKS_PER_SM) mla_scores_kernel(MLA_SCORES_ARGS) {
+    extern __shared__ __align__(16) unsigned char scores_smem[];
+    mla_scores_body<Narrow>(scores_smem, qs, kv, kv_rows, meta, mask, mask_stride, scores, S_cap, T, H, C, R, scale);
+}
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, WIDE_BLOCKS_PER_SM) mla_scores_wide_kernel(MLA_SCORES_ARGS) {
+    extern __shared__ __align__(16) unsigned char scores_wide_smem[];
+    mla_scores_body<Wide>(scores_wide_smem, qs, kv, kv_rows, meta, mask, mask_stride, scores, S_cap, T, H, C, R, scale);
 }
 
 // 3a. grid (ceil(T H / WARPS_PER_BLOCK), n_split): chunk j's partial softmax, a warp per query row (lane l takes
@@ -272,65 +348,88 @@ mla_softmax_kernel(const float* __restrict__ scores, int S_cap, const int* __res
     }
 }
 
-// 3b. grid (ceil(T H / TILE) * ceil(C / TILE), n_split): o_j = sum_s p c_kv[s] over chunk j, both operands bf16
-// terms already (p from 3a, c_kv as appended), by PV_STAGES-deep cp.async copies as in the scores. Blocks of one
-// (row tile, chunk) share their p; the column tiles vary fastest, so the cache chunk is shared through L2.
-// Dynamic shared memory: PV_SMEM bytes.
-#define PV_STAGES 2
-#define PV_SMEM (PV_STAGES * 3 * (TILE * SPITCH + KSTEP * VPITCH) * 2)
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
-#define PV_BLOCKS_PER_SM 1                    // sm_120: 100 KB of shared memory per SM, one block's 58 KB
-#else
-#define PV_BLOCKS_PER_SM 3                    // sm_90: three blocks (80 registers, no spill); ops.ATTN_PV_BLOCKS_PER_SM
-#endif
-typedef bf16_t KvStagePlanes[3][KSTEP][VPITCH];
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, PV_BLOCKS_PER_SM)
-mla_pv_kernel(const bf16_t* __restrict__ p, int p_pitch, const bf16_t* __restrict__ kv, int kv_rows,
-              const int* __restrict__ meta, float* __restrict__ partials, int T, int H, int C, int R) {
-    extern __shared__ __align__(16) unsigned char pv_smem[];   // (one name per dynamic array in the umbrella build)
-    StagePlanes* As = reinterpret_cast<StagePlanes*>(pv_smem);                      // [stage][term][row][s]
-    KvStagePlanes* Bs = reinterpret_cast<KvStagePlanes*>(pv_smem + PV_STAGES * sizeof(StagePlanes));   // [stage][term][s][c]
+// 3b. grid (ceil(T H / TL::ROWS) * ceil(C / TL::COLS), n_split): o_j = sum_s p c_kv[s] over chunk j, both
+// operands bf16 terms already (p from 3a, c_kv as appended), by GEMM_STAGES-deep cp.async copies as in the scores.
+// Blocks of one (row tile, chunk) share their p; the column tiles vary fastest, so the cache chunk is shared
+// through L2.
+template <typename TL>
+__device__ __forceinline__ void mla_pv_body(unsigned char* smem, const bf16_t* __restrict__ p, int p_pitch,
+                                            const bf16_t* __restrict__ kv, int kv_rows, const int* __restrict__ meta,
+                                            float* __restrict__ partials, int T, int H, int C, int R) {
+    constexpr int A_ELEMS = 3 * TL::ROWS * SPITCH, B_ELEMS = 3 * KSTEP * TL::VPITCH;
+    constexpr int AP = TL::ROWS * KSTEP / LOADS / BLOCK_THREADS, BP = KSTEP * TL::COLS / LOADS / BLOCK_THREADS;
+    constexpr int B_ROW_PIECES = TL::COLS / LOADS;
+    bf16_t* As = reinterpret_cast<bf16_t*>(smem);             // [stage][term][row][s]
+    bf16_t* Bs = As + GEMM_STAGES * A_ELEMS;                  // [stage][term][s][c]
     const int S = meta[0] + T, TH = T * H, n_split = gridDim.y, split = blockIdx.y, Kp = kv_pitch(C, R);
     const size_t pplane = (size_t)TH * p_pitch, kplane = (size_t)kv_rows * Kp;
-    const int c_tiles = (C + TILE - 1) / TILE, r0 = (blockIdx.x / c_tiles) * TILE, c0 = (blockIdx.x % c_tiles) * TILE;
+    const int c_tiles = (C + TL::COLS - 1) / TL::COLS;
+    const int r0 = (blockIdx.x / c_tiles) * TL::ROWS, c0 = (blockIdx.x % c_tiles) * TL::COLS;
     const int chunk = pv_chunk(S, n_split);
     const int s_lo = min(S, split * chunk), s_hi = min(S, s_lo + chunk);
     const int ia = threadIdx.x / (KSTEP / LOADS), ka = (threadIdx.x % (KSTEP / LOADS)) * LOADS;   // A: 8 in a row
-    const int kb = threadIdx.x / (TILE / LOADS), cb = (threadIdx.x % (TILE / LOADS)) * LOADS;   // B: 8 in a row
+    const int kb = threadIdx.x / B_ROW_PIECES, cb = (threadIdx.x % B_ROW_PIECES) * LOADS;        // B: 8 in a row
     const int cbytes = max(0, min(LOADS, C - c0 - cb)) * 2;   // the piece's c_kv columns (k_pe's: zeros)
-    const bool rok = r0 + ia < TH;
-    const bf16_t* prow = p + (size_t)(rok ? r0 + ia : 0) * p_pitch;
-    auto load = [&](int stage, int k0) {                      // one 16-byte piece per term and operand
-        const int k = k0 + ka, na = rok ? max(0, min(LOADS, s_hi - k)) * 2 : 0;
-        const int s = k0 + kb, nb = s < s_hi ? cbytes : 0;
-        const bf16_t* pa = prow + (na ? k : 0);
-        const bf16_t* pb = kv + (nb ? (size_t)s * Kp + c0 + cb : 0);
+    const bf16_t* prow[AP];
+    bool rok[AP];
 #pragma unroll
-        for (int t = 0; t < 3; ++t) {
-            cp_async16(&As[stage][t][ia][ka], pa + t * pplane, na);
-            cp_async16(&Bs[stage][t][kb][cb], pb + t * kplane, nb);
+    for (int j = 0; j < AP; ++j) {
+        const int i = ia + j * (BLOCK_THREADS / (KSTEP / LOADS));
+        rok[j] = r0 + i < TH;
+        prow[j] = p + (size_t)(rok[j] ? r0 + i : 0) * p_pitch;
+    }
+    auto load = [&](int stage, int k0) {                      // one 16-byte piece per term, operand and row
+        const int k = k0 + ka, na = max(0, min(LOADS, s_hi - k)) * 2;
+#pragma unroll
+        for (int j = 0; j < AP; ++j) {
+            const int i = ia + j * (BLOCK_THREADS / (KSTEP / LOADS)), n = rok[j] ? na : 0;
+            const bf16_t* pa = prow[j] + (n ? k : 0);
+#pragma unroll
+            for (int t = 0; t < 3; ++t)
+                cp_async16(As + stage * A_ELEMS + ((size_t)t * TL::ROWS + i) * SPITCH + ka, pa + t * pplane, n);
+        }
+#pragma unroll
+        for (int j = 0; j < BP; ++j) {
+            const int kr = kb + j * (BLOCK_THREADS / B_ROW_PIECES), s = k0 + kr, n = s < s_hi ? cbytes : 0;
+            const bf16_t* pb = kv + (n ? (size_t)s * Kp + c0 + cb : 0);
+#pragma unroll
+            for (int t = 0; t < 3; ++t)
+                cp_async16(Bs + stage * B_ELEMS + ((size_t)t * KSTEP + kr) * TL::VPITCH + cb, pb + t * kplane, n);
         }
     };
-    float tot[4][4] = {}, lo[4][4] = {};
+    float tot[TL::WM][TL::WN][4] = {}, lo[TL::WM][TL::WN][4] = {};
     const int steps = (s_hi - s_lo + KSTEP - 1) / KSTEP;
     if (steps > 0) load(0, s_lo);
     cp_async_commit();
     for (int i = 0; i < steps; ++i) {                         // stage i % 2 computes while stage (i + 1) % 2 loads
-        if (i + 1 < steps) load((i + 1) % PV_STAGES, s_lo + (i + 1) * KSTEP);
+        if (i + 1 < steps) load((i + 1) % GEMM_STAGES, s_lo + (i + 1) * KSTEP);
         cp_async_commit();
-        cp_async_wait<PV_STAGES - 1>();
+        cp_async_wait<GEMM_STAGES - 1>();
         __syncthreads();
-        tile_mma<true>(As[i % PV_STAGES], &Bs[i % PV_STAGES][0][0][0], tot, lo);
+        tile_mma<TL, true>(As + (i % GEMM_STAGES) * A_ELEMS, Bs + (i % GEMM_STAGES) * B_ELEMS, tot, lo);
         __syncthreads();                                      // before the next load overwrites this stage
     }
     float* part = partials + (size_t)split * TH * (C + 2);
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
+    for (int mi = 0; mi < TL::WM; ++mi)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int r = r0 + acc_row(i), c = c0 + acc_col(nt, i);
-            if (r < TH && c < C) part[(size_t)r * (C + 2) + 2 + c] = tot[nt][i] + lo[nt][i];
-        }
+        for (int ni = 0; ni < TL::WN; ++ni)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int r = r0 + TL::row(mi, i), c = c0 + TL::col(ni, i);
+                if (r < TH && c < C) part[(size_t)r * (C + 2) + 2 + c] = tot[mi][ni][i] + lo[mi][ni][i];
+            }
+}
+
+#define MLA_PV_ARGS const bf16_t* __restrict__ p, int p_pitch, const bf16_t* __restrict__ kv, int kv_rows, \
+    const int* __restrict__ meta, float* __restrict__ partials, int T, int H, int C, int R
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, NARROW_BLOCKS_PER_SM) mla_pv_kernel(MLA_PV_ARGS) {
+    extern __shared__ __align__(16) unsigned char pv_smem[];
+    mla_pv_body<Narrow>(pv_smem, p, p_pitch, kv, kv_rows, meta, partials, T, H, C, R);
+}
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, WIDE_BLOCKS_PER_SM) mla_pv_wide_kernel(MLA_PV_ARGS) {
+    extern __shared__ __align__(16) unsigned char pv_wide_smem[];
+    mla_pv_body<Wide>(pv_wide_smem, p, p_pitch, kv, kv_rows, meta, partials, T, H, C, R);
 }
 
 // 4. grid (H, ceil(T / ATTN_TOKENS), ceil(U / MERGE_U)): each block merges its tokens' chunks that hold rows
