@@ -257,6 +257,44 @@ def test_mla_attention(ops, T, H, C, R, N, U, Q, S0, tree):
     check(case, o.get(), oracle, base)
 
 
+@pytest.mark.parametrize("T,H,C,R,S0,tree", [(5, 64, 512, 64, 700, True), (1, 64, 512, 64, 3000, False),
+                                               (3, 7, 40, 8, 201, False), (13, 5, 96, 16, 130, True)])
+def test_attention_tilings_give_the_same_bits(ops, T, H, C, R, S0, tree):
+    """The attention GEMMs' two tilings (ops.ATTN_NARROW, ATTN_WIDE) give every score the same bits, and p
+    c_kv's partials too at one chunk count: so the scores' tiling may follow the cache's size
+    (ops.attn_scores_tiling) without changing a result. Both kernels run here on every shape, also where
+    mla_attention would pick the other (its own tests hold the results to the float64 oracle)."""
+    from cuda_engine.ops import ATTN_NARROW, ATTN_WIDE, split3
+
+    rng = np.random.default_rng(S0 + T)
+    S, TH = S0 + T, T * H
+    S_cap = S + 5
+    qs = dev(kv_rows_to_planes(rand(rng, TH, C), rand(rng, TH, R)))      # the queries' layout is the cache's
+    kv = dev(kv_rows_to_planes(rand(rng, S_cap, C), rand(rng, S_cap, R)))
+    meta = dev(np.array([S0, 0, 0, 0], np.int32))
+    vis = (rng.random((T, T)) < 0.5) | np.eye(T, dtype=bool)
+    mask = dev(np.concatenate([np.zeros((T, S0)), np.where(vis, 0.0, -np.inf), np.full((T, 5), -np.inf)],
+                              axis=1).astype(np.float32)) if tree else None
+    pitch = p_terms_shape(TH, S_cap)[2]
+    p_terms = dev(split3(rng.random((TH, pitch)).astype(np.float32)))
+    n_split = 4
+    got = []
+    for tl in (ATTN_NARROW, ATTN_WIDE):
+        scores = dev(np.zeros((TH, S_cap), np.float32))
+        partials = dev(np.zeros((n_split * TH, C + 2), np.float32))
+        ops._launch(f"mla_scores{tl.suffix}_kernel", (-(-TH // tl.rows), -(-S_cap // tl.cols)), qs.ptr, kv.ptr,
+                    S_cap, meta.ptr, 0 if mask is None else mask.ptr, S_cap, scores.ptr, S_cap, T, H, C, R, 0.3,
+                    shared=tl.scores_smem())
+        ops._launch(f"mla_pv{tl.suffix}_kernel", (-(-TH // tl.rows) * -(-C // tl.cols), n_split), p_terms.ptr, pitch,
+                    kv.ptr, S_cap, meta.ptr, partials.ptr, T, H, C, R, shared=tl.pv_smem())
+        ops.stream.synchronize()
+        got.append((scores.get()[:, :S], partials.get()[:, 2:]))
+    (s_n, p_n), (s_w, p_w) = got
+    assert np.isfinite(s_n).sum() > TH and np.isfinite(p_n).all() and np.abs(p_n).max() > 0
+    np.testing.assert_array_equal(s_w, s_n)
+    np.testing.assert_array_equal(p_w, p_n)
+
+
 # ---------------------------------------------------------------- KV cache
 
 @pytest.mark.parametrize("L,S_cap,C,R,start,keep", [

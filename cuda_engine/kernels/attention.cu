@@ -21,8 +21,9 @@
 // [3][T H][p_pitch] (p_pitch >= S_cap, a multiple of 8); partials: scratch
 // [n_split, T H, C + 2] (m, l, o_j); o [T, H, U].
 // Determinism: every sum has a fixed order for a given launch shape (k loops in order, fixed butterflies,
-// chunks merged in chunk order); the GEMMs' tiling (narrow or wide) and n_split are fixed per (T, H, C) and GPU
-// on the host (ops.Ops.attn_wide, attn_splits) and the chunk bounds follow S on the device.
+// chunks merged in chunk order); p c_kv's tiling (narrow or wide) and n_split are fixed per (T, H, C) and GPU on
+// the host (ops.Ops.attn_pv_tiling, attn_splits; the scores' tiling changes no bit) and the chunk bounds follow
+// S on the device.
 // Limits: C <= ATTN_MAX_C, R <= ATTN_MAX_R, N <= ATTN_MAX_N, n_split <= ATTN_MAX_SPLIT (K2.6: 512, 64, 128).
 #include "common.cuh"
 #include "kv_layout.cuh"
@@ -98,18 +99,21 @@ extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM) m
 }
 
 // The attention GEMMs' block tiles (mla_scores_* and mla_pv_*). A block of 8 warps computes a ROWS x COLS output
-// tile: WARPS_M x (8 / WARPS_M) warps, each WM m16 tiles by WN n8 tiles. Two tilings:
-//   Narrow (64 x 64; 4 x 2 warps of 16 x 32): a decode step's 64 query rows (K2.6) fill one tile; three blocks
-//     per SM on sm_90 (80 registers);
-//   Wide (64 x 128; 2 x 4 warps of 32 x 32): a verify's query rows; per product it moves 0.75x the L2 bytes of
-//     the narrow tile at T H = 320 rows (each operand tile is fetched by fewer blocks) and issues 12 ldmatrix per
-//     48 mma instead of 9 per 24; two blocks per SM on sm_90 (<= 128 registers).
-// FOLD16: `hi` (the leading term product's accumulator, tensor_core.cuh) is folded into `tot` after every k16
-// (the wide tile: 4 registers at a time instead of WM x WN x 4) instead of after every KSTEP.
-template <int WARPS_M_, int WM_, int WN_, bool FOLD16_>
+// tile: WARPS_M x (8 / WARPS_M) warps, each WM m16 tiles by WN n8 tiles. Two tilings (ops.Ops picks one per launch):
+//   Narrow (64 x 64; 4 x 2 warps of 16 x 32): three blocks per SM on sm_90 (80 registers); twice the blocks of
+//     the wide tile, so it fills the GPU better where the grid is small (a decode step's p c_kv, short caches);
+//   Wide (64 x 128; 2 x 4 warps of 32 x 32): two blocks per SM on sm_90 (128 registers); per product it moves
+//     0.75x the L2 bytes of the narrow tile at T H = 320 query rows (each operand tile is fetched by fewer
+//     blocks) and issues 12 ldmatrix per 48 mma instead of 9 per 24.
+// Both fold `hi` (the leading term product's accumulator, tensor_core.cuh) into `tot` after every k16, so every
+// element of the scores is the same float32 sum in either tiling (p c_kv's partials too, at one chunk count):
+// the scores' tiling may follow the grid's size without changing a bit. (Folding after every k16 keeps `hi` to
+// 4 registers at a time, where the wide tile has none to spare.)
+#define GEMM_STAGES 2                         // cp.async stages of both operand tiles (a third costs a block per SM:
+                                              // slower in both tilings, H200, docs/cuda-engine.md "Stop 42")
+template <int WARPS_M_, int WM_, int WN_>
 struct Tiling {
     static constexpr int WARPS_M = WARPS_M_, WM = WM_, WN = WN_;
-    static constexpr bool FOLD16 = FOLD16_;
     static constexpr int ROWS = WARPS_M * 16 * WM, COLS = WARPS_PER_BLOCK / WARPS_M * 8 * WN;
     static constexpr int VPITCH = COLS + 8;   // bf16 per [k][col] staging row (p c_kv's c_kv): ldmatrix conflict-free
     static_assert(WARPS_PER_BLOCK % WARPS_M == 0 && WN % 2 == 0, "whole warps; n8 tiles in ldmatrix.x4 pairs");
@@ -119,15 +123,15 @@ struct Tiling {
     __device__ static int row(int mi, int i) { return wm() + mi * 16 + (threadIdx.x % WARP_SIZE) / 4 + (i / 2) * 8; }
     __device__ static int col(int ni, int i) { return wn() + ni * 8 + (threadIdx.x % 4) * 2 + i % 2; }
 };
-typedef Tiling<4, 1, 4, false> Narrow;
-typedef Tiling<2, 2, 4, true> Wide;
+typedef Tiling<4, 1, 4> Narrow;
+typedef Tiling<2, 2, 4> Wide;
 
 // The tensor-core k step of a tile GEMM, FP32-faithful: the tiles are staged in shared memory as the three bf16
 // terms of split3 (tensor_core.cuh), A row-major [term][row][k] (TL::ROWS rows), B [term][col][k] (B_KN = false:
 // the scores' cache rows, TL::COLS of them) or [term][k][col] (B_KN = true: p c_kv's c_kv rows, pitch
-// TL::VPITCH, read with ldmatrix.trans). Six mma per m16n8 tile and 16 k (mma_split6). `hi` starts afresh each
-// fold (every k step, or every k16 with TL::FOLD16) and is added to `tot` (rounded); `lo` runs over the whole k
-// loop; the element is tot + lo. Fixed order: the same bits every run.
+// TL::VPITCH, read with ldmatrix.trans). Six mma per m16n8 tile and 16 k (mma_split6): `hi` starts afresh
+// every k16 and is added to `tot` (rounded), `lo` runs over the whole k loop; the element is tot + lo. Fixed
+// order: the same bits every run, and in either tiling.
 #define SPITCH (KSTEP + 8)                    // bf16 per [row][k] staging row: 80 bytes, ldmatrix conflict-free
 static_assert(WARPS_PER_BLOCK == 8 && KSTEP == 32 && LOADS == 8,
               "the tilings and the 8-element (16-byte) staging pieces assume these");
@@ -135,16 +139,15 @@ template <typename TL, bool B_KN>
 __device__ __forceinline__ void tile_mma(const bf16_t* As, const bf16_t* Bs, float (&tot)[TL::WM][TL::WN][4],
                                          float (&lo)[TL::WM][TL::WN][4]) {
     const int lane = threadIdx.x % WARP_SIZE, wm = TL::wm(), wn = TL::wn();
-    float hi[TL::FOLD16 ? 1 : TL::WM][TL::FOLD16 ? 1 : TL::WN][4] = {};
-    constexpr int KS_UNROLL = TL::FOLD16 ? 1 : KSTEP / 16;   // the wide tile: one k16's fragments live at a time
-#pragma unroll KS_UNROLL
+#pragma unroll
     for (int ks = 0; ks < KSTEP; ks += 16) {
         unsigned a[TL::WM][3][4];
 #pragma unroll
         for (int mi = 0; mi < TL::WM; ++mi)
 #pragma unroll
             for (int t = 0; t < 3; ++t)
-                ldsm_x4(a[mi][t], As + ((size_t)t * TL::ROWS + wm + mi * 16 + lane % 16) * SPITCH + ks + (lane / 16) * 8);
+                ldsm_x4(a[mi][t],
+                        As + ((size_t)t * TL::ROWS + wm + mi * 16 + lane % 16) * SPITCH + ks + (lane / 16) * 8);
 #pragma unroll
         for (int np = 0; np < TL::WN / 2; ++np) {             // two n8 tiles per ldmatrix.x4: regs {b0, b1} each
             unsigned b[3][4];
@@ -163,25 +166,13 @@ __device__ __forceinline__ void tile_mma(const bf16_t* As, const bf16_t* Bs, flo
 #pragma unroll
                 for (int mi = 0; mi < TL::WM; ++mi) {
                     const int ni = np * 2 + h;
-                    if (TL::FOLD16) {
-                        float f[4] = {};
-                        mma_split6(f, lo[mi][ni], a[mi], &b[0][2 * h], &b[1][2 * h], &b[2][2 * h]);
+                    float hi[4] = {};
+                    mma_split6(hi, lo[mi][ni], a[mi], &b[0][2 * h], &b[1][2 * h], &b[2][2 * h]);
 #pragma unroll
-                        for (int i = 0; i < 4; ++i) tot[mi][ni][i] += f[i];
-                    } else {
-                        mma_split6(hi[TL::FOLD16 ? 0 : mi][TL::FOLD16 ? 0 : ni], lo[mi][ni], a[mi], &b[0][2 * h],
-                                   &b[1][2 * h], &b[2][2 * h]);
-                    }
+                    for (int i = 0; i < 4; ++i) tot[mi][ni][i] += hi[i];
                 }
         }
     }
-    if (!TL::FOLD16)
-#pragma unroll
-        for (int mi = 0; mi < TL::WM; ++mi)
-#pragma unroll
-            for (int ni = 0; ni < TL::WN; ++ni)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) tot[mi][ni][i] += hi[TL::FOLD16 ? 0 : mi][TL::FOLD16 ? 0 : ni][i];
 }
 
 // Eight consecutive float32 staged as their three bf16 terms: 16 bytes per term at dst, dst + plane, dst + 2 plane.
@@ -204,7 +195,6 @@ __device__ __forceinline__ int pv_chunk(int S, int n_split) {
 // The GEMMs' blocks per SM (__launch_bounds__; ops.ATTN_BLOCKS_PER_SM sizes p c_kv's chunk count from them) and
 // their dynamic shared memory: GEMM_STAGES-deep cp.async stages of both operand tiles, over the 48 KB a static
 // array may take (ops.attn_smem computes the same bytes).
-#define GEMM_STAGES 2
 #define SCORES_SMEM(TL) (GEMM_STAGES * 3 * (TL::ROWS + TL::COLS) * SPITCH * 2)
 #define PV_SMEM(TL) (GEMM_STAGES * 3 * (TL::ROWS * SPITCH + KSTEP * TL::VPITCH) * 2)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
@@ -221,10 +211,10 @@ __device__ __forceinline__ int pv_chunk(int S, int n_split) {
 // shared-memory planes and the MMAs: no registers hold the next tile and no block rounds anything.
 template <typename TL>
 __device__ __forceinline__ void mla_scores_body(unsigned char* smem, const bf16_t* __restrict__ qs,
-                                                const bf16_t* __restrict__ kv, int kv_rows, const int* __restrict__ meta,
-                                                const float* __restrict__ mask, int mask_stride,
-                                                float* __restrict__ scores, int S_cap, int T, int H, int C, int R,
-                                                float scale) {
+                                                const bf16_t* __restrict__ kv, int kv_rows,
+                                                const int* __restrict__ meta, const float* __restrict__ mask,
+                                                int mask_stride, float* __restrict__ scores, int S_cap, int T, int H,
+                                                int C, int R, float scale) {
     constexpr int A_ELEMS = 3 * TL::ROWS * SPITCH, B_ELEMS = 3 * TL::COLS * SPITCH;
     constexpr int AP = TL::ROWS * KSTEP / LOADS / BLOCK_THREADS, BP = TL::COLS * KSTEP / LOADS / BLOCK_THREADS;
     bf16_t* As = reinterpret_cast<bf16_t*>(smem);             // [stage][term][query row][k]
@@ -256,22 +246,28 @@ __device__ __forceinline__ void mla_scores_body(unsigned char* smem, const bf16_
             const int i = i0 + j * (BLOCK_THREADS / (KSTEP / LOADS)), n = qok[j] && k < Kp ? 16 : 0;
 #pragma unroll
             for (int t = 0; t < 3; ++t)
-                cp_async16(As + stage * A_ELEMS + ((size_t)t * TL::ROWS + i) * SPITCH + ka, qrow[j] + t * qplane + kk, n);
+                cp_async16(As + stage * A_ELEMS + ((size_t)t * TL::ROWS + i) * SPITCH + ka,
+                           qrow[j] + t * qplane + kk, n);
         }
 #pragma unroll
         for (int j = 0; j < BP; ++j) {
             const int i = i0 + j * (BLOCK_THREADS / (KSTEP / LOADS)), n = kok[j] && k < Kp ? 16 : 0;
 #pragma unroll
             for (int t = 0; t < 3; ++t)
-                cp_async16(Bs + stage * B_ELEMS + ((size_t)t * TL::COLS + i) * SPITCH + ka, krow[j] + t * kplane + kk, n);
+                cp_async16(Bs + stage * B_ELEMS + ((size_t)t * TL::COLS + i) * SPITCH + ka,
+                           krow[j] + t * kplane + kk, n);
         }
     };
     float tot[TL::WM][TL::WN][4] = {}, lo[TL::WM][TL::WN][4] = {};
     const int steps = (Kp + KSTEP - 1) / KSTEP;
-    load(0, 0);
-    cp_async_commit();
-    for (int i = 0; i < steps; ++i) {                         // stage i % 2 computes while stage (i + 1) % 2 loads
-        if (i + 1 < steps) load((i + 1) % GEMM_STAGES, (i + 1) * KSTEP);
+#pragma unroll
+    for (int i = 0; i < GEMM_STAGES - 1; ++i) {               // the first k steps in flight
+        if (i < steps) load(i, i * KSTEP);
+        cp_async_commit();
+    }
+    for (int i = 0; i < steps; ++i) {                         // step i computes while the next ones load
+        const int ahead = i + GEMM_STAGES - 1;
+        if (ahead < steps) load(ahead % GEMM_STAGES, ahead * KSTEP);
         cp_async_commit();
         cp_async_wait<GEMM_STAGES - 1>();
         __syncthreads();
@@ -399,10 +395,14 @@ __device__ __forceinline__ void mla_pv_body(unsigned char* smem, const bf16_t* _
     };
     float tot[TL::WM][TL::WN][4] = {}, lo[TL::WM][TL::WN][4] = {};
     const int steps = (s_hi - s_lo + KSTEP - 1) / KSTEP;
-    if (steps > 0) load(0, s_lo);
-    cp_async_commit();
-    for (int i = 0; i < steps; ++i) {                         // stage i % 2 computes while stage (i + 1) % 2 loads
-        if (i + 1 < steps) load((i + 1) % GEMM_STAGES, s_lo + (i + 1) * KSTEP);
+#pragma unroll
+    for (int i = 0; i < GEMM_STAGES - 1; ++i) {               // the first k steps in flight
+        if (i < steps) load(i, s_lo + i * KSTEP);
+        cp_async_commit();
+    }
+    for (int i = 0; i < steps; ++i) {                         // step i computes while the next ones load
+        const int ahead = i + GEMM_STAGES - 1;
+        if (ahead < steps) load(ahead % GEMM_STAGES, s_lo + ahead * KSTEP);
         cp_async_commit();
         cp_async_wait<GEMM_STAGES - 1>();
         __syncthreads();
