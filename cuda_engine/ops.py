@@ -44,11 +44,7 @@ class AttnTiling:
 
 ATTN_NARROW = AttnTiling("", 64, 64, {9: 3, 12: 1})        # twice the blocks: fills the GPU where grids are small
 ATTN_WIDE = AttnTiling("_wide", 64, 128, {9: 2, 12: 1})    # 0.75x the L2 bytes per product at 320 query rows
-ATTN_PV_WIDE_MIN_ROWS = 65          # T H query rows from which p c_kv runs the wide tiling (more than one row tile)
-# The scores GEMM's time for one full wave of its blocks, wide over narrow: 47.5 / 38.7 us (H200, K2.6's 576
-# columns, 17 tokens over 32768 cached rows: 17 and 23 waves; docs/cuda-engine.md, "Stop 42"). The scores'
-# tiling changes no bit, so Ops.attn_scores_tiling may pick by speed alone.
-ATTN_SCORES_WAVE = {ATTN_NARROW.suffix: 1.0, ATTN_WIDE.suffix: 47.5 / 38.7}
+ATTN_WIDE_MIN_ROWS = 65             # T H query rows from which both GEMMs run the wide tiling (two row tiles and on)
 # kernel -> dynamic shared memory bytes it is launched with (over the 48 KB allowed unasked)
 ATTN_DYNAMIC_SMEM = {f"mla_{g}{t.suffix}_kernel": (t.scores_smem() if g == "scores" else t.pv_smem())
                      for t in (ATTN_NARROW, ATTN_WIDE) for g in ("scores", "pv")}
@@ -160,17 +156,6 @@ def p_terms_shape(rows: int, S_cap: int) -> tuple[int, int, int]:
     """The attention probabilities' scratch for `rows` query rows over S_cap cached rows: [3, rows, S_cap rounded
     up to a multiple of 8] uint16 (bf16 terms; whole 16-byte pieces per row, kernels/attention.cu)."""
     return (3, rows, whole_pieces(S_cap))
-
-
-def attn_scores_tiling(T: int, H: int, S_cap: int, sm_count: int, cc_major: int) -> AttnTiling:
-    """The scores GEMM's tiling for T tokens of H heads over a cache of S_cap rows on a GPU of sm_count SMs: the
-    one whose grid takes the least time in whole waves of resident blocks (ATTN_SCORES_WAVE; the narrow one on a
-    tie). Both give every score the same bits (kernels/attention.cu, the tilings), so the pick may follow S_cap."""
-    def cost(tl: AttnTiling) -> float:
-        blocks = -(-T * H // tl.rows) * -(-S_cap // tl.cols)
-        slots = tl.blocks_per_sm.get(cc_major, 1) * sm_count
-        return -(-blocks // slots) * ATTN_SCORES_WAVE[tl.suffix]
-    return min((ATTN_NARROW, ATTN_WIDE), key=cost)
 
 
 def _need_kv(kv: DevBuf, C: int, R: int, op: str) -> None:
@@ -331,15 +316,12 @@ class Ops:
                      kv.ptr, kv.shape[1], meta.ptr, positions.ptr, inv_freq.ptr, attn_factor)
 
     @staticmethod
-    def attn_pv_tiling(T: int, H: int) -> AttnTiling:
-        """p c_kv's tiling for T tokens of H heads: the wide one from ATTN_PV_WIDE_MIN_ROWS query rows on (a
-        verify), else the narrow one (a decode step: twice the blocks, and its chunk count follows them). It
-        depends on (T, H) alone: with the chunk count (attn_splits) it fixes the order of every sum."""
-        return ATTN_WIDE if T * H >= ATTN_PV_WIDE_MIN_ROWS else ATTN_NARROW
-
-    def attn_scores_tiling(self, T: int, H: int, S_cap: int) -> AttnTiling:
-        """The scores GEMM's tiling on this GPU (attn_scores_tiling)."""
-        return attn_scores_tiling(T, H, S_cap, self.sm_count, self.cc_major)
+    def attn_tiling(T: int, H: int) -> AttnTiling:
+        """The attention GEMMs' tiling for T tokens of H heads: the wide one from ATTN_WIDE_MIN_ROWS query rows
+        on (a verify), else the narrow one (a decode step: twice the blocks, and p c_kv's chunk count follows
+        them). It depends on (T, H) alone: with the chunk count (attn_splits) it fixes the order of every sum.
+        (The scores' tiling changes no bit, kernels/attention.cu; p c_kv's changes the chunk count.)"""
+        return ATTN_WIDE if T * H >= ATTN_WIDE_MIN_ROWS else ATTN_NARROW
 
     def attn_splits(self, T: int, H: int, C: int) -> int:
         """The chunks p c_kv (mla_pv_*) splits the cache rows into for T tokens: as many as its blocks resident
@@ -349,7 +331,7 @@ class Ops:
         the buffers have grown to. A chunk past the cache's rows (ceil(S / chunk) and on, S read on the device)
         costs a block that writes m = -inf, l = 0, o = 0; the merge leaves it out, where it would have added
         exactly 0."""
-        tl = self.attn_pv_tiling(T, H)
+        tl = self.attn_tiling(T, H)
         blocks = -(-T * H // tl.rows) * -(-C // tl.cols)
         return max(1, min(ATTN_MAX_SPLIT, tl.blocks_per_sm.get(self.cc_major, 1) * self.sm_count // blocks))
 
@@ -389,17 +371,17 @@ class Ops:
         _need(partials.nbytes >= n_split * T * H * (C + 2) * 4, "mla_attention",
               f"partials {partials.shape} < [{n_split * T * H}, {C + 2}]")
         self.linear(cq, w_qb, q, T, Q, H * (N + R))
-        st, pt = self.attn_scores_tiling(T, H, S_cap), self.attn_pv_tiling(T, H)
-        tok_blocks = -(-T // ATTN_TOKENS)
+        tl = self.attn_tiling(T, H)
+        tok_blocks, row_tiles = -(-T // ATTN_TOKENS), -(-T * H // tl.rows)
         self._launch(weight_kernel("mla_qprep", "mla_attention", w_uk), (H, tok_blocks, -(-C // BLOCK[0])), _ptr(q),
                      positions.ptr, inv_freq.ptr, attn_factor, w_uk.ptr, qs.ptr, T, H, N, R, C)
-        self._launch(f"mla_scores{st.suffix}_kernel", (-(-T * H // st.rows), -(-S_cap // st.cols)), qs.ptr, kv.ptr,
-                     kv.shape[1], meta.ptr, 0 if mask is None else _ptr(mask), mask_stride, scores.ptr, S_cap, T, H,
-                     C, R, scale, shared=st.scores_smem())
+        self._launch(f"mla_scores{tl.suffix}_kernel", (row_tiles, -(-S_cap // tl.cols)), qs.ptr, kv.ptr, kv.shape[1],
+                     meta.ptr, 0 if mask is None else _ptr(mask), mask_stride, scores.ptr, S_cap, T, H, C, R, scale,
+                     shared=tl.scores_smem())
         self._launch("mla_softmax_kernel", (-(-T * H // WARPS_PER_BLOCK), n_split), scores.ptr, S_cap, meta.ptr,
                      p_terms.ptr, pitch, partials.ptr, T, H, C)
-        self._launch(f"mla_pv{pt.suffix}_kernel", (-(-T * H // pt.rows) * -(-C // pt.cols), n_split), p_terms.ptr,
-                     pitch, kv.ptr, kv.shape[1], meta.ptr, partials.ptr, T, H, C, R, shared=pt.pv_smem())
+        self._launch(f"mla_pv{tl.suffix}_kernel", (row_tiles * -(-C // tl.cols), n_split), p_terms.ptr, pitch,
+                     kv.ptr, kv.shape[1], meta.ptr, partials.ptr, T, H, C, R, shared=tl.pv_smem())
         self._launch(weight_kernel("mla_merge_uv", "mla_attention", w_uv), (H, tok_blocks, -(-U // ATTN_MERGE_U)),
                      partials.ptr, n_split, meta.ptr, w_uv.ptr, _ptr(o), T, H, C, U)
 

@@ -261,9 +261,9 @@ def test_mla_attention(ops, T, H, C, R, N, U, Q, S0, tree):
                                                (3, 7, 40, 8, 201, False), (13, 5, 96, 16, 130, True)])
 def test_attention_tilings_give_the_same_bits(ops, T, H, C, R, S0, tree):
     """The attention GEMMs' two tilings (ops.ATTN_NARROW, ATTN_WIDE) give every score the same bits, and p
-    c_kv's partials too at one chunk count: so the scores' tiling may follow the cache's size
-    (ops.attn_scores_tiling) without changing a result. Both kernels run here on every shape, also where
-    mla_attention would pick the other (its own tests hold the results to the float64 oracle)."""
+    c_kv's partials too at one chunk count: a tiling is picked for speed (ops.Ops.attn_tiling) and changes a
+    result only through p c_kv's chunk count. Both kernels run here on every shape, also where mla_attention
+    would pick the other (its own tests hold the results to the float64 oracle)."""
     from cuda_engine.ops import ATTN_NARROW, ATTN_WIDE, split3
 
     rng = np.random.default_rng(S0 + T)

@@ -300,14 +300,3 @@ def test_the_hosts_launch_constants_are_the_kernels():
         assert bound == tiling.upper() and kernel.endswith(f"{tl.suffix}_kernel"), kernel
         assert ATTN_DYNAMIC_SMEM[kernel] == (tl.scores_smem() if "_scores" in kernel else tl.pv_smem()), kernel
 
-
-def test_the_scores_tiling_follows_the_h200s_measurements():
-    """ops.attn_scores_tiling's wave model (calibrated on one shape: 17 tokens over 32768 cached rows) picks, at
-    every other K2.6 shape measured on the H200 (132 SMs; docs/cuda-engine.md, "Stop 42"), the tiling that ran
-    faster there: the narrow one over 4096 cached rows, the wide one over 32768."""
-    from cuda_engine.ops import ATTN_NARROW, ATTN_WIDE, attn_scores_tiling
-
-    faster = {(4096, 1): ATTN_NARROW, (4096, 5): ATTN_NARROW, (4096, 9): ATTN_NARROW, (32768, 1): ATTN_WIDE,
-              (32768, 2): ATTN_WIDE, (32768, 5): ATTN_WIDE, (32768, 9): ATTN_WIDE}
-    for (cached, T), tl in faster.items():
-        assert attn_scores_tiling(T, 64, cached + 40, 132, 9) == tl, (cached, T)

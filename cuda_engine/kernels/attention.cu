@@ -22,8 +22,8 @@
 // [n_split, T H, C + 2] (m, l, o_j); o [T, H, U].
 // Determinism: every sum has a fixed order for a given launch shape (k loops in order, fixed butterflies,
 // chunks merged in chunk order); p c_kv's tiling (narrow or wide) and n_split are fixed per (T, H, C) and GPU on
-// the host (ops.Ops.attn_pv_tiling, attn_splits; the scores' tiling changes no bit) and the chunk bounds follow
-// S on the device.
+// the host (ops.Ops.attn_tiling, attn_splits; the scores' tiling changes no bit) and the chunk bounds follow S
+// on the device.
 // Limits: C <= ATTN_MAX_C, R <= ATTN_MAX_R, N <= ATTN_MAX_N, n_split <= ATTN_MAX_SPLIT (K2.6: 512, 64, 128).
 #include "common.cuh"
 #include "kv_layout.cuh"
@@ -99,7 +99,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM) m
 }
 
 // The attention GEMMs' block tiles (mla_scores_* and mla_pv_*). A block of 8 warps computes a ROWS x COLS output
-// tile: WARPS_M x (8 / WARPS_M) warps, each WM m16 tiles by WN n8 tiles. Two tilings (ops.Ops picks one per launch):
+// tile: WARPS_M x (8 / WARPS_M) warps, each WM m16 tiles by WN n8 tiles. Two tilings (ops.Ops.attn_tiling):
 //   Narrow (64 x 64; 4 x 2 warps of 16 x 32): three blocks per SM on sm_90 (80 registers); twice the blocks of
 //     the wide tile, so it fills the GPU better where the grid is small (a decode step's p c_kv, short caches);
 //   Wide (64 x 128; 2 x 4 warps of 32 x 32): two blocks per SM on sm_90 (128 registers); per product it moves
@@ -107,8 +107,8 @@ extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM) m
 //     blocks) and issues 12 ldmatrix per 48 mma instead of 9 per 24.
 // Both fold `hi` (the leading term product's accumulator, tensor_core.cuh) into `tot` after every k16, so every
 // element of the scores is the same float32 sum in either tiling (p c_kv's partials too, at one chunk count):
-// the scores' tiling may follow the grid's size without changing a bit. (Folding after every k16 keeps `hi` to
-// 4 registers at a time, where the wide tile has none to spare.)
+// the scores' tiling is a matter of speed alone (p c_kv's sets its chunk count too). (Folding after every k16
+// keeps `hi` to 4 registers at a time, where the wide tile has none to spare.)
 #define GEMM_STAGES 2                         // cp.async stages of both operand tiles (a third costs a block per SM:
                                               // slower in both tilings, H200, docs/cuda-engine.md "Stop 42")
 template <int WARPS_M_, int WM_, int WN_>
