@@ -8,7 +8,8 @@
 # command recorded in bundles/MANIFEST.md, run from WORKDIR (env KDTR_SLICE_WORKDIR, default build/k26_slice,
 # git-ignored: outside bundles/, so cuda_engine/device_run.sh's bundles/*.kdtr never picks it up, and the
 # command's relative `--out bundles/k26_slice.kdtr` is written as recorded), unless it exists there already
-# (a previous phase; delete it to regenerate). The phases, so that each fits a 10-minute device command:
+# (a previous phase; delete it to regenerate). The phases (at stop 42 `gen` took longer than one 10-minute device
+# command, ~14 minutes: docs/golden-bundles.md):
 # - gen: the bundle, its time and peak memory (OUTDIR/gen.time), its sha256 against the MANIFEST's
 #   (OUTDIR/sha256.txt; the metadata records the Python and NumPy versions, so a mismatch is reported, not
 #   failed), and every tensor's sha256 (OUTDIR/tensors.json) against bundles/k26_slice.tensors.json (the
