@@ -4,10 +4,10 @@
    (64 x 64) and the wide (64 x 128) tiling, each p c_kv with the chunk count one wave of its blocks gives, and
    the whole `mla_attention` as the engine runs it; CUDA events over `--reps` launches each;
 2. with --ab BUNDLE...: the A/B stop 42 left open. `kdtr bench ddtree`'s measurement (cuda_engine.bench_ddtree)
-   on the bundles twice in one process: with the engine's rule (the wide tiling from ops.ATTN_WIDE_MIN_ROWS
-   query rows) and with the narrow tiling for every forward (the threshold past every forward's rows;
-   Ops.attn_tiling reads it at each call, and every engine is made after it is set). Same machine, same
-   start: the difference is the tiling's.
+   on the bundles four times in one process, rule / narrow / narrow / rule: with the engine's rule (the wide
+   tiling from ops.ATTN_WIDE_MIN_ROWS query rows) and with the narrow tiling for every forward (the threshold
+   past every forward's rows; Ops.attn_tiling reads it at each call, and every engine is made after it is
+   set). Same machine, same start: the difference is the tiling's.
 
     python bench/bench_attention.py [--cached 4096,32768] [--tokens 1,2,5,9,17,33] [--reps 20]
                                     [--ab bundles/model_tiny.kdtr bundles/model_int4_tiny.kdtr] [--json out.json]
@@ -35,6 +35,20 @@ def _ints(text: str, flag: str) -> list[int]:
     if not vals or min(vals) < 1:
         raise ValueError(f"{flag} {text!r}: give positive integers separated by commas, e.g. 1,5,9")
     return vals
+
+
+def _splits(ops, tl, T: int, C: int) -> int:
+    """p c_kv's chunk count for tiling tl: the engine's own Ops.attn_splits, with the tiling rule's threshold set
+    so that Ops.attn_tiling picks tl."""
+    import cuda_engine.ops as ops_mod
+
+    rule = ops_mod.ATTN_WIDE_MIN_ROWS
+    ops_mod.ATTN_WIDE_MIN_ROWS = 1 if tl is ops_mod.ATTN_WIDE else 1 << 30
+    try:
+        assert ops.attn_tiling(T, H) is tl
+        return ops.attn_splits(T, H, C)
+    finally:
+        ops_mod.ATTN_WIDE_MIN_ROWS = rule
 
 
 def per_launch(cached: list[int], tokens: list[int], reps: int, progress=print) -> list[dict]:
@@ -90,7 +104,7 @@ def per_launch(cached: list[int], tokens: list[int], reps: int, progress=print) 
             for tl in (ATTN_NARROW, ATTN_WIDE):
                 name = tl.suffix.strip("_") or "narrow"
                 rt, ct = -(-TH // tl.rows), -(-C // tl.cols)
-                n_split = max(1, min(ATTN_MAX_SPLIT, tl.blocks_per_sm.get(ops.cc_major, 1) * ops.sm_count // (rt * ct)))
+                n_split = _splits(ops, tl, T, C)
                 row[f"{name}_chunks"] = n_split
                 row[f"{name}_scores_us"] = timed(lambda: ops._launch(
                     f"mla_scores{tl.suffix}_kernel", (rt, -(-S_cap // tl.cols)), qs.ptr, kv.ptr, kv.shape[1], meta.ptr,
@@ -110,26 +124,29 @@ def per_launch(cached: list[int], tokens: list[int], reps: int, progress=print) 
 
 
 def ab(bundles: list[str], progress=print) -> dict:
-    """cuda_engine.bench_ddtree.ddtree_speed on the bundles with the engine's tiling rule, then with the narrow
-    tiling for every forward."""
+    """cuda_engine.bench_ddtree.ddtree_speed on the bundles with the engine's tiling rule and with the narrow
+    tiling for every forward, in the order rule, narrow, narrow, rule (so neither arm gains from coming first);
+    per bundle the faster run of each arm is compared, and every run is kept."""
     import cuda_engine.ops as ops_mod
     from cuda_engine.bench_ddtree import ddtree_speed
 
     rule = ops_mod.ATTN_WIDE_MIN_ROWS
-    runs = {}
+    runs = {"rule": [], "narrow": []}
     try:
-        for label, threshold in (("rule", rule), ("narrow", 1 << 30)):
-            ops_mod.ATTN_WIDE_MIN_ROWS = threshold
-            runs[label] = ddtree_speed(bundles)
+        for label in ("rule", "narrow", "narrow", "rule"):
+            ops_mod.ATTN_WIDE_MIN_ROWS = rule if label == "rule" else 1 << 30
+            runs[label].append(ddtree_speed(bundles))
     finally:
         ops_mod.ATTN_WIDE_MIN_ROWS = rule
-    for i, b in enumerate(runs["rule"]["bundles"]):
-        n = runs["narrow"]["bundles"][i]
-        progress(f"{b['bundle']}: DDTree over AR {b['speedup']:.2f}x with the rule, {n['speedup']:.2f}x narrow; "
-                 f"verify in the round graph {b['round_gpu_us'].get('verify', 0):.0f} / "
-                 f"{n['round_gpu_us'].get('verify', 0):.0f} us; streams equal AR: "
-                 f"{b['all_streams_equal_ar'] and n['all_streams_equal_ar']}")
-    return runs
+    best = {}
+    for i, b in enumerate(bundles):
+        best[b] = {arm: max((r["bundles"][i] for r in runs[arm]), key=lambda x: x["speedup"]) for arm in runs}
+        r, n = best[b]["rule"], best[b]["narrow"]
+        same = all(x["bundles"][i]["all_streams_equal_ar"] for arm in runs for x in runs[arm])
+        progress(f"{b}: DDTree over AR {r['speedup']:.2f}x with the rule, {n['speedup']:.2f}x narrow (best of 2 each); "
+                 f"verify in the round graph {r['round_gpu_us'].get('verify', 0):.0f} / "
+                 f"{n['round_gpu_us'].get('verify', 0):.0f} us; every stream equals AR: {same}")
+    return {"runs": runs, "best": best}
 
 
 def main(argv=None) -> int:

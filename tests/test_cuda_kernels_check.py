@@ -283,6 +283,11 @@ def test_the_hosts_launch_constants_are_the_kernels():
     assert re.search(r"#define PV_SMEM\(TL\) \(GEMM_STAGES \* 3 \* \(TL::ROWS \* SPITCH \+ KSTEP \* TL::VPITCH\) \* 2\)",
                      src)
     assert re.search(r"ROWS = WARPS_M \* 16 \* WM, COLS = WARPS_PER_BLOCK / WARPS_M \* 8 \* WN;", src)
+    # the layouts the bodies use are the ones the macros count: GEMM_STAGES x (A_ELEMS + B_ELEMS) bf16
+    bodies = re.findall(r"constexpr int A_ELEMS = ([^,]+), B_ELEMS = ([^;]+);", src)
+    assert bodies == [("3 * TL::ROWS * SPITCH", "3 * TL::COLS * SPITCH"),           # mla_scores_body
+                      ("3 * TL::ROWS * SPITCH", "3 * KSTEP * TL::VPITCH")], bodies   # mla_pv_body
+    assert len(re.findall(r"bf16_t\* Bs = As \+ GEMM_STAGES \* A_ELEMS;", src)) == 2
     tilings = {name: (int(wm_) * 16 * int(wm), 8 // int(wm_) * 8 * int(wn))
                for wm_, wm, wn, name in re.findall(r"typedef Tiling<(\d+), (\d+), (\d+)> (\w+);", src)}
     # `#if __CUDA_ARCH__ >= 1000` (sm_120) first, then sm_90's
