@@ -55,24 +55,17 @@ def per_launch(cached: list[int], tokens: list[int], reps: int, progress=print) 
     """Per-launch times (us) of both tilings' GEMMs, the softmax and the whole mla_attention at K2.6 shapes."""
     import numpy as np
 
-    from cuda_engine.device import DevBuf, driver
+    from cuda_engine.device import DevBuf, timed_us
     from cuda_engine.ops import (ATTN_MAX_SPLIT, ATTN_NARROW, ATTN_WIDE, WARPS_PER_BLOCK, Ops, kv_planes_shape,
                                  kv_rows_to_planes, p_terms_shape)
     from refmodel.config import PRESETS
     from refmodel.model import yarn_inv_freq
 
-    ops, drv, dev = Ops(), driver(), DevBuf.from_array
+    ops, dev = Ops(), DevBuf.from_array
 
-    def timed(fn) -> float:
+    def timed(fn) -> float:                               # one launch first, then the engine's event timer
         fn()
-        ops.stream.synchronize()
-        a, b = drv.Event(), drv.Event()
-        a.record(ops.stream)
-        for _ in range(reps):
-            fn()
-        b.record(ops.stream)
-        b.synchronize()
-        return b.time_since(a) * 1000 / reps
+        return timed_us(ops, fn, reps)
 
     def rand(rng, *shape, scale=1.0):
         return (rng.standard_normal(shape) * scale).astype(np.float32)
