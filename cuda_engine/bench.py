@@ -1,6 +1,7 @@
 """Decode latency of the CUDA engine on a bundle's model: one token per step, greedy (AR), the step run
-as prepared PyCUDA launches and as a replayed CUDA graph, against the launch floor measured in the same
-run (the same number of launches of a one-thread kernel, prepared and as a graph).
+as prepared PyCUDA launches and as a replayed CUDA graph (with the engine's programmatic kernel -> kernel edges,
+and the same step captured with plain edges: cuda_engine/graph.py), against the launch floor measured in the
+same run (the same number of launches of a one-thread kernel, prepared and as a graph both ways).
 
 Used by `kdtr bench engine` and bench/bench_engine.py. Times are CUDA-event times over `steps`
 back-to-back steps after `warmup` steps; the graph steps need no host work at all (the argmax feeds the
@@ -47,13 +48,25 @@ def decode_latency(bundle: str, steps: int = 200, warmup: int = 20, prompt_len: 
     t_graph = _timed(ops, lambda: graph.launch(ops.stream), steps)
     restart()
     tokens_graph = _generated(e, lambda: graph.launch(ops.stream), 8)
+    plain = _capture(ops, prepared, programmatic=False)   # the same step with plain edges: the A/B
+    restart()
+    _timed(ops, lambda: plain.launch(ops.stream), warmup)
+    restart()
+    t_plain = _timed(ops, lambda: plain.launch(ops.stream), steps)
+    restart()
+    tokens_plain = _generated(e, lambda: plain.launch(ops.stream), 8)
+    plain.destroy()
 
     floor_prep, floor_graph = _launch_floor(ops, per_step, steps)
+    _, floor_plain = _launch_floor(ops, per_step, steps, programmatic=False)
     return {**device_info(), "bundle": str(bundle), "w4a16": w4a16, "steps": steps, "launches_per_step": per_step,
-            "graph_launches": graph.launches, "us_per_token_prepared": t_prepared, "us_per_token_graph": t_graph,
+            "graph_launches": graph.launches, "graph_programmatic_edges": graph.programmatic,
+            "us_per_token_prepared": t_prepared, "us_per_token_graph": t_graph,
+            "us_per_token_graph_plain_edges": t_plain, "plain_edges_vs_graph": t_plain / t_graph,
             "floor_us_per_step_prepared": floor_prep, "floor_us_per_step_graph": floor_graph,
+            "floor_us_per_step_graph_plain_edges": floor_plain,
             "graph_vs_floor": t_graph / floor_graph, "prepared_vs_graph": t_prepared / t_graph,
-            "same_tokens_graph_and_prepared": tokens_prepared == tokens_graph, "tokens": tokens_graph}
+            "same_tokens_graph_and_prepared": tokens_prepared == tokens_graph == tokens_plain, "tokens": tokens_graph}
 
 
 def _generated(e: CudaEngine, step, n: int) -> list[int]:
@@ -66,10 +79,20 @@ def _generated(e: CudaEngine, step, n: int) -> list[int]:
     return out
 
 
-def _launch_floor(ops, n_kernels: int, steps: int) -> tuple[float, float]:
-    """(prepared, graph) microseconds for n_kernels launches of the one-thread decode_advance_kernel."""
-    from cuda_engine.graph import capture
+def _capture(ops, record, programmatic: bool):
+    """cuda_engine.graph.capture with programmatic kernel -> kernel edges or plain ones."""
+    import cuda_engine.graph as graph_mod
 
+    was = graph_mod.PROGRAMMATIC_EDGES
+    graph_mod.PROGRAMMATIC_EDGES = programmatic
+    try:
+        return graph_mod.capture(ops, record)
+    finally:
+        graph_mod.PROGRAMMATIC_EDGES = was
+
+
+def _launch_floor(ops, n_kernels: int, steps: int, programmatic: bool = True) -> tuple[float, float]:
+    """(prepared, graph) microseconds for n_kernels launches of the one-thread decode_advance_kernel."""
     scratch = DevBuf.from_array(np.zeros(4, np.int32))
 
     def seq():
@@ -77,7 +100,7 @@ def _launch_floor(ops, n_kernels: int, steps: int) -> tuple[float, float]:
             ops.decode_advance(scratch, scratch)
 
     prepared = _timed(ops, seq, max(steps // 4, 10))
-    g = capture(ops, seq)
+    g = _capture(ops, seq, programmatic)
     _timed(ops, lambda: g.launch(ops.stream), 10)
     graph = _timed(ops, lambda: g.launch(ops.stream), steps)
     g.destroy()

@@ -5,7 +5,10 @@ For each architecture and each kernel: registers, spill stores/loads, stack fram
 DYNAMIC_SMEM). A kernel fails the check on any spill, or when it would
 not launch on sm_120 (the target, the smaller of our two GPUs): more than 99 KB shared memory per block
 (sm_120 has 100 KB per SM and keeps 1 KB per block), more than 255 registers per thread, or more than
-64 K registers for one block at its __launch_bounds__ thread count (1024 when it declares none).
+64 K registers for one block at its __launch_bounds__ thread count (1024 when it declares none). And in the
+sources: every kernel entry's first statement is AFTER_PREVIOUS_GRID() (kernels/common.cuh): the engine's graphs
+let a kernel's blocks start before the kernel it depends on has ended, so an entry without it could read its
+inputs early.
 """
 from __future__ import annotations
 
@@ -102,7 +105,27 @@ def kernel_usage(arch: str, files=None) -> list[KernelUsage]:
     return rows
 
 
+ENTRY_FIRST_STATEMENT = "AFTER_PREVIOUS_GRID();"
+
+
+def entries_without_the_wait(source: str, file: str) -> list[str]:
+    """A problem per extern "C" __global__ entry of `source` whose body does not begin with
+    AFTER_PREVIOUS_GRID(); (comments and blank lines before it are not allowed either: it must be first)."""
+    out = []
+    for m in re.finditer(r'extern "C" __global__([^{;]*)\{', source):
+        name = re.search(r"(\w+)\s*\(", re.sub(r"__launch_bounds__\([^)]*\)", "", m[1]))
+        if not source[m.end():].lstrip().startswith(ENTRY_FIRST_STATEMENT):
+            out.append(f"{name[1] if name else '?'} ({file}): its first statement is not {ENTRY_FIRST_STATEMENT} "
+                       f"(kernels/common.cuh says why; a kernel without it may read its inputs before the kernel "
+                       f"that writes them ends)")
+    return out
+
+
+def source_problems(files=None) -> list[str]:
+    return [p for f in (files or kernel_files()) for p in entries_without_the_wait(Path(f).read_text(), Path(f).name)]
+
+
 def check_kernels(archs=ARCHS, files=None) -> tuple[list[KernelUsage], list[str]]:
     """(usage of every kernel on every arch, problems); BuildError when nvcc fails."""
     rows = [r for arch in archs for r in kernel_usage(arch, files)]
-    return rows, [p for r in rows for p in r.problems()]
+    return rows, source_problems(files) + [p for r in rows for p in r.problems()]

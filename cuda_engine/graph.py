@@ -4,12 +4,22 @@ PyCUDA has no graph API; the driver's stream capture works on PyCUDA's own strea
 the instantiated graph costs ~1 us per kernel instead of ~7 us for a prepared PyCUDA launch (measured on
 the H200, docs/cuda-engine.md). A captured sequence bakes in its kernel arguments (pointers and sizes),
 so the engine captures only the shape-stable decode step and re-captures after any reallocation.
+
+Programmatic edges: after capture, every edge from one kernel node to another is made programmatic
+(CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC from CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC), so the second kernel's blocks
+are scheduled as soon as every block of the first has begun, instead of after the first has ended. Every kernel
+begins with AFTER_PREVIOUS_GRID() (kernels/common.cuh; `kdtr kernels check` holds it), which waits for the kernel
+before it to complete with its writes visible and only then lets the next one be scheduled: no result changes,
+only the gap between two kernels (docs/cuda-engine.md, "Stop 43"). PROGRAMMATIC_EDGES = False captures plain
+edges (the benchmarks' A/B); capture() reads it at each call.
 """
 from __future__ import annotations
 
 import gc
 
 from cuda_engine.device import CudaEngineError
+
+PROGRAMMATIC_EDGES = True
 
 
 def _cu():
@@ -31,8 +41,9 @@ def _check(result, what: str):
 class Graph:
     """An instantiated graph; launch() replays it on a stream."""
 
-    def __init__(self, graph, exe, launches: int):
+    def __init__(self, graph, exe, launches: int, programmatic: int = 0):
         self._graph, self._exe, self.launches = graph, exe, launches
+        self.programmatic = programmatic          # how many of its kernel -> kernel edges are programmatic
 
     def launch(self, stream) -> None:
         _check(_cu().cuGraphLaunch(self._exe, stream.handle), "cuGraphLaunch")
@@ -68,5 +79,45 @@ def capture(ops, record) -> Graph:
     finally:
         if collecting:
             gc.enable()
-    exe = _check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
-    return Graph(graph, exe, ops.launches - before)
+    try:
+        # below sm_90 AFTER_PREVIOUS_GRID() compiles to nothing, so such a device keeps plain edges
+        programmatic = make_programmatic(graph) if PROGRAMMATIC_EDGES and ops.cc_major >= 9 else 0
+        exe = _check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+    except BaseException:
+        cu.cuGraphDestroy(graph)
+        raise
+    return Graph(graph, exe, ops.launches - before, programmatic)
+
+
+def _edge_calls(cu):
+    """(get edges, remove, add) with edge data: cuda-bindings 12 names them _v2, 13 without the suffix."""
+    if hasattr(cu, "cuGraphGetEdges_v2"):
+        return cu.cuGraphGetEdges_v2, cu.cuGraphRemoveDependencies_v2, cu.cuGraphAddDependencies_v2
+    return cu.cuGraphGetEdges, cu.cuGraphRemoveDependencies, cu.cuGraphAddDependencies
+
+
+def make_programmatic(graph) -> int:
+    """Make every plain kernel -> kernel edge of an uninstantiated graph programmatic; returns how many.
+    Edges to or from other nodes (copies, memsets) stay as they are."""
+    cu = _cu()
+    get, remove, add = _edge_calls(cu)
+    n = _check(get(graph, 0), "cuGraphGetEdges")[-1]
+    if not n:
+        return 0
+    frm, to, data, n = _check(get(graph, n), "cuGraphGetEdges")
+    kernel = cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL
+
+    def is_kernel(node) -> bool:
+        return _check(cu.cuGraphNodeGetType(node), "cuGraphNodeGetType") == kernel
+
+    picked = [i for i in range(n) if int(data[i].type) == 0 and int(data[i].from_port) == 0
+              and int(data[i].to_port) == 0 and is_kernel(frm[i]) and is_kernel(to[i])]
+    if not picked:
+        return 0
+    src, dst = [frm[i] for i in picked], [to[i] for i in picked]
+    _check(remove(graph, src, dst, [data[i] for i in picked], len(picked)), "cuGraphRemoveDependencies")
+    edge = cu.CUgraphEdgeData()
+    edge.type = cu.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
+    edge.from_port = cu.CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC
+    _check(add(graph, src, dst, [edge] * len(picked), len(picked)), "cuGraphAddDependencies")
+    return len(picked)

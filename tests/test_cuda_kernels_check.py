@@ -56,6 +56,30 @@ ptxas info    : Function properties for __internal_helper
     assert KernelUsage("sm_90", "f.cu", "ok", registers=40, threads=256).problems() == []
 
 
+def test_every_kernel_entry_waits_for_the_kernel_before_it():
+    """The engine's graphs let a kernel's blocks start before the kernel before it has ended (cuda_engine/graph.py);
+    each entry's first statement, AFTER_PREVIOUS_GRID(), holds them. `kdtr kernels check` fails on an entry without
+    it, wherever it is missing, and names the entry."""
+    from cuda_engine.build import kernel_files
+    from cuda_engine.check import entries_without_the_wait, source_problems
+
+    assert source_problems() == []
+    files = {f.name: f.read_text() for f in kernel_files()}
+    n_entries = sum(t.count('extern "C" __global__') for t in files.values())
+    assert n_entries >= 60
+    cases = [("w4a16_mma.cu", "{ AFTER_PREVIOUS_GRID(); w4a16_mma_body<64, 1,", "{ w4a16_mma_body<64, 1,",
+              "w4a16_mma_t1_m64"),
+             ("ddtree.cu", "AFTER_PREVIOUS_GRID();\n    const int* ids", "const int* ids", "ddtree_walk_kernel"),
+             ("ddtree.cu", "AFTER_PREVIOUS_GRID();\n    const int* ids",
+              "const int* ids = rec + 1;\n    AFTER_PREVIOUS_GRID();", "ddtree_walk_kernel"),      # not first
+             ("attention.cu", "{\n    AFTER_PREVIOUS_GRID();\n    const int S = meta[0] + T, TH",
+              "{\n    // first\n    AFTER_PREVIOUS_GRID();\n    const int S = meta[0] + T, TH", "mla_softmax_kernel")]
+    for file, good, bad, entry in cases:
+        assert files[file].count(good) == 1, (file, good)
+        found = entries_without_the_wait(files[file].replace(good, bad), file)
+        assert len(found) == 1 and found[0].startswith(f"{entry} ({file})"), found
+
+
 def test_w4a16_wrapper_tables_match_the_kernel_entries():
     """w4a16_plan.py picks a w4a16_mma entry by numerics and token count and ops.py sizes its grid by the entry's row blocks
     per block: both tables must say what kernels/w4a16_mma.cu instantiates (a mismatch would launch too few
@@ -66,8 +90,8 @@ def test_w4a16_wrapper_tables_match_the_kernel_entries():
     from cuda_engine.w4a16_plan import W4A16_DIGITS_ROWS, W4A16_DIGITS_TOKENS, W4A16_ENTRIES, W4A16_ROW_BLOCKS, W4A16_ROWS
 
     text = (KERNEL_DIR / "w4a16_mma.cu").read_text()
-    entry = (r"(w4a16_mma_(i8|t\d)_m(\d+)(?:_r(\d+))?)\(W4A16_ARGS\) \{ w4a16_mma_body<(\d+), (\d), (?:true|false), "
-             r"(\d), \d, (true|false)>")
+    entry = (r"(w4a16_mma_(i8|t\d)_m(\d+)(?:_r(\d+))?)\(W4A16_ARGS\) \{ AFTER_PREVIOUS_GRID\(\); "
+             r"w4a16_mma_body<(\d+), (\d), (?:true|false), (\d), \d, (true|false)>")
     entries = re.findall(entry, text)           # (name, kind, most tokens, R, MT, TERMS, WS, I8) per entry
     assert len(entries) == len(set(e[0] for e in entries)) > 0
     table = {name: (m, numerics) for numerics, es in W4A16_ENTRIES.items() for m, name in es}

@@ -92,9 +92,11 @@ __device__ __forceinline__ void mla_qprep_body(float* __restrict__ q, const int*
 #define MLA_QPREP_ARGS(WT) float* __restrict__ q, const int* __restrict__ positions, const double* __restrict__ inv_freq, \
     double attn_factor, const WT* __restrict__ w_uk, bf16_t* __restrict__ qs, int T, int H, int N, int R, int C
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM) mla_qprep_kernel(MLA_QPREP_ARGS(float)) {
+    AFTER_PREVIOUS_GRID();
     mla_qprep_body(q, positions, inv_freq, attn_factor, w_uk, qs, T, H, N, R, C);
 }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM) mla_qprep_bf16_kernel(MLA_QPREP_ARGS(bf16_t)) {
+    AFTER_PREVIOUS_GRID();
     mla_qprep_body(q, positions, inv_freq, attn_factor, w_uk, qs, T, H, N, R, C);
 }
 
@@ -292,10 +294,12 @@ __device__ __forceinline__ void mla_scores_body(unsigned char* smem, const bf16_
     const int* __restrict__ meta, const float* __restrict__ mask, int mask_stride, float* __restrict__ scores, \
     int S_cap, int T, int H, int C, int R, float scale
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, NARROW_BLOCKS_PER_SM) mla_scores_kernel(MLA_SCORES_ARGS) {
+    AFTER_PREVIOUS_GRID();
     extern __shared__ __align__(16) unsigned char scores_smem[];
     mla_scores_body<Narrow>(scores_smem, qs, kv, kv_rows, meta, mask, mask_stride, scores, S_cap, T, H, C, R, scale);
 }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, WIDE_BLOCKS_PER_SM) mla_scores_wide_kernel(MLA_SCORES_ARGS) {
+    AFTER_PREVIOUS_GRID();
     extern __shared__ __align__(16) unsigned char scores_wide_smem[];
     mla_scores_body<Wide>(scores_wide_smem, qs, kv, kv_rows, meta, mask, mask_stride, scores, S_cap, T, H, C, R, scale);
 }
@@ -309,6 +313,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, WIDE_BLOCKS_PER_SM) 
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
 mla_softmax_kernel(const float* __restrict__ scores, int S_cap, const int* __restrict__ meta, bf16_t* __restrict__ p,
                    int p_pitch, float* __restrict__ partials, int T, int H, int C) {
+    AFTER_PREVIOUS_GRID();
     const int S = meta[0] + T, TH = T * H, n_split = gridDim.y, split = blockIdx.y;
     const int chunk = pv_chunk(S, n_split);
     const int s_lo = min(S, split * chunk), s_hi = min(S, s_lo + chunk);
@@ -424,10 +429,12 @@ __device__ __forceinline__ void mla_pv_body(unsigned char* smem, const bf16_t* _
 #define MLA_PV_ARGS const bf16_t* __restrict__ p, int p_pitch, const bf16_t* __restrict__ kv, int kv_rows, \
     const int* __restrict__ meta, float* __restrict__ partials, int T, int H, int C, int R
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, NARROW_BLOCKS_PER_SM) mla_pv_kernel(MLA_PV_ARGS) {
+    AFTER_PREVIOUS_GRID();
     extern __shared__ __align__(16) unsigned char pv_smem[];
     mla_pv_body<Narrow>(pv_smem, p, p_pitch, kv, kv_rows, meta, partials, T, H, C, R);
 }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, WIDE_BLOCKS_PER_SM) mla_pv_wide_kernel(MLA_PV_ARGS) {
+    AFTER_PREVIOUS_GRID();
     extern __shared__ __align__(16) unsigned char pv_wide_smem[];
     mla_pv_body<Wide>(pv_wide_smem, p, p_pitch, kv, kv_rows, meta, partials, T, H, C, R);
 }
@@ -501,9 +508,11 @@ __device__ __forceinline__ void mla_merge_uv_body(const float* __restrict__ part
 #define MLA_MERGE_UV_ARGS(WT) const float* __restrict__ partials, int n_split, const int* __restrict__ meta, \
     const WT* __restrict__ w_uv, float* __restrict__ o, int T, int H, int C, int U
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM) mla_merge_uv_kernel(MLA_MERGE_UV_ARGS(float)) {
+    AFTER_PREVIOUS_GRID();
     mla_merge_uv_body(partials, n_split, meta, w_uv, o, T, H, C, U);
 }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
 mla_merge_uv_bf16_kernel(MLA_MERGE_UV_ARGS(bf16_t)) {
+    AFTER_PREVIOUS_GRID();
     mla_merge_uv_body(partials, n_split, meta, w_uv, o, T, H, C, U);
 }

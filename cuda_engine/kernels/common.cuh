@@ -15,6 +15,19 @@
 // one block per SM lets it use what it needs (<= 64 here, still 4 blocks of 256 threads per SM).
 #define MIN_BLOCKS_PER_SM 1
 
+// Every kernel's first statement (tests/test_kernel_sources.py holds it): programmatic dependent launch. The
+// engine's CUDA graphs make each kernel-to-kernel edge programmatic (cuda_engine/graph.py), so a kernel's blocks
+// can be scheduled while the kernel before it still runs. griddepcontrol.wait holds every thread until the kernels
+// it depends on have completed and their writes are visible (so nothing is read or overwritten early; a chain
+// of such waits orders every kernel after all earlier ones); launch_dependents then lets the next kernel's
+// blocks be scheduled, to be resident and waiting when this one ends: the launch latency between two kernels
+// overlaps the first one's work. Outside such a graph (a prepared launch) both are no-ops. sm_90 and later.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define AFTER_PREVIOUS_GRID() asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
+#else
+#define AFTER_PREVIOUS_GRID() do { } while (0)
+#endif
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int off = WARP_SIZE / 2; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
     return v;   // every lane holds the same total

@@ -16,6 +16,7 @@
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
 ddtree_compact_kernel(unsigned short* kv, const int* __restrict__ keep, const int* __restrict__ meta, int kv_rows,
                       int Kp) {
+    AFTER_PREVIOUS_GRID();
     kv_move_rows(kv + (size_t)blockIdx.x * 3 * kv_rows * Kp, keep, meta[DMETA_KEEP_N], meta[DMETA_KEEP_START],
                  kv_rows, Kp);
 }
@@ -23,6 +24,7 @@ ddtree_compact_kernel(unsigned short* kv, const int* __restrict__ keep, const in
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
 tree_mask_kernel(const int* __restrict__ parents, int T, const int* __restrict__ target_meta,
                  float* __restrict__ mask, int mask_stride) {
+    AFTER_PREVIOUS_GRID();
     const int i = blockIdx.x, start = target_meta[0];
     float* row = mask + (size_t)i * mask_stride;
     for (int c = threadIdx.x; c < start + T; c += blockDim.x) {
@@ -61,6 +63,7 @@ __device__ __forceinline__ bool topk_better(float v, int i, float bv, int bi) {
 
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
 ddtree_topk_kernel(const float* __restrict__ logits, int V, int K, int* __restrict__ top_id, float* __restrict__ lp) {
+    AFTER_PREVIOUS_GRID();
     __shared__ float buf[BLOCK_THREADS];
     __shared__ float wv[WARPS_PER_BLOCK];
     __shared__ int wi[WARPS_PER_BLOCK];
@@ -113,6 +116,7 @@ ddtree_topk_kernel(const float* __restrict__ logits, int V, int K, int* __restri
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
 ddtree_topk_sort_kernel(const float* __restrict__ logits, int V, int K, int P2, int* __restrict__ top_id,
                         float* __restrict__ lp) {
+    AFTER_PREVIOUS_GRID();
     __shared__ float buf[BLOCK_THREADS];
     extern __shared__ unsigned long long key[];
     const int row = blockIdx.x;
@@ -176,6 +180,7 @@ extern "C" __global__ void ddtree_heap_kernel(const int* __restrict__ top_id, co
                                               const int* __restrict__ block_ids, int* __restrict__ rec,
                                               int* __restrict__ t_meta, int* __restrict__ t_ids,
                                               int* __restrict__ t_pos) {
+    AFTER_PREVIOUS_GRID();
     extern __shared__ double smem[];
     const int cap = 2 * N + 2, lane = threadIdx.x;
     HeapView h;
@@ -257,6 +262,7 @@ extern "C" __global__ void ddtree_heap_kernel(const int* __restrict__ top_id, co
 //       target compaction keeping the path), block ids[0] = the bonus, the context rows = the path.
 //       Launch grid (1), block (1).
 extern "C" __global__ void ddtree_walk_kernel(int* __restrict__ rec, int T, int* __restrict__ inp, int B) {
+    AFTER_PREVIOUS_GRID();
     const int* ids = rec + 1;
     const int* parents = ids + T;
     const int* post = rec + 1 + 4 * T;

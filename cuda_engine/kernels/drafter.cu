@@ -32,6 +32,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
 drafter_gather_kernel(const float* __restrict__ resid_out, long long layer_stride, int D,
                       const int* __restrict__ layer_ids, int nL, const int* __restrict__ rows,
                       float* __restrict__ feat) {
+    AFTER_PREVIOUS_GRID();
     const int i = blockIdx.x, k = blockIdx.y;
     const float* src = resid_out + (size_t)layer_ids[k] * layer_stride + (size_t)rows[i] * D;
     float* dst = feat + (size_t)i * nL * D + (size_t)k * D;
@@ -51,10 +52,12 @@ __device__ __forceinline__ void drafter_embed_body(const int* __restrict__ ids, 
 #define DRAFTER_EMBED_ARGS(WT) const int* __restrict__ ids, const WT* __restrict__ table, const float* __restrict__ pe, \
     float* __restrict__ h, int D
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM) drafter_embed_kernel(DRAFTER_EMBED_ARGS(float)) {
+    AFTER_PREVIOUS_GRID();
     drafter_embed_body(ids, table, pe, h, D);
 }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
 drafter_embed_bf16_kernel(DRAFTER_EMBED_ARGS(bf16_t)) {
+    AFTER_PREVIOUS_GRID();
     drafter_embed_body(ids, table, pe, h, D);
 }
 
@@ -80,6 +83,7 @@ extern "C" __global__ void drafter_block_qk_kernel(const float* __restrict__ qkv
                                                    float eps, const int* __restrict__ meta,
                                                    const double* __restrict__ inv_freq, float* __restrict__ q,
                                                    float* __restrict__ kb) {
+    AFTER_PREVIOUS_GRID();
     const int t = blockIdx.x, hd = blockIdx.y;
     const float* x = qkv + (size_t)t * (H + 2 * G) * Dh + (size_t)hd * Dh;
     const double pos = (double)meta[DMETA_BLK_POS] + t;
@@ -91,6 +95,7 @@ extern "C" __global__ void drafter_ctx_kv_kernel(const float* __restrict__ kv, i
                                                  const float* __restrict__ wk, float eps,
                                                  const int* __restrict__ meta, const double* __restrict__ inv_freq,
                                                  float* __restrict__ kcache, float* __restrict__ vcache) {
+    AFTER_PREVIOUS_GRID();
     const int t = blockIdx.x, g = blockIdx.y;
     if (t >= meta[DMETA_N_NEW]) return;                    // padding rows of a fixed-shape launch
     const float* x = kv + (size_t)t * 2 * G * Dh;
@@ -106,6 +111,7 @@ drafter_attention_kernel(const float* __restrict__ q, const float* __restrict__ 
                          const float* __restrict__ kcache, const float* __restrict__ vcache,
                          const int* __restrict__ meta, int B, int H, int G, int Dh, float scale,
                          float* __restrict__ scores, int scores_stride, float* __restrict__ out) {
+    AFTER_PREVIOUS_GRID();
     __shared__ float buf[BLOCK_THREADS];
     const int t = blockIdx.x / H, h = blockIdx.x % H, g = h / (H / G);
     const int n_ctx = meta[DMETA_N_CTX], n = n_ctx + B;
@@ -159,6 +165,7 @@ drafter_attention_kernel(const float* __restrict__ q, const float* __restrict__ 
 
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
 silu_mul_kernel(const float* __restrict__ gu, float* __restrict__ act, int I) {
+    AFTER_PREVIOUS_GRID();
     const int t = blockIdx.x;
     for (int i = threadIdx.x; i < I; i += blockDim.x) {
         const float g = gu[(size_t)t * 2 * I + i];

@@ -27,8 +27,10 @@ __device__ __forceinline__ void embedding_body(const int* __restrict__ ids, cons
 #define EMBEDDING_ARGS(WT) const int* __restrict__ ids, const WT* __restrict__ table, float* __restrict__ out, int D, \
     const float* __restrict__ w, float* __restrict__ y, float eps
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM) embedding_kernel(EMBEDDING_ARGS(float)) {
+    AFTER_PREVIOUS_GRID();
     embedding_body(ids, table, out, D, w, y, eps);
 }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM) embedding_bf16_kernel(EMBEDDING_ARGS(bf16_t)) {
+    AFTER_PREVIOUS_GRID();
     embedding_body(ids, table, out, D, w, y, eps);
 }

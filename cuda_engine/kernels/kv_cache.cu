@@ -18,6 +18,7 @@ mla_latent_kernel(float* __restrict__ qkv, int Q, int C, int R, const float* __r
                   const float* __restrict__ w_kv, float eps, float* __restrict__ cq, float* __restrict__ lat,
                   bf16_t* __restrict__ kv_layer, int kv_rows, const int* __restrict__ meta,
                   const int* __restrict__ positions, const double* __restrict__ inv_freq, double attn_factor) {
+    AFTER_PREVIOUS_GRID();
     __shared__ float buf[BLOCK_THREADS];
     const int t = blockIdx.x, Kp = kv_pitch(C, R);
     const size_t plane = (size_t)kv_rows * Kp;
@@ -48,5 +49,6 @@ mla_latent_kernel(float* __restrict__ qkv, int Q, int C, int R, const float* __r
 
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
 kv_compact_kernel(bf16_t* kv, const int* __restrict__ keep, int n, int start, int kv_rows, int Kp) {
+    AFTER_PREVIOUS_GRID();
     kv_move_rows(kv + (size_t)blockIdx.x * 3 * kv_rows * Kp, keep, n, start, kv_rows, Kp);
 }

@@ -34,9 +34,11 @@ __device__ __forceinline__ void linear_body(const float* __restrict__ x, const W
 #define LINEAR_ARGS(WT) const float* __restrict__ x, const WT* __restrict__ W, float* __restrict__ y, int I, int O, \
     int x_stride, int y_stride, long long x_bstride, long long w_bstride, long long y_bstride
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM) linear_kernel(LINEAR_ARGS(float)) {
+    AFTER_PREVIOUS_GRID();
     linear_body(x, W, y, I, O, x_stride, y_stride, x_bstride, w_bstride, y_bstride);
 }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM) linear_bf16_kernel(LINEAR_ARGS(bf16_t)) {
+    AFTER_PREVIOUS_GRID();
     linear_body(x, W, y, I, O, x_stride, y_stride, x_bstride, w_bstride, y_bstride);
 }
 
@@ -81,6 +83,7 @@ __device__ __forceinline__ void linear_rows_body(const float* __restrict__ x, co
 #define LINEAR_ROWS_ARGS(WT) const float* __restrict__ x, const WT* __restrict__ W, float* __restrict__ y, int T, int I, \
     int O, int x_stride, int y_stride, long long x_bstride, long long w_bstride, long long y_bstride
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM) linear_rows_kernel(LINEAR_ROWS_ARGS(float)) {
+    AFTER_PREVIOUS_GRID();
     linear_rows_body(x, W, y, T, I, O, x_stride, y_stride, x_bstride, w_bstride, y_bstride);
 }
 
@@ -136,6 +139,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
 linear_mma_bf16_kernel(const float* __restrict__ x, const bf16_t* __restrict__ W, float* __restrict__ y, int T, int I,
                        int O, int x_stride, int y_stride, long long x_bstride, long long w_bstride,
                        long long y_bstride) {
+    AFTER_PREVIOUS_GRID();
     __shared__ float red[WARPS_PER_BLOCK][2][2][4][WARP_SIZE];   // [warp][m tile][n tile][element][lane]
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE, g = lane / 4, c = lane % 4;
     const int o0 = blockIdx.x * LMMA_OUT, t0 = blockIdx.y * LMMA_ROWS, b = blockIdx.z;

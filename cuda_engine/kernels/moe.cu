@@ -65,6 +65,7 @@ router_kernel(const float* __restrict__ bias, float* __restrict__ scores, int* _
               int n_group,
               int topk_group, int norm_topk_prob, float routed_scaling_factor, const int* __restrict__ held,
               int* __restrict__ own_ids, float* __restrict__ own_w) {
+    AFTER_PREVIOUS_GRID();
     __shared__ float choice[ROUTER_MAX_E];
     __shared__ unsigned char taken[ROUTER_MAX_E];
     __shared__ float gscore[ROUTER_MAX_GROUPS];
@@ -166,10 +167,12 @@ __device__ __forceinline__ void swiglu_gate_up_body(const float* __restrict__ x,
 #define SWIGLU_ARGS(WT) const float* __restrict__ x, const WT* __restrict__ Wg, const WT* __restrict__ Wu, \
     const int* __restrict__ slot_ids, float* __restrict__ act, int D, int I, int S, int k0, int nk, int e_base
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM) swiglu_gate_up_kernel(SWIGLU_ARGS(float)) {
+    AFTER_PREVIOUS_GRID();
     swiglu_gate_up_body(x, Wg, Wu, slot_ids, act, D, I, S, k0, nk, e_base);
 }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
 swiglu_gate_up_bf16_kernel(SWIGLU_ARGS(bf16_t)) {
+    AFTER_PREVIOUS_GRID();
     swiglu_gate_up_body(x, Wg, Wu, slot_ids, act, D, I, S, k0, nk, e_base);
 }
 
@@ -193,10 +196,12 @@ __device__ __forceinline__ void expert_down_body(const float* __restrict__ act, 
 #define EXPERT_DOWN_ARGS(WT) const float* __restrict__ act, const WT* __restrict__ Wd, const int* __restrict__ slot_ids, \
     float* __restrict__ y, int I, int D, int S, int k0, int nk, int e_base
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM) expert_down_kernel(EXPERT_DOWN_ARGS(float)) {
+    AFTER_PREVIOUS_GRID();
     expert_down_body(act, Wd, slot_ids, y, I, D, S, k0, nk, e_base);
 }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
 expert_down_bf16_kernel(EXPERT_DOWN_ARGS(bf16_t)) {
+    AFTER_PREVIOUS_GRID();
     expert_down_body(act, Wd, slot_ids, y, I, D, S, k0, nk, e_base);
 }
 
@@ -215,6 +220,7 @@ moe_combine_kernel(const float* __restrict__ y, const int* __restrict__ slot_ids
                    float* __restrict__ out, int K, int S, int D, const float* __restrict__ h,
                    float* __restrict__ h_out, const float* __restrict__ w_norm, float* __restrict__ y_norm, float eps,
                    float* __restrict__ partials, int* __restrict__ tickets) {
+    AFTER_PREVIOUS_GRID();
     __shared__ int ids[MOE_MAX_SLOTS];
     __shared__ float ws[MOE_MAX_SLOTS];
     __shared__ int order[MOE_MAX_SLOTS];                      // summation order: slot of the j-th term
@@ -308,6 +314,7 @@ moe_combine_kernel(const float* __restrict__ y, const int* __restrict__ slot_ids
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
 moe_group_kernel(const int* __restrict__ slot_ids, int T, int S, int k0, int nk, int e_base, int E, int MT, int Z,
                  int* __restrict__ groups) {
+    AFTER_PREVIOUS_GRID();
     constexpr int PER = (MOE_GROUP_MAX_E + BLOCK_THREADS - 1) / BLOCK_THREADS;   // experts per thread
     __shared__ int cnt[MOE_GROUP_MAX_E], off[MOE_GROUP_MAX_E];
     __shared__ int wsum[2][WARPS_PER_BLOCK];

@@ -10,6 +10,7 @@
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
 rms_norm_kernel(const float* __restrict__ x, int x_stride, const float* __restrict__ w,
                 float* __restrict__ y, int y_stride, int n, float eps) {
+    AFTER_PREVIOUS_GRID();
     __shared__ float buf[BLOCK_THREADS];
     const float* xr = x + (size_t)blockIdx.x * x_stride;
     float* yr = y + (size_t)blockIdx.x * y_stride;
@@ -22,6 +23,7 @@ rms_norm_kernel(const float* __restrict__ x, int x_stride, const float* __restri
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
 add_rms_norm_kernel(const float* __restrict__ h, const float* __restrict__ a, float* __restrict__ h_out,
                     const float* __restrict__ w, float* __restrict__ y, int n, float eps) {
+    AFTER_PREVIOUS_GRID();
     __shared__ float buf[BLOCK_THREADS];
     const size_t row = (size_t)blockIdx.x * n;
     float ss = 0.0f;

@@ -8,6 +8,7 @@
 
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
 argmax_kernel(const float* __restrict__ logits, int V, int* __restrict__ out) {
+    AFTER_PREVIOUS_GRID();
     __shared__ float bv[BLOCK_THREADS];
     __shared__ int bi[BLOCK_THREADS];
     const float* row = logits + (size_t)blockIdx.x * V;
@@ -32,6 +33,7 @@ argmax_kernel(const float* __restrict__ logits, int V, int* __restrict__ out) {
 }
 
 extern "C" __global__ void decode_advance_kernel(int* meta, int* positions) {
+    AFTER_PREVIOUS_GRID();
     meta[0] += 1;
     positions[0] += 1;
 }

@@ -37,6 +37,7 @@ w4a16_gate_up_kernel(const float* __restrict__ x, const int* __restrict__ qg, co
                      const int* __restrict__ qu, const unsigned short* __restrict__ su,
                      const int* __restrict__ slot_ids, float* __restrict__ act, int D, int I, int S, int k0, int nk,
                      int e_base, int g) {
+    AFTER_PREVIOUS_GRID();
     const int lane = threadIdx.x % WARP_SIZE;
     const int i = blockIdx.x * WARPS_PER_BLOCK + threadIdx.x / WARP_SIZE;
     if (i >= I) return;
@@ -52,6 +53,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
 w4a16_down_kernel(const float* __restrict__ act, const int* __restrict__ qd, const unsigned short* __restrict__ sd,
                   const int* __restrict__ slot_ids, float* __restrict__ y, int I, int D, int S, int k0, int nk,
                   int e_base, int g) {
+    AFTER_PREVIOUS_GRID();
     const int lane = threadIdx.x % WARP_SIZE;
     const int d = blockIdx.x * WARPS_PER_BLOCK + threadIdx.x / WARP_SIZE;
     if (d >= D) return;
