@@ -7,7 +7,9 @@
    on the bundles four times in one process, rule / narrow / narrow / rule: with the engine's rule (the wide
    tiling from ops.ATTN_WIDE_MIN_ROWS query rows) and with the narrow tiling for every forward (the threshold
    past every forward's rows; Ops.attn_tiling reads it at each call, and every engine is made after it is
-   set). Same machine, same start: the difference is the tiling's.
+   set). Same machine, same start: the difference is the tiling's. (Stop 43 ran it on the tiny bundles: their
+   verifies ran 3-5% faster narrow, so the rule now also asks for a latent of ATTN_WIDE_MIN_C or more, and
+   picks the narrow tiling for them; the A/B is for bundles whose latent is that wide, e.g. model_wide.)
 
     python bench/bench_attention.py [--cached 4096,32768] [--tokens 1,2,5,9,17,33] [--reps 20]
                                     [--ab bundles/model_tiny.kdtr bundles/model_int4_tiny.kdtr] [--json out.json]
@@ -45,7 +47,7 @@ def _splits(ops, tl, T: int, C: int) -> int:
     rule = ops_mod.ATTN_WIDE_MIN_ROWS
     ops_mod.ATTN_WIDE_MIN_ROWS = 1 if tl is ops_mod.ATTN_WIDE else 1 << 30
     try:
-        assert ops.attn_tiling(T, H) is tl
+        assert ops.attn_tiling(T, H, C) is tl
         return ops.attn_splits(T, H, C)
     finally:
         ops_mod.ATTN_WIDE_MIN_ROWS = rule
@@ -91,7 +93,7 @@ def per_launch(cached: list[int], tokens: list[int], reps: int, progress=print) 
                     dev(rand(rng, H, N, C, scale=0.3 * N ** -0.5)), dev(rand(rng, H, U, C, scale=C ** -0.5)), kv,
                     meta, mask_d, S_cap, scores, p_t, S_cap, partials, qs, dev(np.zeros((T, H, U), np.float32)), T,
                     R, float((N + R) ** -0.5))
-            row = {"cached": S0, "tokens": T, "tiling": ops.attn_tiling(T, H).suffix.strip("_") or "narrow",
+            row = {"cached": S0, "tokens": T, "tiling": ops.attn_tiling(T, H, C).suffix.strip("_") or "narrow",
                    "mla_attention_us": timed(lambda: ops.mla_attention(*args))}
             pitch = p_t.shape[2]
             for tl in (ATTN_NARROW, ATTN_WIDE):

@@ -44,7 +44,8 @@ class AttnTiling:
 
 ATTN_NARROW = AttnTiling("", 64, 64, {9: 3, 12: 1})        # twice the blocks: fills the GPU where grids are small
 ATTN_WIDE = AttnTiling("_wide", 64, 128, {9: 2, 12: 1})    # 0.75x the L2 bytes per product at 320 query rows
-ATTN_WIDE_MIN_ROWS = 65             # T H query rows from which both GEMMs run the wide tiling (two row tiles and on)
+ATTN_WIDE_MIN_ROWS = 65             # T H query rows from which both GEMMs run the wide tiling (two row tiles and on),
+ATTN_WIDE_MIN_C = 128               # where the latent width C fills p c_kv's 128 columns (at C = 64 half is padding)
 # kernel -> dynamic shared memory bytes it is launched with (over the 48 KB allowed unasked)
 ATTN_DYNAMIC_SMEM = {f"mla_{g}{t.suffix}_kernel": (t.scores_smem() if g == "scores" else t.pv_smem())
                      for t in (ATTN_NARROW, ATTN_WIDE) for g in ("scores", "pv")}
@@ -316,12 +317,15 @@ class Ops:
                      kv.ptr, kv.shape[1], meta.ptr, positions.ptr, inv_freq.ptr, attn_factor)
 
     @staticmethod
-    def attn_tiling(T: int, H: int) -> AttnTiling:
-        """The attention GEMMs' tiling for T tokens of H heads: the wide one from ATTN_WIDE_MIN_ROWS query rows
-        on (a verify), else the narrow one (a decode step: twice the blocks, and p c_kv's chunk count follows
-        them). It depends on (T, H) alone: with the chunk count (attn_splits) it fixes the order of every sum.
-        (The scores' tiling changes no bit, kernels/attention.cu; p c_kv's changes the chunk count.)"""
-        return ATTN_WIDE if T * H >= ATTN_WIDE_MIN_ROWS else ATTN_NARROW
+    def attn_tiling(T: int, H: int, C: int) -> AttnTiling:
+        """The attention GEMMs' tiling for T tokens of H heads over a latent of width C: the wide one from
+        ATTN_WIDE_MIN_ROWS query rows on (a verify) where C >= ATTN_WIDE_MIN_C (K2.6's 512), else the narrow one
+        (a decode step: twice the blocks, and p c_kv's chunk count follows them; a latent of 64, where the wide
+        tile's p c_kv is half padding and its scores' few blocks wait on latency: the tiny bundles' verifies ran
+        3-5% faster narrow, docs/cuda-engine.md "Stop 43"). It depends on the shape alone: with the chunk count
+        (attn_splits) it fixes the order of every sum. (The scores' tiling changes no bit, kernels/attention.cu;
+        p c_kv's changes the chunk count.)"""
+        return ATTN_WIDE if T * H >= ATTN_WIDE_MIN_ROWS and C >= ATTN_WIDE_MIN_C else ATTN_NARROW
 
     def attn_splits(self, T: int, H: int, C: int) -> int:
         """The chunks p c_kv (mla_pv_*) splits the cache rows into for T tokens: as many as its blocks resident
@@ -331,7 +335,7 @@ class Ops:
         the buffers have grown to. A chunk past the cache's rows (ceil(S / chunk) and on, S read on the device)
         costs a block that writes m = -inf, l = 0, o = 0; the merge leaves it out, where it would have added
         exactly 0."""
-        tl = self.attn_tiling(T, H)
+        tl = self.attn_tiling(T, H, C)
         blocks = -(-T * H // tl.rows) * -(-C // tl.cols)
         return max(1, min(ATTN_MAX_SPLIT, tl.blocks_per_sm.get(self.cc_major, 1) * self.sm_count // blocks))
 
@@ -371,7 +375,7 @@ class Ops:
         _need(partials.nbytes >= n_split * T * H * (C + 2) * 4, "mla_attention",
               f"partials {partials.shape} < [{n_split * T * H}, {C + 2}]")
         self.linear(cq, w_qb, q, T, Q, H * (N + R))
-        tl = self.attn_tiling(T, H)
+        tl = self.attn_tiling(T, H, C)
         tok_blocks, row_tiles = -(-T // ATTN_TOKENS), -(-T * H // tl.rows)
         self._launch(weight_kernel("mla_qprep", "mla_attention", w_uk), (H, tok_blocks, -(-C // BLOCK[0])), _ptr(q),
                      positions.ptr, inv_freq.ptr, attn_factor, w_uk.ptr, qs.ptr, T, H, N, R, C)

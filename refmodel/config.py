@@ -218,9 +218,10 @@ PRESETS = {
     # width of 2080 (65 groups of 32) makes the MoE gate+up 130 blocks of 16 rows, so with top-8 one decode
     # step or any forward of 2+ tokens fills the H200's 132 SMs at 8 row blocks per block (the many-row
     # regime K2.6 runs in every MoE layer); a vocabulary of 4160 (> 4096) takes the DDTree builder's top-K
-    # past the in-block sort, as K2.6's 163840 does. Hidden 64 keeps it light.
+    # past the in-block sort, as K2.6's 163840 does; a latent of 128 (K2.6: 512) takes a verify's attention
+    # to the wide tiling (cuda_engine/ops.py, Ops.attn_tiling). Hidden 64 keeps it light.
     "wide": ModelConfig(vocab_size=4160, hidden_size=64, intermediate_size=128, moe_intermediate_size=2080,
-                 num_hidden_layers=2, num_attention_heads=4, q_lora_rank=96, kv_lora_rank=64,
+                 num_hidden_layers=2, num_attention_heads=4, q_lora_rank=96, kv_lora_rank=128,
                  qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=16,
                  num_experts_per_tok=8, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
                  norm_topk_prob=True, routed_scaling_factor=2.827, rope_theta=50000.0,

@@ -194,9 +194,10 @@ __device__ __forceinline__ int pv_chunk(int S, int n_split) {
     return (per + KSTEP - 1) / KSTEP * KSTEP;
 }
 
-// The GEMMs' blocks per SM (__launch_bounds__; ops.ATTN_BLOCKS_PER_SM sizes p c_kv's chunk count from them) and
-// their dynamic shared memory: GEMM_STAGES-deep cp.async stages of both operand tiles, over the 48 KB a static
-// array may take (ops.attn_smem computes the same bytes).
+// The GEMMs' blocks per SM (__launch_bounds__; ops.AttnTiling.blocks_per_sm sizes p c_kv's chunk count from them)
+// and their dynamic shared memory: GEMM_STAGES-deep cp.async stages of both operand tiles, over the 48 KB a static
+// array may take (ops.AttnTiling.scores_smem and .pv_smem compute the same bytes; each body static_asserts that
+// its layout is this size).
 #define SCORES_SMEM(TL) (GEMM_STAGES * 3 * (TL::ROWS + TL::COLS) * SPITCH * 2)
 #define PV_SMEM(TL) (GEMM_STAGES * 3 * (TL::ROWS * SPITCH + KSTEP * TL::VPITCH) * 2)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
@@ -218,6 +219,7 @@ __device__ __forceinline__ void mla_scores_body(unsigned char* smem, const bf16_
                                                 int mask_stride, float* __restrict__ scores, int S_cap, int T, int H,
                                                 int C, int R, float scale) {
     constexpr int A_ELEMS = 3 * TL::ROWS * SPITCH, B_ELEMS = 3 * TL::COLS * SPITCH;
+    static_assert(GEMM_STAGES * (A_ELEMS + B_ELEMS) * 2 == SCORES_SMEM(TL), "SCORES_SMEM is not the scores' layout");
     constexpr int AP = TL::ROWS * KSTEP / LOADS / BLOCK_THREADS, BP = TL::COLS * KSTEP / LOADS / BLOCK_THREADS;
     bf16_t* As = reinterpret_cast<bf16_t*>(smem);             // [stage][term][query row][k]
     bf16_t* Bs = As + GEMM_STAGES * A_ELEMS;                  // [stage][term][cache row][k]
@@ -358,6 +360,7 @@ __device__ __forceinline__ void mla_pv_body(unsigned char* smem, const bf16_t* _
                                             const bf16_t* __restrict__ kv, int kv_rows, const int* __restrict__ meta,
                                             float* __restrict__ partials, int T, int H, int C, int R) {
     constexpr int A_ELEMS = 3 * TL::ROWS * SPITCH, B_ELEMS = 3 * KSTEP * TL::VPITCH;
+    static_assert(GEMM_STAGES * (A_ELEMS + B_ELEMS) * 2 == PV_SMEM(TL), "PV_SMEM is not p c_kv's layout");
     constexpr int AP = TL::ROWS * KSTEP / LOADS / BLOCK_THREADS, BP = KSTEP * TL::COLS / LOADS / BLOCK_THREADS;
     constexpr int B_ROW_PIECES = TL::COLS / LOADS;
     bf16_t* As = reinterpret_cast<bf16_t*>(smem);             // [stage][term][row][s]
