@@ -54,10 +54,10 @@ def engine_cmd(bundle, steps, json_path, w4a16) -> None:
     click.echo(f"decode, CUDA graph:        {r['us_per_token_graph']:8.1f} us/token "
                f"(floor {r['floor_us_per_step_graph']:.1f}; {r['graph_vs_floor']:.2f}x floor, "
                f"{r['prepared_vs_graph']:.2f}x faster than prepared; "
-               f"{r['graph_programmatic_edges']} programmatic edges)")
+               f"{r['graph_programmatic_edges']} programmatic edges, {r['graph_edges']})")
     click.echo(f"decode, graph, plain edges: {r['us_per_token_graph_plain_edges']:7.1f} us/token "
                f"(floor {r['floor_us_per_step_graph_plain_edges']:.1f}; "
-               f"{r['plain_edges_vs_graph']:.2f}x the programmatic graph's time)")
+               f"{r['plain_edges_vs_graph']:.2f}x the engine's graph's time)")
     click.echo(f"graphs and prepared generate the same tokens: {r['same_tokens_graph_and_prepared']}")
     if json_path:
         _write_json(json_path, r, "kdtr bench engine")

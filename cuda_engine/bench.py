@@ -1,6 +1,6 @@
 """Decode latency of the CUDA engine on a bundle's model: one token per step, greedy (AR), the step run
-as prepared PyCUDA launches and as a replayed CUDA graph (with the engine's programmatic kernel -> kernel edges,
-and the same step captured with plain edges: cuda_engine/graph.py), against the launch floor measured in the
+as prepared PyCUDA launches and as a replayed CUDA graph (with the engine's kernel -> kernel edges,
+cuda_engine.graph.GRAPH_EDGES, and the same step captured with plain edges), against the launch floor measured in the
 same run (the same number of launches of a one-thread kernel, prepared and as a graph both ways).
 
 Used by `kdtr bench engine` and bench/bench_engine.py. Times are CUDA-event times over `steps`
@@ -48,7 +48,7 @@ def decode_latency(bundle: str, steps: int = 200, warmup: int = 20, prompt_len: 
     t_graph = _timed(ops, lambda: graph.launch(ops.stream), steps)
     restart()
     tokens_graph = _generated(e, lambda: graph.launch(ops.stream), 8)
-    plain = _capture(ops, prepared, programmatic=False)   # the same step with plain edges: the A/B
+    plain = _capture(ops, prepared, "plain")              # the same step with plain edges: the A/B
     restart()
     _timed(ops, lambda: plain.launch(ops.stream), warmup)
     restart()
@@ -58,9 +58,10 @@ def decode_latency(bundle: str, steps: int = 200, warmup: int = 20, prompt_len: 
     plain.destroy()
 
     floor_prep, floor_graph = _launch_floor(ops, per_step, steps)
-    _, floor_plain = _launch_floor(ops, per_step, steps, programmatic=False)
+    _, floor_plain = _launch_floor(ops, per_step, steps, "plain")
     return {**device_info(), "bundle": str(bundle), "w4a16": w4a16, "steps": steps, "launches_per_step": per_step,
-            "graph_launches": graph.launches, "graph_programmatic_edges": graph.programmatic,
+            "graph_launches": graph.launches, "graph_edges": graph_edges(),
+            "graph_programmatic_edges": graph.programmatic,
             "us_per_token_prepared": t_prepared, "us_per_token_graph": t_graph,
             "us_per_token_graph_plain_edges": t_plain, "plain_edges_vs_graph": t_plain / t_graph,
             "floor_us_per_step_prepared": floor_prep, "floor_us_per_step_graph": floor_graph,
@@ -79,19 +80,26 @@ def _generated(e: CudaEngine, step, n: int) -> list[int]:
     return out
 
 
-def _capture(ops, record, programmatic: bool):
-    """cuda_engine.graph.capture with programmatic kernel -> kernel edges or plain ones."""
+def graph_edges() -> str:
     import cuda_engine.graph as graph_mod
 
-    was = graph_mod.PROGRAMMATIC_EDGES
-    graph_mod.PROGRAMMATIC_EDGES = programmatic
+    return graph_mod.GRAPH_EDGES
+
+
+def _capture(ops, record, edges: str | None = None):
+    """cuda_engine.graph.capture with the engine's kernel -> kernel edges, or the ones named ("late", "early",
+    "plain")."""
+    import cuda_engine.graph as graph_mod
+
+    was = graph_mod.GRAPH_EDGES
+    graph_mod.GRAPH_EDGES = edges or was
     try:
         return graph_mod.capture(ops, record)
     finally:
-        graph_mod.PROGRAMMATIC_EDGES = was
+        graph_mod.GRAPH_EDGES = was
 
 
-def _launch_floor(ops, n_kernels: int, steps: int, programmatic: bool = True) -> tuple[float, float]:
+def _launch_floor(ops, n_kernels: int, steps: int, edges: str | None = None) -> tuple[float, float]:
     """(prepared, graph) microseconds for n_kernels launches of the one-thread decode_advance_kernel."""
     scratch = DevBuf.from_array(np.zeros(4, np.int32))
 
@@ -100,7 +108,7 @@ def _launch_floor(ops, n_kernels: int, steps: int, programmatic: bool = True) ->
             ops.decode_advance(scratch, scratch)
 
     prepared = _timed(ops, seq, max(steps // 4, 10))
-    g = _capture(ops, seq, programmatic)
+    g = _capture(ops, seq, edges)
     _timed(ops, lambda: g.launch(ops.stream), 10)
     graph = _timed(ops, lambda: g.launch(ops.stream), steps)
     g.destroy()

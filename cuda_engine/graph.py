@@ -5,21 +5,28 @@ the instantiated graph costs ~1 us per kernel instead of ~7 us for a prepared Py
 the H200, docs/cuda-engine.md). A captured sequence bakes in its kernel arguments (pointers and sizes),
 so the engine captures only the shape-stable decode step and re-captures after any reallocation.
 
-Programmatic edges: after capture, every edge from one kernel node to another is made programmatic
-(CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC from CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC), so the second kernel's blocks
-are scheduled as soon as every block of the first has begun, instead of after the first has ended. Every kernel
-begins with AFTER_PREVIOUS_GRID() (kernels/common.cuh; `kdtr kernels check` holds it), which waits for the kernel
-before it to complete with its writes visible and only then lets the next one be scheduled: no result changes,
-only the gap between two kernels (docs/cuda-engine.md, "Stop 43"). PROGRAMMATIC_EDGES = False captures plain
-edges (the benchmarks' A/B); capture() reads it at each call.
+Programmatic edges: after capture, each edge from one kernel node to another may be made programmatic
+(CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC), so the second kernel's blocks are scheduled before the first kernel has
+ended. Every kernel begins with AFTER_PREVIOUS_GRID() (kernels/common.cuh; `kdtr kernels check` holds it), which
+waits for the kernel before it to complete with its writes visible: no result changes, only the gap between two
+kernels. GRAPH_EDGES (read at each capture) says when the second kernel may be scheduled:
+- "late": once every block of the first has exited (CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC; no kernel triggers
+  earlier): the launch overlaps the first kernel's completion and memory flush;
+- "early": once every block of the first has begun (CU_GRAPH_KERNEL_NODE_PORT_LAUNCH_ORDER): its blocks then wait,
+  resident, beside the first kernel's;
+- "plain": ordinary edges (the first kernel ends, then the second is launched).
+The environment variable KDTR_GRAPH_EDGES sets it for a process (a measurement); the engine's default is "late".
+Measured in docs/cuda-engine.md, "Stop 43".
 """
 from __future__ import annotations
 
 import gc
+import os
 
 from cuda_engine.device import CudaEngineError
 
-PROGRAMMATIC_EDGES = True
+EDGE_MODES = ("late", "early", "plain")
+GRAPH_EDGES = os.environ.get("KDTR_GRAPH_EDGES", "late")      # the A/B of docs/cuda-engine.md, "Stop 43"
 
 
 def _cu():
@@ -58,6 +65,8 @@ class Graph:
 
 def capture(ops, record) -> Graph:
     """Run `record()` (which launches on ops.stream) under stream capture; returns the instantiated graph."""
+    if GRAPH_EDGES not in EDGE_MODES:
+        raise CudaEngineError(f"graph edges {GRAPH_EDGES!r} (KDTR_GRAPH_EDGES): choose one of {', '.join(EDGE_MODES)}")
     cu = _cu()
     before = ops.launches
     ops.stream.synchronize()
@@ -81,7 +90,7 @@ def capture(ops, record) -> Graph:
             gc.enable()
     try:
         # below sm_90 AFTER_PREVIOUS_GRID() compiles to nothing, so such a device keeps plain edges
-        programmatic = make_programmatic(graph) if PROGRAMMATIC_EDGES and ops.cc_major >= 9 else 0
+        programmatic = make_programmatic(graph, GRAPH_EDGES) if GRAPH_EDGES != "plain" and ops.cc_major >= 9 else 0
         exe = _check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
     except BaseException:
         cu.cuGraphDestroy(graph)
@@ -96,9 +105,11 @@ def _edge_calls(cu):
     return cu.cuGraphGetEdges, cu.cuGraphRemoveDependencies, cu.cuGraphAddDependencies
 
 
-def make_programmatic(graph) -> int:
-    """Make every plain kernel -> kernel edge of an uninstantiated graph programmatic; returns how many.
-    Edges to or from other nodes (copies, memsets) stay as they are."""
+def make_programmatic(graph, when: str = "late") -> int:
+    """Make every plain kernel -> kernel edge of an uninstantiated graph programmatic, "late" or "early" (see
+    above); returns how many. Edges to or from other nodes (copies, memsets) stay as they are."""
+    if when not in ("late", "early"):
+        raise ValueError(f"programmatic edges {when!r}: choose 'late' or 'early' (or capture with plain edges)")
     cu = _cu()
     get, remove, add = _edge_calls(cu)
     n = _check(get(graph, 0), "cuGraphGetEdges")[-1]
@@ -118,6 +129,7 @@ def make_programmatic(graph) -> int:
     _check(remove(graph, src, dst, [data[i] for i in picked], len(picked)), "cuGraphRemoveDependencies")
     edge = cu.CUgraphEdgeData()
     edge.type = cu.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
-    edge.from_port = cu.CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC
+    edge.from_port = (cu.CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC if when == "late"
+                      else cu.CU_GRAPH_KERNEL_NODE_PORT_LAUNCH_ORDER)
     _check(add(graph, src, dst, [edge] * len(picked), len(picked)), "cuGraphAddDependencies")
     return len(picked)

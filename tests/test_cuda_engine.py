@@ -88,24 +88,26 @@ def test_two_runs_identical_and_graph_changes_no_bit(engine_cls):
 @pytest.mark.cuda
 @pytest.mark.parametrize("bundle", ["bundles/model_tiny.kdtr", "bundles/model_int4_tiny.kdtr"])
 def test_programmatic_edges_change_no_bit(engine_cls, bundle, monkeypatch):
-    """The engine's graphs make every kernel -> kernel edge programmatic (cuda_engine/graph.py): a kernel's
-    blocks may start before the kernel before it ends, and AFTER_PREVIOUS_GRID() holds them until it has. A
-    kernel that read early would show here: the run (decode graph, DDTree round graphs) gives the bits of a run
-    whose graphs have plain edges; and on sm_90 every edge of the decode step's chain is programmatic."""
+    """The engine's graphs may make every kernel -> kernel edge programmatic (cuda_engine/graph.py): a kernel's
+    blocks may be scheduled before the kernel before it ends, and AFTER_PREVIOUS_GRID() holds them until it has.
+    A kernel that read early would show here: runs (decode graph, DDTree round graphs) with "late" and "early"
+    programmatic edges give the bits of a run whose graphs have plain edges; and on sm_90 every edge of the
+    decode step's chain is programmatic."""
     import cuda_engine.graph as graph_mod
 
-    e = engine_cls()
-    a = collect_with(e, bundle)
-    if e.ops.cc_major >= 9:
-        assert e.graph is not None and e.graph.programmatic == e.graph.launches - 1, (
-            f"{e.graph.programmatic} programmatic edges in a decode graph of {e.graph.launches} kernels")
-    monkeypatch.setattr(graph_mod, "PROGRAMMATIC_EDGES", False)
-    plain = engine_cls()
-    b = collect_with(plain, bundle)
-    assert plain.graph is not None and plain.graph.programmatic == 0
-    assert a.keys() == b.keys()
-    for k in a:
-        assert np.array_equal(a[k], b[k]), f"{k} differs with programmatic edges and without"
+    runs = {}
+    for edges in ("plain", "late", "early"):
+        monkeypatch.setattr(graph_mod, "GRAPH_EDGES", edges)
+        e = engine_cls()
+        runs[edges] = collect_with(e, bundle)
+        want = 0 if edges == "plain" or e.ops.cc_major < 9 else e.graph.launches - 1
+        assert e.graph is not None and e.graph.programmatic == want, (
+            f"{edges}: {e.graph.programmatic} programmatic edges in a decode graph of {e.graph.launches} kernels")
+    a = runs["plain"]
+    for edges in ("late", "early"):
+        assert a.keys() == runs[edges].keys()
+        for k in a:
+            assert np.array_equal(a[k], runs[edges][k]), f"{k} differs with {edges} programmatic edges"
 
 
 @pytest.mark.cuda

@@ -15,15 +15,15 @@
 // one block per SM lets it use what it needs (<= 64 here, still 4 blocks of 256 threads per SM).
 #define MIN_BLOCKS_PER_SM 1
 
-// Every kernel's first statement (tests/test_kernel_sources.py holds it): programmatic dependent launch. The
-// engine's CUDA graphs make each kernel-to-kernel edge programmatic (cuda_engine/graph.py), so a kernel's blocks
-// can be scheduled while the kernel before it still runs. griddepcontrol.wait holds every thread until the kernels
-// it depends on have completed and their writes are visible (so nothing is read or overwritten early; a chain
-// of such waits orders every kernel after all earlier ones); launch_dependents then lets the next kernel's
-// blocks be scheduled, to be resident and waiting when this one ends: the launch latency between two kernels
-// overlaps the first one's work. Outside such a graph (a prepared launch) both are no-ops. sm_90 and later.
+// Every kernel's first statement (`kdtr kernels check` holds it): programmatic dependent launch. The engine's CUDA
+// graphs may make each kernel-to-kernel edge programmatic (cuda_engine/graph.py), so a kernel's blocks can be
+// scheduled before the kernel it depends on has ended. griddepcontrol.wait holds every thread until that kernel has
+// completed and its writes are visible, so nothing is read or overwritten early; as every kernel waits so, the
+// chain orders each kernel after all earlier ones. No kernel signals its dependents early
+// (griddepcontrol.launch_dependents): when they may start is the graph edge's choice (the port), made on the host.
+// Outside such a graph (a prepared launch, a plain edge) the wait returns at once. sm_90 and later.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define AFTER_PREVIOUS_GRID() asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
+#define AFTER_PREVIOUS_GRID() asm volatile("griddepcontrol.wait;" ::: "memory")
 #else
 #define AFTER_PREVIOUS_GRID() do { } while (0)
 #endif
