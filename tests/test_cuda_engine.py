@@ -87,7 +87,7 @@ def test_two_runs_identical_and_graph_changes_no_bit(engine_cls):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("bundle", ["bundles/model_tiny.kdtr", "bundles/model_int4_tiny.kdtr"])
-def test_programmatic_edges_change_no_bit(engine_cls, bundle, monkeypatch):
+def test_programmatic_dependencies_change_no_bit(engine_cls, bundle, monkeypatch):
     """The engine's graphs may make every kernel -> kernel edge programmatic (cuda_engine/graph.py): a kernel's
     blocks may be scheduled before the kernel before it ends, and AFTER_PREVIOUS_GRID() holds them until it has.
     A kernel that read early would show here: runs (decode graph, DDTree round graphs) with "late" and "early"
