@@ -34,7 +34,8 @@ def bench_cmd() -> None:
 @click.option("--w4a16", type=click.Choice(W4A16_MODES), default="fast", show_default=True,
               help="INT4 expert kernels of an INT4 bundle (docs/cuda-engine.md).")
 def engine_cmd(bundle, steps, json_path, w4a16) -> None:
-    """Decode latency per token (AR, batch 1): prepared launches vs the captured CUDA graph, launches per
+    """Decode latency per token (AR, batch 1): prepared launches vs the captured CUDA graph (with the engine's
+    programmatic kernel -> kernel edges, KDTR_GRAPH_EDGES, and the same step with plain edges), launches per
     step, and the launch floor (the same number of one-thread kernels) measured in the same run."""
     check_output(json_path, "--json", stream_ok=True)      # before the run, not after it
     from cuda_engine.device import CudaEngineError
