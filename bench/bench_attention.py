@@ -12,7 +12,7 @@
    picks the narrow tiling for them; the A/B is for bundles whose latent is that wide, e.g. model_wide.)
 
     python bench/bench_attention.py [--cached 4096,32768] [--tokens 1,2,5,9,17,33] [--reps 20]
-                                    [--ab bundles/model_tiny.kdtr bundles/model_int4_tiny.kdtr] [--json out.json]
+                                    [--ab bundles/model_wide.kdtr] [--json out.json]
 
 Needs an NVIDIA GPU and PyCUDA (cuda_engine/device.py); without them it says so and exits 6 (engine error).
 """

@@ -1,14 +1,16 @@
-"""Where a forward's time goes, kernel by kernel, on a GPU: each launch bracketed by two CUDA events, so each
-kernel's device time is measured alone (the launches are prepared ones, far apart: nothing overlaps), set
-against the same launches replayed as one CUDA graph with the engine's edges. Their difference is what the
-graph spends between kernels (launch latency, the ramp of each grid), the part fusion or programmatic edges
-can save; the per-kernel times are the part only faster kernels can.
+"""Where a forward's time goes, kernel by kernel, on a GPU. Each launch of one call is recorded (kernel, grid,
+arguments) and then replayed alone: a CUDA graph of COPIES back-to-back copies of it (plain edges), so its device
+time is measured without the host's launch cost between two kernels; the sum over the launches is set against
+the same call's launches replayed as one graph with the engine's edges. Their difference is what the graph
+spends between kernels (launch latency, the ramp of each grid), the part fusion or programmatic edges can save;
+the per-kernel times are the part only faster or fewer kernels can. (A replayed launch repeats the recorded one
+with the same arguments: kernels that move state on, like decode_advance_kernel, are timed over moved state.)
 
     python bench/profile_forward.py [BUNDLE...] [--k26] [--reps 20] [--json out.json]
 
 - BUNDLE (default the two tiny bundles): the decode step (one token after an 8-token prompt) and a DDTree
   round's verify forward (the tree the engine's own DDTree built, its budget's rows), plus the drafter's block
-  forward and the tree builder;
+  forward and the tree builder where the bundle has a drafter and the device builds its trees;
 - --k26: one random-weight K2.6 layer at true dims (bench/k26_ddtree_gpu.py): the AR step and a 5-row verify
   over 4096 and 32768 cached rows.
 
@@ -24,48 +26,68 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-TINY = ["bundles/model_tiny.kdtr", "bundles/model_int4_tiny.kdtr"]
+TINY = [os.path.join(ROOT, "bundles", b) for b in ("model_tiny.kdtr", "model_int4_tiny.kdtr")]
 
 
-class _Timed:
-    """A kernel whose prepared launches are bracketed by CUDA events (the profiler's proxy in ops.fn)."""
+COPIES = 10                 # back-to-back copies of one launch per replayed graph
+
+
+class _Recorded:
+    """A kernel whose prepared launches are recorded (and made) while the profiler watches (its proxy in ops.fn)."""
 
     def __init__(self, fn, name: str, log: list):
         self._fn, self._name, self._log = fn, name, log
 
     def prepared_async_call(self, grid, block, stream, *args, **kw):
-        from cuda_engine.device import driver
-
-        start, end = driver().Event(), driver().Event()
-        start.record(stream)
         self._fn.prepared_async_call(grid, block, stream, *args, **kw)
-        end.record(stream)
-        self._log.append((self._name, start, end))
+        self._log.append((self._name, self._fn, grid, block, args, kw))
 
     def __getattr__(self, attr):
         return getattr(self._fn, attr)
 
 
-def kernel_times(ops, fn, reps: int) -> dict:
-    """{kernel: [launches per call, device us per call]} of fn()'s launches, each timed alone, mean over reps."""
+def record_launches(ops, fn) -> list:
+    """The launches one call of fn() makes: (kernel, function, grid, block, args, keywords), in order."""
     log: list = []
     saved = dict(ops.fn)
-    ops.fn.update({name: _Timed(f, name, log) for name, f in saved.items()})
+    ops.fn.update({name: _Recorded(f, name, log) for name, f in saved.items()})
     try:
-        fn()                                                # warm: workspaces reserved, code loaded
-        ops.stream.synchronize()
-        log.clear()
-        for _ in range(reps):
-            fn()
+        fn()
         ops.stream.synchronize()
     finally:
-        ops.fn.clear()
-        ops.fn.update(saved)
+        for name in list(ops.fn):               # keep a kernel first fetched meanwhile, unwrapped
+            f = ops.fn[name]
+            ops.fn[name] = f._fn if isinstance(f, _Recorded) else f
+    return log
+
+
+def kernel_times(ops, fn, reps: int) -> dict:
+    """{kernel: [launches per call, device us per call]} of fn()'s launches, each replayed alone (COPIES
+    back-to-back copies in a graph with plain edges, `reps` replays)."""
+    import cuda_engine.graph as graph_mod
+    from cuda_engine.device import timed_us
+
+    fn()                                          # warm: workspaces reserved, code loaded
+    ops.stream.synchronize()
     out: dict = {}
-    for name, start, end in log:
-        n, us = out.get(name, (0, 0.0))
-        out[name] = (n + 1, us + end.time_since(start) * 1000.0)
-    return {name: [n / reps, us / reps] for name, (n, us) in sorted(out.items(), key=lambda kv: -kv[1][1])}
+    was, graph_mod.GRAPH_EDGES = graph_mod.GRAPH_EDGES, "plain"
+    try:
+        for name, f, grid, block, args, kw in record_launches(ops, fn):
+            def copies(f=f, grid=grid, block=block, args=args, kw=kw):
+                for _ in range(COPIES):
+                    f.prepared_async_call(grid, block, ops.stream, *args, **kw)
+
+            g = graph_mod.capture(ops, copies)
+            try:
+                g.launch(ops.stream)
+                us = timed_us(ops, lambda: g.launch(ops.stream), reps) / COPIES
+            finally:
+                g.destroy()
+            n, tot = out.get(name, (0, 0.0))
+            out[name] = (n + 1, tot + us)
+    finally:
+        graph_mod.GRAPH_EDGES = was
+    return {name: [n, us] for name, (n, us) in sorted(out.items(), key=lambda kv: -kv[1][1])}
 
 
 def graph_us(ops, fn, reps: int) -> float:
@@ -89,7 +111,7 @@ def profile(ops, label: str, fn, reps: int, progress=print) -> dict:
     total = sum(us for _, us in kernels.values())
     graph = graph_us(ops, fn, reps)
     launches = sum(n for n, _ in kernels.values())
-    progress(f"{label}: {launches:.0f} launches, kernels alone {total:.1f} us, as a graph {graph:.1f} us "
+    progress(f"{label}: {launches:.0f} launches, each alone {total:.1f} us, as one graph {graph:.1f} us "
              f"(between kernels {graph - total:+.1f} us, {(graph - total) / max(launches, 1):+.2f} a launch)")
     for name, (n, us) in kernels.items():
         progress(f"    {name:34s} {n:5.1f} x {us / n:7.2f} us = {us:8.1f} us  {100 * us / total:5.1f}%")
@@ -122,15 +144,17 @@ def bundle_cases(bundle: str, reps: int, progress=print) -> list[dict]:
     with open_kdtr(bundle) as f:
         prompt, pos0 = _golden_prompts(f)[0]
     st = e._ddtree_state()
-    ddtree_run(e, prompt, pos0, 32, builder="device")         # leaves a built tree and its state in place
     dr = st.drafter
+    if dr is None or not st.device_builder:
+        progress(f"{bundle}: no drafter on the device, or the host builds its trees: no verify, drafter or builder")
+        return out
+    ddtree_run(e, prompt, pos0, 32, builder="device")         # leaves a built tree and its state in place
     saved = dr.inp.get()
     out.append(profile(ops, f"{bundle}: verify forward ({st.T} rows)", st._launch_verify_dev, reps, progress))
-    if dr is not None:
-        dr.inp.set(saved)
-        out.append(profile(ops, f"{bundle}: drafter block", dr._launch_block, reps, progress))
-        dr.inp.set(saved)
-        out.append(profile(ops, f"{bundle}: tree builder", st._launch_build, reps, progress))
+    dr.inp.set(saved)
+    out.append(profile(ops, f"{bundle}: drafter block", dr._launch_block, reps, progress))
+    dr.inp.set(saved)
+    out.append(profile(ops, f"{bundle}: tree builder", st._launch_build, reps, progress))
     return out
 
 
@@ -169,20 +193,23 @@ def main(argv=None) -> int:
             ap.error(f"{b}: no such bundle (the committed ones are in bundles/)")
     from cuda_engine.device import CudaEngineError, device_info
 
+    res: dict = {"cases": []}
     try:
-        res = {**device_info(), "cases": []}
+        res.update(device_info())
         for b in bundles:
             res["cases"] += bundle_cases(b, a.reps)
         if a.k26:
             res["cases"] += k26_cases(a.reps)
     except CudaEngineError as e:
         print(f"profile_forward: {e}", file=sys.stderr)
+        res["error"] = str(e)
         return 6
-    if a.json:
-        tmp = a.json + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(res, f, indent=1)
-        os.replace(tmp, a.json)
+    finally:
+        if a.json and (res["cases"] or "error" not in res):       # what ran is kept, also after a failure
+            tmp = a.json + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(res, f, indent=1)
+            os.replace(tmp, a.json)
     return 0
 
 

@@ -207,7 +207,7 @@ def attention_oracle(q, w_uk, w_uv, ckv, kpe, mask, scale, N):
     (4, 64, 512, 64, 128, 128, 1536, 257, True),                  # K2.6 tree verify
     (1, 64, 512, 64, 128, 128, 1536, 5000, False),                # K2.6 decode, 32 chunks of 160 rows
     (9, 16, 512, 64, 128, 128, 1536, 1111, True),                 # 2 token blocks, 3 row tiles, the chunks by SM count
-    (13, 5, 96, 16, 32, 32, 96, 130, True),                       # the wide tiling from 65 rows: C, S and rows in part tiles
+    (13, 5, 160, 16, 32, 32, 96, 130, True),                      # wide tiling (65 rows, C >= 128), part tiles
 ])
 def test_mla_attention(ops, T, H, C, R, N, U, Q, S0, tree):
     rng = np.random.default_rng(T * H + C)

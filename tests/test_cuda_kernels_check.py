@@ -1,5 +1,6 @@
 """`kdtr kernels check` on the CPU: every kernel builds for sm_120 and sm_90 without spills or sm_120
 limits exceeded; and the check does fail on a spill and on too much shared memory. Needs nvcc only."""
+import re
 import shutil
 
 import pytest
@@ -78,6 +79,14 @@ def test_every_kernel_entry_waits_for_the_kernel_before_it():
         assert files[file].count(good) == 1, (file, good)
         found = entries_without_the_wait(files[file].replace(good, bad), file)
         assert len(found) == 1 and found[0].startswith(f"{entry} ({file})"), found
+    # the check reads entries spelled `extern "C" __global__ ... (...) {`: every kernel in the sources must be one
+    # (another spelling, an extern "C" { } block or a template kernel would escape it, so this fails instead)
+    for file, text in files.items():
+        code = re.sub(r"//[^\n]*|/\*.*?\*/", "", text, flags=re.S)
+        kernels = len(re.findall(r"\b__global__\b", code))
+        read = len(re.findall(r'extern "C" __global__[^{;]*\{', code))
+        assert kernels == read, (f"{file}: {kernels} __global__ functions, {read} of them entries "
+                                 f"`kdtr kernels check` reads: write each kernel as extern \"C\" __global__ ... {{")
 
 
 def test_w4a16_wrapper_tables_match_the_kernel_entries():

@@ -4,7 +4,7 @@ import importlib.util
 
 import pytest
 
-from bench.profile_forward import _Timed, main
+from bench.profile_forward import _Recorded, main
 
 
 @pytest.mark.parametrize("argv,named", [(["--reps", "0"], "--reps 0"), (["no/such.kdtr"], "no/such.kdtr")])
@@ -21,11 +21,31 @@ def test_the_timing_proxy_passes_everything_else_through():
         def prepare(self, sig):
             return sig
 
-    t = _Timed(Fn(), "k", [])
-    assert t.num_regs == 40 and t.prepare("PPi") == "PPi"
+    log = []
+    t = _Recorded(Fn(), "k", log)
+    assert t.num_regs == 40 and t.prepare("PPi") == "PPi" and log == []
 
 
 @pytest.mark.skipif(importlib.util.find_spec("pycuda") is not None, reason="pycuda is installed: the GPU half would run")
 def test_without_pycuda_it_says_so_and_exits_6(capsys):
     assert main(["bundles/model_tiny.kdtr"]) == 6
     assert "pycuda is not installed" in capsys.readouterr().err
+
+
+@pytest.mark.cuda
+def test_it_profiles_a_tiny_bundle_on_the_gpu(tmp_path):
+    """One pass on the GPU machine: every case names kernels, each launch's time is positive, and the kernels'
+    sum and the graph's time are both there."""
+    import json
+
+    from cuda_oracle import gpu_ops
+
+    gpu_ops()                                                   # skips without pycuda / a device
+    out = tmp_path / "p.json"
+    assert main(["bundles/model_tiny.kdtr", "--reps", "2", "--json", str(out)]) == 0
+    cases = json.loads(out.read_text())["cases"]
+    assert [c["label"].split(": ")[1].split(" (")[0] for c in cases] == ["decode step", "verify forward",
+                                                                         "drafter block", "tree builder"]
+    for c in cases:
+        assert c["kernels"] and all(n >= 1 and us > 0 for n, us in c["kernels"].values()), c["label"]
+        assert c["kernels_us"] > 0 and c["graph_us"] > 0 and c["launches"] == sum(n for n, _ in c["kernels"].values())
