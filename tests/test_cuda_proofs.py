@@ -60,6 +60,57 @@ def test_proof_was_made_from_todays_sources(bundle, mode):
     assert info["compute_capability"] in ("9.0", "12.0") and info["driver"] and info["commit"]
 
 
+def _git(*args, **kw):
+    import subprocess
+
+    return subprocess.run(["git", "-C", str(PACKAGE_DIR.parent), *args], capture_output=True, **kw)
+
+
+def _sources_at(commit: str, tmp_path):
+    """cuda_engine/ as commit `commit` holds it, extracted under tmp_path (None: no such commit here)."""
+    import io
+    import tarfile
+
+    if _git("cat-file", "-e", f"{commit}^{{commit}}").returncode != 0:
+        return None
+    tar = _git("archive", commit, "cuda_engine", check=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(tar)) as t:
+        t.extractall(tmp_path, filter="data")
+    return tmp_path / "cuda_engine"
+
+
+@pytest.mark.parametrize("bundle,mode", PROOFS)
+def test_proof_names_the_commit_it_was_made_from(bundle, mode, tmp_path):
+    """A proof's commit is provenance a reader follows: it must be a commit of this repository whose cuda_engine/
+    is the one the proof ran (its source hash). A commit typed wrong, or read from a stale checkout on the GPU
+    machine, fails here. Needs the history: a shallow clone cannot tell, and skips."""
+    from cuda_engine.build import engine_source_hash
+
+    if _git("rev-parse", "--is-shallow-repository").stdout.strip() != b"false":
+        pytest.skip("not a full git clone: the proofs' commits cannot be looked up")
+    info = engine_info(proof_path(bundle, mode))
+    at = _sources_at(info["commit"], tmp_path)
+    assert at is not None, (f"{proof_path(bundle, mode)} names commit {info['commit']!r}, which this repository "
+                            f"does not have; re-prove with KDTR_COMMIT=$(git rev-parse HEAD) taken where the "
+                            f"commit was made")
+    assert engine_source_hash(at) == info["source_hash"], (
+        f"{proof_path(bundle, mode)} names commit {info['commit'][:12]}, whose cuda_engine/ is not the one the "
+        f"proof ran (source hash {info['source_hash'][:12]}): the commit was taken from another checkout")
+
+
+def test_a_wrong_commit_is_caught(tmp_path):
+    """The check above on what it must refuse: a commit that does not exist, and one whose cuda_engine/ differs
+    (the first commit that has cuda_engine/ certainly differs from today's)."""
+    from cuda_engine.build import engine_source_hash
+
+    if _git("rev-parse", "--is-shallow-repository").stdout.strip() != b"false":
+        pytest.skip("not a full git clone")
+    assert _sources_at("0" * 40, tmp_path / "a") is None
+    first = _git("log", "--format=%H", "--reverse", "--", "cuda_engine/kernels", check=True).stdout.split()[0]
+    old = _sources_at(first.decode(), tmp_path / "b")
+    assert old is not None and engine_source_hash(old) != engine_source_hash(PACKAGE_DIR)
+
+
 def test_one_changed_byte_in_a_kernel_fails_the_proof(tmp_path):
     proof = proof_path(BUNDLES[0])
     copy = tmp_path / "cuda_engine"
