@@ -26,6 +26,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from kdtr_format.paths import write_atomically  # noqa: E402 - after the path line, as a script
+
 H, C, R, N, U, Q = 64, 512, 64, 128, 128, 1536        # K2.6's MLA (refmodel.config.PRESETS["k26"])
 
 
@@ -172,10 +174,7 @@ def main(argv=None) -> int:
         print(f"bench_attention: {e}", file=sys.stderr)
         return 6
     if a.json:
-        tmp = a.json + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(res, f, indent=1)
-        os.replace(tmp, a.json)
+        write_atomically(a.json, lambda fh: fh.write(json.dumps(res, indent=1).encode()), stream_ok=True)
     return 0
 
 

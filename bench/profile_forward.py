@@ -26,6 +26,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from kdtr_format.paths import write_atomically  # noqa: E402 - after the path line, as a script
+
 TINY = [os.path.join(ROOT, "bundles", b) for b in ("model_tiny.kdtr", "model_int4_tiny.kdtr")]
 
 
@@ -206,10 +208,7 @@ def main(argv=None) -> int:
         return 6
     finally:
         if a.json and (res["cases"] or "error" not in res):       # what ran is kept, also after a failure
-            tmp = a.json + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump(res, f, indent=1)
-            os.replace(tmp, a.json)
+            write_atomically(a.json, lambda fh: fh.write(json.dumps(res, indent=1).encode()), stream_ok=True)
     return 0
 
 
