@@ -63,11 +63,11 @@ def record_launches(ops, fn) -> list:
     return log
 
 
-def kernel_times(ops, fn, reps: int) -> dict:
+def kernel_times(ops, fn, reps: int, note: dict) -> dict:
     """{kernel: [launches per call, device us per call]} of fn()'s launches, each replayed alone (COPIES
     back-to-back copies in a graph with plain edges, `reps` replays)."""
     import cuda_engine.graph as graph_mod
-    from cuda_engine.device import timed_us
+    from bench.k26_ddtree_gpu import _graph_us
 
     fn()                                          # warm: workspaces reserved, code loaded
     ops.stream.synchronize()
@@ -79,45 +79,34 @@ def kernel_times(ops, fn, reps: int) -> dict:
                 for _ in range(COPIES):
                     f.prepared_async_call(grid, block, ops.stream, *args, **kw)
 
-            g = graph_mod.capture(ops, copies)
-            try:
-                g.launch(ops.stream)
-                us = timed_us(ops, lambda: g.launch(ops.stream), reps) / COPIES
-            finally:
-                g.destroy()
             n, tot = out.get(name, (0, 0.0))
-            out[name] = (n + 1, tot + us)
+            out[name] = (n + 1, tot + _graph_us(ops, copies, reps, note) / COPIES)
     finally:
         graph_mod.GRAPH_EDGES = was
     return {name: [n, us] for name, (n, us) in sorted(out.items(), key=lambda kv: -kv[1][1])}
 
 
-def graph_us(ops, fn, reps: int) -> float:
-    """Microseconds per replay of fn()'s launches captured as one graph (the engine's edges)."""
-    from cuda_engine.device import timed_us
-    from cuda_engine.graph import capture
+def profile(ops, label: str, fn, reps: int, progress=print, reset=None) -> dict:
+    """reset(), where given, puts fn's inputs back before each of the two measurements (a decode step moves
+    them on; its advance kernel replayed alone moves them COPIES x reps steps)."""
+    from bench.k26_ddtree_gpu import _graph_us
 
-    fn()
-    ops.stream.synchronize()
-    g = capture(ops, fn)
-    try:
-        for _ in range(3):
-            g.launch(ops.stream)
-        return timed_us(ops, lambda: g.launch(ops.stream), reps)
-    finally:
-        g.destroy()
-
-
-def profile(ops, label: str, fn, reps: int, progress=print) -> dict:
-    kernels = kernel_times(ops, fn, reps)
+    note: dict = {}                               # says so if no graph could be captured (timings then host-bound)
+    if reset:
+        reset()
+    kernels = kernel_times(ops, fn, reps, note)
+    if reset:
+        reset()
     total = sum(us for _, us in kernels.values())
-    graph = graph_us(ops, fn, reps)
+    graph = _graph_us(ops, fn, reps, note)
     launches = sum(n for n, _ in kernels.values())
     progress(f"{label}: {launches:.0f} launches, each alone {total:.1f} us, as one graph {graph:.1f} us "
              f"(between kernels {graph - total:+.1f} us, {(graph - total) / max(launches, 1):+.2f} a launch)")
     for name, (n, us) in kernels.items():
         progress(f"    {name:34s} {n:5.1f} x {us / n:7.2f} us = {us:8.1f} us  {100 * us / total:5.1f}%")
-    return {"label": label, "launches": launches, "kernels_us": total, "graph_us": graph, "kernels": kernels}
+    if note:
+        progress(f"    ({note['timing']})")
+    return {"label": label, "launches": launches, "kernels_us": total, "graph_us": graph, "kernels": kernels, **note}
 
 
 def bundle_cases(bundle: str, reps: int, progress=print) -> list[dict]:
@@ -140,9 +129,8 @@ def bundle_cases(bundle: str, reps: int, progress=print) -> list[dict]:
         e._launch_forward(1, masked=False, argmax_out=e.buf["ids"])
         ops.decode_advance(e.meta, e.buf["positions"])
 
-    e._set_inputs([first], [8], 8, None)
-
-    out.append(profile(ops, f"{bundle}: decode step", decode, reps, progress))
+    out.append(profile(ops, f"{bundle}: decode step", decode, reps, progress,
+                       reset=lambda: e._set_inputs([first], [8], 8, None)))
     with open_kdtr(bundle) as f:
         prompt, pos0 = _golden_prompts(f)[0]
     st = e._ddtree_state()
