@@ -53,6 +53,7 @@ KV_PIECE = 8                        # kernels/kv_layout.cuh: a cache row is padd
 ROUTER_MAX_E, ROUTER_MAX_GROUPS, MOE_MAX_SLOTS = 1024, 64, 64   # kernels/moe.cu
 LINEAR_ROWS = 8                   # kernels/linear.cu, linear_rows_kernel: rows per warp
 LMMA_OUT, LMMA_ROWS = 32, 16      # kernels/linear.cu, linear_mma_bf16_kernel: outputs and x rows per block
+LMMA_FEW_OUT, LMMA_FEW_ROWS = 16, 8   # linear_mma_bf16_few_kernel, for 2 .. LMMA_FEW_ROWS rows (same bits a row)
 COMBINE_DSLICE = 32 * WARPS_PER_BLOCK   # kernels/moe.cu: the elements of a row one combine block owns
 W4A16_CHUNK_WORDS = 144             # kernels/w4a16_mma.cu
 MOE_GROUP_MAX_E = ROUTER_MAX_E + 1  # kernels/moe.cu, moe_group_kernel: the routed experts and the shared one
@@ -67,6 +68,7 @@ SIGNATURES = {
     "linear_rows_kernel": "PPPiiiiiqqq",
     "linear_bf16_kernel": "PPPiiiiqqq",
     "linear_mma_bf16_kernel": "PPPiiiiiqqq",
+    "linear_mma_bf16_few_kernel": "PPPiiiiiqqq",
     "mla_latent_kernel": "PiiiPPfPPPiPPPd",
     "mla_qprep_kernel": "PPPdPPiiiii",
     "mla_qprep_bf16_kernel": "PPPdPPiiiii",
@@ -296,9 +298,11 @@ class Ops:
             self._launch(weight_kernel("linear", "linear", W), (-(-O // WARPS_PER_BLOCK), 1, B), _ptr(x), W.ptr, _ptr(y),
                          I, O, x_stride, y_stride, x_bstride, w_bstride, y_bstride)
         elif W.dtype == np.uint16:                  # bf16 weights: the tensor cores, x split into three bf16
-            grid = (-(-O // LMMA_OUT), -(-T // LMMA_ROWS), B)   # terms (FP32-faithful), W read once per 16 rows
-            self._launch("linear_mma_bf16_kernel", grid, _ptr(x), W.ptr, _ptr(y), T, I, O, x_stride, y_stride,
-                         x_bstride, w_bstride, y_bstride)
+            few = T <= LMMA_FEW_ROWS                # terms (FP32-faithful), W read once per 16 rows (per 8 for
+            out, rows = (LMMA_FEW_OUT, LMMA_FEW_ROWS) if few else (LMMA_OUT, LMMA_ROWS)   # few: twice the blocks)
+            grid = (-(-O // out), -(-T // rows), B)
+            self._launch("linear_mma_bf16_few_kernel" if few else "linear_mma_bf16_kernel", grid, _ptr(x), W.ptr,
+                         _ptr(y), T, I, O, x_stride, y_stride, x_bstride, w_bstride, y_bstride)
         else:                                       # LINEAR_ROWS rows per warp: W read once per row block,
             grid = (-(-O // WARPS_PER_BLOCK), -(-T // LINEAR_ROWS), B)   # each row the bits linear_kernel gives
             self._launch(weight_kernel("linear_rows", "linear", W), grid, _ptr(x), W.ptr, _ptr(y), T, I, O, x_stride,

@@ -7,6 +7,7 @@ dense) passes, as does the engine that widens every weight at load. GPU only: sk
 import numpy as np
 import pytest
 
+from cuda_engine.ops import LMMA_FEW_ROWS
 from cuda_oracle import check, gpu_ops, rand
 from kdtr_format.bf16 import bf16_bits, bf16_to_float32
 from refmodel.config import PRESETS
@@ -60,10 +61,11 @@ def test_linear(ops, T, B, I, O):
         return [y]
     if T == 1:
         same_bits(ops, "linear_bf16_kernel", launch)
-    else:                                  # T >= 2: linear_mma_bf16_kernel, tensor cores (test_cuda_kernels.py)
-        before = ops.ran.get("linear_mma_bf16_kernel", 0)
+    else:                                  # T >= 2: linear_mma_bf16(_few)_kernel, tensor cores (test_cuda_kernels.py)
+        name = "linear_mma_bf16_few_kernel" if T <= LMMA_FEW_ROWS else "linear_mma_bf16_kernel"
+        before = ops.ran.get(name, 0)
         got = launch("bf16")[0].get()
-        assert ops.ran.get("linear_mma_bf16_kernel", 0) == before + 1
+        assert ops.ran.get(name, 0) == before + 1
         x64 = x.astype(np.float64)
         check(f"linear bf16 T={T} B={B} I={I} O={O}", got, np.einsum("tbi,boi->tbo", x64, W32.astype(np.float64)),
               np.einsum("tbi,boi->tbo", x, W32))
@@ -170,11 +172,11 @@ def test_the_bf16_bundle_passes_both_ways(engine_cls, w4a16):
             L, first = e.cfg.num_hidden_layers, e.cfg.first_k_dense_replace
             assert info["bf16_weights"] == 8 * L + (L - first) + 2, info["bf16_weights"]
             ran = info["kernels_ran"]
-            assert {"linear_bf16_kernel", "linear_mma_bf16_kernel", "embedding_bf16_kernel", "mla_qprep_bf16_kernel",
+            assert {"linear_bf16_kernel", "linear_mma_bf16_kernel", "linear_mma_bf16_few_kernel", "embedding_bf16_kernel", "mla_qprep_bf16_kernel",
                     "mla_merge_uv_bf16_kernel", "swiglu_gate_up_bf16_kernel", "expert_down_bf16_kernel",
                     "drafter_embed_bf16_kernel"} <= set(ran)
             # (the drafter's own weights are float32 on the device: its linears run the float32 instances)
             assert not {"embedding_kernel", "mla_qprep_kernel", "mla_merge_uv_kernel", "drafter_embed_kernel"} & set(ran)
         else:
             assert info["bf16_weights"] == 0 and "linear_bf16_kernel" not in info["kernels_ran"]
-            assert "linear_mma_bf16_kernel" not in info["kernels_ran"]
+            assert not {"linear_mma_bf16_kernel", "linear_mma_bf16_few_kernel"} & set(info["kernels_ran"])

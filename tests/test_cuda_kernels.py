@@ -8,7 +8,7 @@ import pytest
 
 from refmodel.config import PRESETS
 from refmodel.model import apply_rope, rms_norm, route, rope_cos_sin, silu, softmax, yarn_inv_freq
-from cuda_engine.ops import kv_planes_shape, kv_rows_to_planes, p_terms_shape
+from cuda_engine.ops import LMMA_FEW_ROWS, kv_planes_shape, kv_rows_to_planes, p_terms_shape
 from cuda_oracle import check, gpu_ops, rand
 
 pytestmark = pytest.mark.cuda
@@ -107,7 +107,8 @@ def test_linear_rows_are_the_one_row_bits(ops, T, I, O):
     (9, 1, 7168, 96, 30),                                          # x over 2^+-30: the three terms' exponents
 ])
 def test_linear_mma_bf16(ops, T, B, I, O, spread):
-    """T >= 2 rows with bf16 weights run linear_mma_bf16_kernel (tensor cores, x split into three bf16 terms):
+    """T >= 2 rows with bf16 weights run linear_mma_bf16_kernel (tensor cores, x split into three bf16 terms; 2 ..
+    LMMA_FEW_ROWS rows its few-rows instance):
     within the fp32 bound of the float64 product of the same values, the same bits on a second launch. Shapes:
     a single element, I not a multiple of 8 (the unaligned loads), row blocks of 16 plus one, outputs past a
     block of 32, K2.6's projections, x spanning 60 binades."""
@@ -122,9 +123,10 @@ def test_linear_mma_bf16(ops, T, B, I, O, spread):
     y = dev(np.zeros((T, B, O), np.float32))
     args = (dev(x), dev(W16), y, T, I, O)
     kw = dict(x_stride=B * (I + 3), y_stride=B * O, B=B, x_bstride=I + 3, w_bstride=O * I, y_bstride=O)
-    before = ops.ran.get("linear_mma_bf16_kernel", 0)
+    name = "linear_mma_bf16_few_kernel" if T <= LMMA_FEW_ROWS else "linear_mma_bf16_kernel"
+    before = ops.ran.get(name, 0)
     run(ops, ops.linear, *args, **kw)
-    assert ops.ran.get("linear_mma_bf16_kernel", 0) == before + 1
+    assert ops.ran.get(name, 0) == before + 1
     first = y.get()
     run(ops, ops.linear, *args, **kw)
     np.testing.assert_array_equal(y.get(), first)
@@ -138,6 +140,26 @@ def test_linear_mma_bf16(ops, T, B, I, O, spread):
     bound = (I + 64) * 2.0**-23 * np.einsum("tbi,boi->tbo", np.abs(x64), np.abs(W.astype(np.float64)))
     err = np.abs(first - oracle)
     assert (err <= bound).all(), f"max err / bound {np.max(err / np.maximum(bound, 1e-300)):.3g}"
+
+
+@pytest.mark.parametrize("T,I,O", [(2, 37, 17), (5, 7168, 2112), (8, 64 * 128, 7168), (5, 7168, 384)])
+def test_linear_mma_few_rows_are_the_full_tiles_bits(ops, T, I, O):
+    """2 .. LMMA_FEW_ROWS rows run linear_mma_bf16_few_kernel (16 outputs x 8 rows a block); the same rows as the
+    first of LMMA_FEW_ROWS + 1 run linear_mma_bf16_kernel (32 x 16), and each row comes out the same bits in both
+    (kernels/linear.cu: every output's sum runs the same steps in both), not merely within tolerance. Shapes: I
+    not a multiple of 8, K2.6's qkv_a, o_proj and router gate."""
+    from kdtr_format.bf16 import bf16_bits
+
+    assert T <= LMMA_FEW_ROWS
+    rng = np.random.default_rng(T + I + O)
+    x = rand(rng, LMMA_FEW_ROWS + 1, I)
+    dW = dev(bf16_bits(rand(rng, O, I, scale=I ** -0.5)))
+    few, full = dev(np.zeros((T, O), np.float32)), dev(np.zeros((LMMA_FEW_ROWS + 1, O), np.float32))
+    ran = {n: ops.ran.get(n, 0) for n in ("linear_mma_bf16_few_kernel", "linear_mma_bf16_kernel")}
+    run(ops, ops.linear, dev(x[:T]), dW, few, T, I, O)
+    run(ops, ops.linear, dev(x), dW, full, LMMA_FEW_ROWS + 1, I, O)
+    assert {n: ops.ran.get(n, 0) - c for n, c in ran.items()} == {n: 1 for n in ran}
+    np.testing.assert_array_equal(few.get(), full.get()[:T])
 
 
 @pytest.mark.parametrize("T,B,I,O", [(1, 1, 1, 1), (3, 5, 17, 9), (1, 64, 128, 512), (2, 64, 512, 128),

@@ -208,17 +208,18 @@ def test_linear_rows_match_the_kernel():
 
 
 def test_linear_mma_tile_matches_the_kernel():
-    """ops.py launches ceil(O / LMMA_OUT) x ceil(T / LMMA_ROWS) blocks of linear_mma_bf16_kernel; a block of
-    kernels/linear.cu computes LMMA_OUT outputs of LMMA_ROWS rows: another kernel value would leave outputs
-    unwritten or write past y."""
+    """ops.py launches ceil(O / LMMA_OUT) x ceil(T / LMMA_ROWS) blocks of linear_mma_bf16_kernel (LMMA_FEW_OUT x
+    LMMA_FEW_ROWS of linear_mma_bf16_few_kernel, for 2 .. LMMA_FEW_ROWS rows); a block of kernels/linear.cu
+    computes that many outputs and rows: another kernel value would leave outputs unwritten or write past y."""
     import re
 
     from cuda_engine.build import KERNEL_DIR
-    from cuda_engine.ops import LMMA_OUT, LMMA_ROWS
+    from cuda_engine.ops import LMMA_FEW_OUT, LMMA_FEW_ROWS, LMMA_OUT, LMMA_ROWS
 
     src = (KERNEL_DIR / "linear.cu").read_text()
-    assert re.search(r"#define LMMA_OUT (\d+)", src)[1] == str(LMMA_OUT)
-    assert re.search(r"#define LMMA_ROWS (\d+)", src)[1] == str(LMMA_ROWS)
+    for name, value in (("LMMA_OUT", LMMA_OUT), ("LMMA_ROWS", LMMA_ROWS), ("LMMA_FEW_OUT", LMMA_FEW_OUT),
+                        ("LMMA_FEW_ROWS", LMMA_FEW_ROWS)):
+        assert re.search(rf"#define {name} (\d+)", src)[1] == str(value), name
 
 
 def test_grouped_moe_groups_cap_holds_for_every_routing():

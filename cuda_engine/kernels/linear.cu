@@ -1,9 +1,9 @@
-// Every dense projection: y[b, t, o] = sum_i x[b, t, i] * W[b, o, i]   (nn.Linear, W [O, I]), three kernels:
+// Every dense projection: y[b, t, o] = sum_i x[b, t, i] * W[b, o, i]   (nn.Linear, W [O, I]), four kernels:
 //   linear_kernel / linear_bf16_kernel: one row (T = 1, the decode step's GEMV), float32 or bf16 W;
 //   linear_rows_kernel: T >= 2 rows with float32 W (CudaEngine(dense="float32")), 8 rows per warp, each row the
 //     bits linear_kernel gives it;
-//   linear_mma_bf16_kernel: T >= 2 rows with bf16 W (the engine's default for weights a bundle stores as bf16),
-//     on the tensor cores, FP32-faithful (below).
+//   linear_mma_bf16_kernel / linear_mma_bf16_few_kernel: T >= 9 / 2 .. 8 rows with bf16 W (the engine's default
+//     for weights a bundle stores as bf16), on the tensor cores, FP32-faithful (below).
 // Contract: float32 x and y; W float32 or bf16 bits (widened exactly, common.cuh wval), W rows contiguous (row
 // length I). x row t of batch b starts at x + b * x_bstride + t * x_stride; y likewise; W of batch b at
 // W + b * w_bstride. The batch axis serves per-head products with no extra kernel.
@@ -87,24 +87,36 @@ extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM) l
     linear_rows_body(x, W, y, T, I, O, x_stride, y_stride, x_bstride, w_bstride, y_bstride);
 }
 
-// linear_mma_bf16_kernel: the product for T >= 2 rows with bf16 weights (K2.6's dense weights as stored), on the
-// tensor cores, FP32-faithful: each x element is split exactly into three bf16 terms (tensor_core.cuh, split3) and
-// W (exact in bf16) multiplies each, so every product W x_j is exact in float32 and summed in float32; nothing
-// is dropped. Why: linear_rows_kernel is bound by issuing a float32 load and multiply-add per (row, element):
-// at K2.6's o_proj (8192 -> 7168) a 5-row verify took 4x the one-row GEMV, a 33-row one 19x.
+// linear_mma_bf16_kernel / linear_mma_bf16_few_kernel: the product for T >= 2 rows with bf16 weights (K2.6's
+// dense weights as stored), on the tensor cores, FP32-faithful: each x element is split exactly into three bf16
+// terms (tensor_core.cuh, split3) and W (exact in bf16) multiplies each, so every product W x_j is exact in
+// float32 and summed in float32; nothing is dropped. Why: linear_rows_kernel is bound by issuing a float32 load
+// and multiply-add per (row, element): at K2.6's o_proj (8192 -> 7168) a 5-row verify took 4x the one-row GEMV,
+// a 33-row one 19x.
 // Roles: M = outputs (W rows, the mma's A, row-major), N = x rows (the mma's B: x [row][k] is B column-major).
-// Block (256 threads): 32 outputs (two m16 tiles) x 16 rows (two n8 tiles); its 8 warps split the k steps of
-// 32 into 8 contiguous ranges and the block adds their results in warp order (shared memory).
+// Block (256 threads): MT m16 tiles of outputs x NT n8 tiles of rows; its 8 warps split the k steps of 32 into 8
+// contiguous ranges and the block adds their results in warp order (shared memory). Two instances:
+//   linear_mma_bf16_kernel (MT = 2, NT = 2: 32 outputs x 16 rows) from 9 rows on;
+//   linear_mma_bf16_few_kernel (MT = 1, NT = 1: 16 outputs x 8 rows) for 2 .. 8 rows (a small tree's verify):
+//     there W's bytes decide the time, so half the mma (no padding rows past 8) and twice the blocks (K2.6's
+//     qkv_a, 2112 outputs, filled 66 of 132 SMs with 32-output blocks).
+// Every output's sum is the same in both (per warp the same k range, the same mma sequence per 32 k, the warps
+// added in the same order; an output element of an mma depends on its own row and column alone), so the two
+// give the same bits for a row (tests/test_cuda_kernels.py).
 // Lane (g, c) = (lane / 4, lane % 4) loads 8 consecutive k (16 bytes of W, 32 of x) at 32 s + 8 c of rows g and
 // g + 8: the mma's k slots 2c, 2c+1 / 2c+8, 2c+9 take physical k 8c + {0,1} / {2,3} in the first mma of the
 // step and 8c + {4,5} / {6,7} in the second; A and B use the same map, so the sum is over every k once.
+// The next step's W and x are loaded before this step's products (registers, double-buffered): two steps'
+// bytes in flight per warp instead of one, the loads' latency behind the mma.
 // Per 32 k: hi (x0 W) starts afresh and is added to tot (rounded); lo (x1 W + x2 W) runs; the warp's result is
 // tot + lo (tensor_core.cuh says why). Fixed order throughout: the same bits every run.
-// Launch: grid (ceil(O / 32), ceil(T / 16), B), block BLOCK_THREADS.
-#define LMMA_OUT 32                            // outputs per block
-#define LMMA_ROWS 16                           // x rows per block
-static_assert(LMMA_OUT == 32 && LMMA_ROWS == 16 && WARPS_PER_BLOCK == 8,
-              "linear_mma_bf16_kernel's two m16 tiles, two n8 tiles and 8-warp k split assume these (ops.py too)");
+// Launch: grid (ceil(O / (16 MT)), ceil(T / (8 NT)), B), block BLOCK_THREADS.
+#define LMMA_OUT 32                            // linear_mma_bf16_kernel: outputs per block
+#define LMMA_ROWS 16                           // and x rows per block
+#define LMMA_FEW_OUT 16                        // linear_mma_bf16_few_kernel: outputs per block
+#define LMMA_FEW_ROWS 8                        // and x rows per block (the most rows it is launched for)
+static_assert(LMMA_OUT == 32 && LMMA_ROWS == 16 && LMMA_FEW_OUT == 16 && LMMA_FEW_ROWS == 8 && WARPS_PER_BLOCK == 8,
+              "linear_mma's m16 tiles, n8 tiles and 8-warp k split assume these (ops.py too)");
 
 __device__ __forceinline__ void lmma_load_w(const bf16_t* __restrict__ row, int k, int I, bool ok, unsigned (&w)[4]) {
     if (ok && k + 8 <= I && ((reinterpret_cast<size_t>(row + k) & 15) == 0)) {
@@ -120,37 +132,41 @@ __device__ __forceinline__ void lmma_load_w(const bf16_t* __restrict__ row, int 
     }
 }
 
-// x[k .. k + 7] of one row as its three bf16 terms, packed in pairs (t[term][j] = k + 2j, k + 2j + 1)
-__device__ __forceinline__ void lmma_load_x(const float* __restrict__ row, int k, int I, bool ok, unsigned (&t)[3][4]) {
-    float v[8];
-    load8(ok ? row + k : row, ok ? I - k : 0, v);
-    uint4 u[3];
-    split3_x8(v, u);
+// One step's operands as loaded: W of the warp's MT m tiles (rows g, g + 8 of each) and x[k .. k + 7] of its NT
+// n tiles' row g (zeros past I and for rows past T).
+template <int MT, int NT>
+struct LmmaStep {
+    unsigned w[MT][2][4];
+    float x[NT][8];
+};
+
+template <int MT, int NT>
+__device__ __forceinline__ void lmma_load(LmmaStep<MT, NT>& st, const bf16_t* const (&wrow)[MT][2],
+                                          const bool (&wok)[MT][2], const float* const (&xrow)[NT],
+                                          const bool (&xok)[NT], int k, int I) {
 #pragma unroll
-    for (int i = 0; i < 3; ++i) {
-        t[i][0] = u[i].x;
-        t[i][1] = u[i].y;
-        t[i][2] = u[i].z;
-        t[i][3] = u[i].w;
-    }
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) lmma_load_w(wrow[mt][h], k, I, wok[mt][h], st.w[mt][h]);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) load8(xok[nt] ? xrow[nt] + k : xrow[nt], xok[nt] ? I - k : 0, st.x[nt]);
 }
 
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
-linear_mma_bf16_kernel(const float* __restrict__ x, const bf16_t* __restrict__ W, float* __restrict__ y, int T, int I,
-                       int O, int x_stride, int y_stride, long long x_bstride, long long w_bstride,
-                       long long y_bstride) {
-    AFTER_PREVIOUS_GRID();
-    __shared__ float red[WARPS_PER_BLOCK][2][2][4][WARP_SIZE];   // [warp][m tile][n tile][element][lane]
+template <int MT, int NT>
+__device__ __forceinline__ void lmma_body(const float* __restrict__ x, const bf16_t* __restrict__ W,
+                                          float* __restrict__ y, int T, int I, int O, int x_stride, int y_stride,
+                                          long long x_bstride, long long w_bstride, long long y_bstride) {
+    __shared__ float red[WARPS_PER_BLOCK][MT][NT][4][WARP_SIZE];   // [warp][m tile][n tile][element][lane]
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE, g = lane / 4, c = lane % 4;
-    const int o0 = blockIdx.x * LMMA_OUT, t0 = blockIdx.y * LMMA_ROWS, b = blockIdx.z;
+    const int o0 = blockIdx.x * (16 * MT), t0 = blockIdx.y * (8 * NT), b = blockIdx.z;
     const float* xb = x + b * x_bstride;
     const bf16_t* wb = W + b * w_bstride;
-    const bf16_t* wrow[2][2];                                   // [m tile][row g, row g + 8]
-    bool wok[2][2];
-    const float* xrow[2];
-    bool xok[2];
+    const bf16_t* wrow[MT][2];                                  // [m tile][row g, row g + 8]
+    bool wok[MT][2];
+    const float* xrow[NT];
+    bool xok[NT];
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int o = o0 + mt * 16 + h * 8 + g;
@@ -158,56 +174,78 @@ linear_mma_bf16_kernel(const float* __restrict__ x, const bf16_t* __restrict__ W
             wrow[mt][h] = wb + (size_t)min(o, O - 1) * I;
         }
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
+    for (int nt = 0; nt < NT; ++nt) {
         const int t = t0 + nt * 8 + g;
         xok[nt] = t < T;
         xrow[nt] = xb + (size_t)min(t, T - 1) * x_stride;
     }
     const int steps = (I + 31) / 32, s_lo = warp * steps / WARPS_PER_BLOCK, s_hi = (warp + 1) * steps / WARPS_PER_BLOCK;
-    float tot[2][2][4] = {}, lo[2][2][4] = {};
+    float tot[MT][NT][4] = {}, lo[MT][NT][4] = {};
+    LmmaStep<MT, NT> cur, nxt;
+    if (s_lo < s_hi) lmma_load(cur, wrow, wok, xrow, xok, s_lo * 32 + 8 * c, I);
     for (int s = s_lo; s < s_hi; ++s) {
-        const int k = s * 32 + 8 * c;
-        unsigned w[2][2][4], xt[2][3][4];
+        if (s + 1 < s_hi) lmma_load(nxt, wrow, wok, xrow, xok, (s + 1) * 32 + 8 * c, I);   // in flight meanwhile
+        unsigned xt[NT][3][4];
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
+        for (int nt = 0; nt < NT; ++nt) {
+            uint4 u[3];
+            split3_x8(cur.x[nt], u);
 #pragma unroll
-            for (int h = 0; h < 2; ++h) lmma_load_w(wrow[mt][h], k, I, wok[mt][h], w[mt][h]);
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) lmma_load_x(xrow[nt], k, I, xok[nt], xt[nt]);
-        float hi[2][2][4] = {};
+            for (int i = 0; i < 3; ++i) {
+                xt[nt][i][0] = u[i].x;
+                xt[nt][i][1] = u[i].y;
+                xt[nt][i][2] = u[i].z;
+                xt[nt][i][3] = u[i].w;
+            }
+        }
+        float hi[MT][NT][4] = {};
 #pragma unroll
         for (int half = 0; half < 2; ++half)                   // the step's two mma k slots: regs 2 half, +1
 #pragma unroll
-            for (int mt = 0; mt < 2; ++mt) {
-                const unsigned a[4] = {w[mt][0][2 * half], w[mt][1][2 * half], w[mt][0][2 * half + 1],
-                                       w[mt][1][2 * half + 1]};
+            for (int mt = 0; mt < MT; ++mt) {
+                const unsigned a[4] = {cur.w[mt][0][2 * half], cur.w[mt][1][2 * half], cur.w[mt][0][2 * half + 1],
+                                       cur.w[mt][1][2 * half + 1]};
 #pragma unroll
-                for (int nt = 0; nt < 2; ++nt) {
+                for (int nt = 0; nt < NT; ++nt) {
                     mma_bf16(lo[mt][nt], a, &xt[nt][2][2 * half]);
                     mma_bf16(lo[mt][nt], a, &xt[nt][1][2 * half]);
                     mma_bf16(hi[mt][nt], a, &xt[nt][0][2 * half]);
                 }
             }
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int nt = 0; nt < 2; ++nt)
+            for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) tot[mt][nt][i] += hi[mt][nt][i];
+        cur = nxt;
     }
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
+        for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int i = 0; i < 4; ++i) red[warp][mt][nt][i][lane] = tot[mt][nt][i] + lo[mt][nt][i];
     __syncthreads();
-    for (int e = threadIdx.x; e < 2 * 2 * 4 * WARP_SIZE; e += BLOCK_THREADS) {   // (mt, nt, i, lane) of the tile
-        const int l = e % WARP_SIZE, i = (e / WARP_SIZE) % 4, nt = (e / (4 * WARP_SIZE)) % 2, mt = e / (8 * WARP_SIZE);
+    for (int e = threadIdx.x; e < MT * NT * 4 * WARP_SIZE; e += BLOCK_THREADS) {   // (mt, nt, i, lane) of the tile
+        const int l = e % WARP_SIZE, i = (e / WARP_SIZE) % 4, nt = (e / (4 * WARP_SIZE)) % NT,
+                  mt = e / (4 * NT * WARP_SIZE);
         float v = 0.0f;
 #pragma unroll
         for (int w2 = 0; w2 < WARPS_PER_BLOCK; ++w2) v += red[w2][mt][nt][i][l];
         const int o = o0 + mt * 16 + l / 4 + (i / 2) * 8, t = t0 + nt * 8 + (l % 4) * 2 + i % 2;
         if (o < O && t < T) y[b * y_bstride + (size_t)t * y_stride + o] = v;
     }
+}
+
+#define LMMA_ARGS const float* __restrict__ x, const bf16_t* __restrict__ W, float* __restrict__ y, int T, int I, \
+    int O, int x_stride, int y_stride, long long x_bstride, long long w_bstride, long long y_bstride
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM) linear_mma_bf16_kernel(LMMA_ARGS) {
+    AFTER_PREVIOUS_GRID();
+    lmma_body<LMMA_OUT / 16, LMMA_ROWS / 8>(x, W, y, T, I, O, x_stride, y_stride, x_bstride, w_bstride, y_bstride);
+}
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM) linear_mma_bf16_few_kernel(LMMA_ARGS) {
+    AFTER_PREVIOUS_GRID();
+    lmma_body<LMMA_FEW_OUT / 16, LMMA_FEW_ROWS / 8>(x, W, y, T, I, O, x_stride, y_stride, x_bstride, w_bstride,
+                                                    y_bstride);
 }
