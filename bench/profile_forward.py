@@ -4,9 +4,12 @@ time is measured without the host's launch cost between two kernels; the sum ove
 the same call's launches replayed as one graph with the engine's edges. Their difference is what the graph
 spends between kernels (launch latency, the ramp of each grid), the part fusion or programmatic edges can save;
 the per-kernel times are the part only faster or fewer kernels can. (A replayed launch repeats the recorded one
-with the same arguments: kernels that move state on, like decode_advance_kernel, are timed over moved state.)
+with the same arguments: kernels that move state on, like decode_advance_kernel, are timed over moved state.
+And a launch replayed alone finds in L2 what its copy before it read: a weight that fits there, like K2.6's
+router gate of 5.5 MB, is read from L2 after the first copy, so such a launch's time alone is short of its time
+in the forward, and the difference counts it "between kernels".)
 
-    python bench/profile_forward.py [BUNDLE...] [--k26] [--reps 20] [--json out.json]
+    python bench/profile_forward.py [BUNDLE...] [--k26] [--reps 20] [--launches] [--json out.json]
 
 - BUNDLE (default the two tiny bundles): the decode step (one token after an 8-token prompt) and a DDTree
   round's verify forward (the tree the engine's own DDTree built, its budget's rows), plus the drafter's block
@@ -32,6 +35,7 @@ TINY = [os.path.join(ROOT, "bundles", b) for b in ("model_tiny.kdtr", "model_int
 
 
 COPIES = 10                 # back-to-back copies of one launch per replayed graph
+LAUNCHES = False            # --launches: print every launch, not only the sums per kernel
 
 
 class _Recorded:
@@ -63,9 +67,10 @@ def record_launches(ops, fn) -> list:
     return log
 
 
-def kernel_times(ops, fn, reps: int, note: dict) -> dict:
+def kernel_times(ops, fn, reps: int, note: dict, each: list | None = None) -> dict:
     """{kernel: [launches per call, device us per call]} of fn()'s launches, each replayed alone (COPIES
-    back-to-back copies in a graph with plain edges, `reps` replays)."""
+    back-to-back copies in a graph with plain edges, `reps` replays); `each`, where given, gets one
+    [kernel, grid, us] per launch, in launch order."""
     import cuda_engine.graph as graph_mod
     from bench.k26_ddtree_gpu import _graph_us
 
@@ -79,8 +84,11 @@ def kernel_times(ops, fn, reps: int, note: dict) -> dict:
                 for _ in range(COPIES):
                     f.prepared_async_call(grid, block, ops.stream, *args, **kw)
 
+            us = _graph_us(ops, copies, reps, note) / COPIES
             n, tot = out.get(name, (0, 0.0))
-            out[name] = (n + 1, tot + _graph_us(ops, copies, reps, note) / COPIES)
+            out[name] = (n + 1, tot + us)
+            if each is not None:
+                each.append([name, list(grid), us])
     finally:
         graph_mod.GRAPH_EDGES = was
     return {name: [n, us] for name, (n, us) in sorted(out.items(), key=lambda kv: -kv[1][1])}
@@ -94,7 +102,8 @@ def profile(ops, label: str, fn, reps: int, progress=print, reset=None) -> dict:
     note: dict = {}                               # says so if no graph could be captured (timings then host-bound)
     if reset:
         reset()
-    kernels = kernel_times(ops, fn, reps, note)
+    each: list = []
+    kernels = kernel_times(ops, fn, reps, note, each)
     if reset:
         reset()
     total = sum(us for _, us in kernels.values())
@@ -104,9 +113,14 @@ def profile(ops, label: str, fn, reps: int, progress=print, reset=None) -> dict:
              f"(between kernels {graph - total:+.1f} us, {(graph - total) / max(launches, 1):+.2f} a launch)")
     for name, (n, us) in kernels.items():
         progress(f"    {name:34s} {n:5.1f} x {us / n:7.2f} us = {us:8.1f} us  {100 * us / total:5.1f}%")
+    if LAUNCHES:
+        progress("    each launch in order (kernel, grid, us):")
+        for name, grid, us in each:
+            progress(f"      {name:34s} {str(tuple(grid)):16s} {us:8.2f}")
     if note:
         progress(f"    ({note['timing']})")
-    return {"label": label, "launches": launches, "kernels_us": total, "graph_us": graph, "kernels": kernels, **note}
+    return {"label": label, "launches": launches, "kernels_us": total, "graph_us": graph, "kernels": kernels,
+            "each": each, **note}
 
 
 def bundle_cases(bundle: str, reps: int, progress=print) -> list[dict]:
@@ -173,8 +187,12 @@ def main(argv=None) -> int:
     ap.add_argument("bundles", nargs="*", metavar="BUNDLE", help="bundles to profile (default: the tiny two)")
     ap.add_argument("--k26", action="store_true", help="also one random-weight K2.6 layer at true dims")
     ap.add_argument("--reps", type=int, default=20, help="calls per measurement (default 20)")
-    ap.add_argument("--json", metavar="PATH", help="write the results as JSON (written whole, then renamed)")
+    ap.add_argument("--json", metavar="PATH", help="write the results as JSON (written whole, then renamed); it "
+                    "holds every launch's time too")
+    ap.add_argument("--launches", action="store_true", help="also print every launch (kernel, grid, us) in order")
     a = ap.parse_args(argv)
+    global LAUNCHES
+    LAUNCHES = a.launches
     if a.reps < 1:
         ap.error(f"--reps {a.reps}: give at least 1")
     bundles = a.bundles or TINY

@@ -106,8 +106,9 @@ extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM) l
 // Lane (g, c) = (lane / 4, lane % 4) loads 8 consecutive k (16 bytes of W, 32 of x) at 32 s + 8 c of rows g and
 // g + 8: the mma's k slots 2c, 2c+1 / 2c+8, 2c+9 take physical k 8c + {0,1} / {2,3} in the first mma of the
 // step and 8c + {4,5} / {6,7} in the second; A and B use the same map, so the sum is over every k once.
-// The next step's W and x are loaded before this step's products (registers, double-buffered): two steps'
-// bytes in flight per warp instead of one, the loads' latency behind the mma.
+// Each warp keeps its next steps' W and x in flight while it multiplies (a ring of D steps in registers, loaded D
+// steps ahead): D = 2 for the full tiles, 4 for the few-rows one, whose W bytes decide its time (K2.6's qkv_a
+// runs one block per SM: 8 warps of one 1 KB step each in flight could not cover the memory's latency).
 // Per 32 k: hi (x0 W) starts afresh and is added to tot (rounded); lo (x1 W + x2 W) runs; the warp's result is
 // tot + lo (tensor_core.cuh says why). Fixed order throughout: the same bits every run.
 // Launch: grid (ceil(O / (16 MT)), ceil(T / (8 NT)), B), block BLOCK_THREADS.
@@ -115,6 +116,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM) l
 #define LMMA_ROWS 16                           // and x rows per block
 #define LMMA_FEW_OUT 16                        // linear_mma_bf16_few_kernel: outputs per block
 #define LMMA_FEW_ROWS 8                        // and x rows per block (the most rows it is launched for)
+#define LMMA_FEW_DEPTH 4                       // and steps in flight per warp (the full tiles: 2)
 static_assert(LMMA_OUT == 32 && LMMA_ROWS == 16 && LMMA_FEW_OUT == 16 && LMMA_FEW_ROWS == 8 && WARPS_PER_BLOCK == 8,
               "linear_mma's m16 tiles, n8 tiles and 8-warp k split assume these (ops.py too)");
 
@@ -152,7 +154,45 @@ __device__ __forceinline__ void lmma_load(LmmaStep<MT, NT>& st, const bf16_t* co
     for (int nt = 0; nt < NT; ++nt) load8(xok[nt] ? xrow[nt] + k : xrow[nt], xok[nt] ? I - k : 0, st.x[nt]);
 }
 
+// One 32-k step's products: x's terms split, then per m tile and n tile lo += x2 W + x1 W and hi = x0 W, tot += hi.
 template <int MT, int NT>
+__device__ __forceinline__ void lmma_step(const LmmaStep<MT, NT>& st, float (&tot)[MT][NT][4], float (&lo)[MT][NT][4]) {
+    unsigned xt[NT][3][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        uint4 u[3];
+        split3_x8(st.x[nt], u);
+#pragma unroll
+        for (int i = 0; i < 3; ++i) {
+            xt[nt][i][0] = u[i].x;
+            xt[nt][i][1] = u[i].y;
+            xt[nt][i][2] = u[i].z;
+            xt[nt][i][3] = u[i].w;
+        }
+    }
+    float hi[MT][NT][4] = {};
+#pragma unroll
+    for (int half = 0; half < 2; ++half)                       // the step's two mma k slots: regs 2 half, +1
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            const unsigned a[4] = {st.w[mt][0][2 * half], st.w[mt][1][2 * half], st.w[mt][0][2 * half + 1],
+                                   st.w[mt][1][2 * half + 1]};
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                mma_bf16(lo[mt][nt], a, &xt[nt][2][2 * half]);
+                mma_bf16(lo[mt][nt], a, &xt[nt][1][2 * half]);
+                mma_bf16(hi[mt][nt], a, &xt[nt][0][2 * half]);
+            }
+        }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) tot[mt][nt][i] += hi[mt][nt][i];
+}
+
+template <int MT, int NT, int D>
 __device__ __forceinline__ void lmma_body(const float* __restrict__ x, const bf16_t* __restrict__ W,
                                           float* __restrict__ y, int T, int I, int O, int x_stride, int y_stride,
                                           long long x_bstride, long long w_bstride, long long y_bstride) {
@@ -181,45 +221,18 @@ __device__ __forceinline__ void lmma_body(const float* __restrict__ x, const bf1
     }
     const int steps = (I + 31) / 32, s_lo = warp * steps / WARPS_PER_BLOCK, s_hi = (warp + 1) * steps / WARPS_PER_BLOCK;
     float tot[MT][NT][4] = {}, lo[MT][NT][4] = {};
-    LmmaStep<MT, NT> cur, nxt;
-    if (s_lo < s_hi) lmma_load(cur, wrow, wok, xrow, xok, s_lo * 32 + 8 * c, I);
-    for (int s = s_lo; s < s_hi; ++s) {
-        if (s + 1 < s_hi) lmma_load(nxt, wrow, wok, xrow, xok, (s + 1) * 32 + 8 * c, I);   // in flight meanwhile
-        unsigned xt[NT][3][4];
+    LmmaStep<MT, NT> buf[D];                                    // a ring: step s in buf[(s - s_lo) % D]
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            uint4 u[3];
-            split3_x8(cur.x[nt], u);
+    for (int j = 0; j < D; ++j)
+        if (s_lo + j < s_hi) lmma_load(buf[j], wrow, wok, xrow, xok, (s_lo + j) * 32 + 8 * c, I);
+    for (int s0 = s_lo; s0 < s_hi; s0 += D)
 #pragma unroll
-            for (int i = 0; i < 3; ++i) {
-                xt[nt][i][0] = u[i].x;
-                xt[nt][i][1] = u[i].y;
-                xt[nt][i][2] = u[i].z;
-                xt[nt][i][3] = u[i].w;
-            }
+        for (int j = 0; j < D; ++j) {
+            const int s = s0 + j;
+            if (s >= s_hi) break;
+            lmma_step(buf[j], tot, lo);
+            if (s + D < s_hi) lmma_load(buf[j], wrow, wok, xrow, xok, (s + D) * 32 + 8 * c, I);   // D steps ahead
         }
-        float hi[MT][NT][4] = {};
-#pragma unroll
-        for (int half = 0; half < 2; ++half)                   // the step's two mma k slots: regs 2 half, +1
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                const unsigned a[4] = {cur.w[mt][0][2 * half], cur.w[mt][1][2 * half], cur.w[mt][0][2 * half + 1],
-                                       cur.w[mt][1][2 * half + 1]};
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    mma_bf16(lo[mt][nt], a, &xt[nt][2][2 * half]);
-                    mma_bf16(lo[mt][nt], a, &xt[nt][1][2 * half]);
-                    mma_bf16(hi[mt][nt], a, &xt[nt][0][2 * half]);
-                }
-            }
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) tot[mt][nt][i] += hi[mt][nt][i];
-        cur = nxt;
-    }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -242,10 +255,10 @@ __device__ __forceinline__ void lmma_body(const float* __restrict__ x, const bf1
     int O, int x_stride, int y_stride, long long x_bstride, long long w_bstride, long long y_bstride
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM) linear_mma_bf16_kernel(LMMA_ARGS) {
     AFTER_PREVIOUS_GRID();
-    lmma_body<LMMA_OUT / 16, LMMA_ROWS / 8>(x, W, y, T, I, O, x_stride, y_stride, x_bstride, w_bstride, y_bstride);
+    lmma_body<LMMA_OUT / 16, LMMA_ROWS / 8, 2>(x, W, y, T, I, O, x_stride, y_stride, x_bstride, w_bstride, y_bstride);
 }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM) linear_mma_bf16_few_kernel(LMMA_ARGS) {
     AFTER_PREVIOUS_GRID();
-    lmma_body<LMMA_FEW_OUT / 16, LMMA_FEW_ROWS / 8>(x, W, y, T, I, O, x_stride, y_stride, x_bstride, w_bstride,
+    lmma_body<LMMA_FEW_OUT / 16, LMMA_FEW_ROWS / 8, LMMA_FEW_DEPTH>(x, W, y, T, I, O, x_stride, y_stride, x_bstride, w_bstride,
                                                     y_bstride);
 }
