@@ -200,9 +200,6 @@ class CudaEngine:
         # the grouped MoE path's work list (ops.moe_group): 1 + 3 Z + pairs entries, Z <= pairs <= T_cap S
         self.buf["groups"] = DevBuf((1 + 4 * T_cap * S,), i)
         self.ops.moe_combine_reserve(T_cap, D)                        # its norm workspace, before any capture
-        lm_head = getattr(self, "lm_head", None)                      # and the few-rows linear's, for the dense
-        self.ops.linear_reserve([b for w in self.layers for b in w.values() if len(b.shape) == 2]   # weights
-                                + ([lm_head] if lm_head is not None else []))
         self.T_cap = T_cap
         self._drop_graph()
 

@@ -53,10 +53,7 @@ KV_PIECE = 8                        # kernels/kv_layout.cuh: a cache row is padd
 ROUTER_MAX_E, ROUTER_MAX_GROUPS, MOE_MAX_SLOTS = 1024, 64, 64   # kernels/moe.cu
 LINEAR_ROWS = 8                   # kernels/linear.cu, linear_rows_kernel: rows per warp
 LMMA_OUT, LMMA_ROWS = 32, 16      # kernels/linear.cu, linear_mma_bf16_kernel: outputs and x rows per block
-# kernels/linear.cu, linear_mma_bf16_few_kernel (2 .. LMMA_FEW_ROWS rows): outputs per block, rows, 32-k steps per
-# k split at most; the blocks its k splits aim for, and the fewest steps a split takes (Ops.linear_few_plan)
-LMMA_FEW_OUT, LMMA_FEW_ROWS, LMMA_FEW_MAX_STEPS = 256, 8, 16
-LMMA_FEW_BLOCKS, LMMA_FEW_MIN_STEPS = 512, 8
+LMMA_FEW_OUT, LMMA_FEW_ROWS = 16, 8   # linear_mma_bf16_few_kernel, for 2 .. LMMA_FEW_ROWS rows (same bits a row)
 COMBINE_DSLICE = 32 * WARPS_PER_BLOCK   # kernels/moe.cu: the elements of a row one combine block owns
 W4A16_CHUNK_WORDS = 144             # kernels/w4a16_mma.cu
 MOE_GROUP_MAX_E = ROUTER_MAX_E + 1  # kernels/moe.cu, moe_group_kernel: the routed experts and the shared one
@@ -71,7 +68,7 @@ SIGNATURES = {
     "linear_rows_kernel": "PPPiiiiiqqq",
     "linear_bf16_kernel": "PPPiiiiqqq",
     "linear_mma_bf16_kernel": "PPPiiiiiqqq",
-    "linear_mma_bf16_few_kernel": "PPPiiiiiqqqiPP",
+    "linear_mma_bf16_few_kernel": "PPPiiiiiqqq",
     "mla_latent_kernel": "PiiiPPfPPPiPPPd",
     "mla_qprep_kernel": "PPPdPPiiiii",
     "mla_qprep_bf16_kernel": "PPPdPPiiiii",
@@ -300,43 +297,16 @@ class Ops:
         if T == 1:                                  # a GEMV: one warp per output streams W once
             self._launch(weight_kernel("linear", "linear", W), (-(-O // WARPS_PER_BLOCK), 1, B), _ptr(x), W.ptr, _ptr(y),
                          I, O, x_stride, y_stride, x_bstride, w_bstride, y_bstride)
-        elif W.dtype == np.uint16 and T <= LMMA_FEW_ROWS:   # bf16 weights, a few rows: the tensor cores, x split
-            ks, sps = self.linear_few_plan(I, O)                # once per block, the k range over ks blocks
-            part, tick = self._reserve("linear_few", *self.linear_few_need(W), "Ops.linear_reserve(weights)")
-            self._launch("linear_mma_bf16_few_kernel", (-(-O // LMMA_FEW_OUT), ks, B), _ptr(x), W.ptr, _ptr(y), T,
-                         I, O, x_stride, y_stride, x_bstride, w_bstride, y_bstride, sps, part.ptr, tick.ptr)
         elif W.dtype == np.uint16:                  # bf16 weights: the tensor cores, x split into three bf16
-            grid = (-(-O // LMMA_OUT), -(-T // LMMA_ROWS), B)   # terms (FP32-faithful), W read once per 16 rows
-            self._launch("linear_mma_bf16_kernel", grid, _ptr(x), W.ptr, _ptr(y), T, I, O, x_stride, y_stride,
-                         x_bstride, w_bstride, y_bstride)
+            few = T <= LMMA_FEW_ROWS                # terms (FP32-faithful), W read once per 16 rows (per 8 for
+            out, rows = (LMMA_FEW_OUT, LMMA_FEW_ROWS) if few else (LMMA_OUT, LMMA_ROWS)   # few: twice the blocks)
+            grid = (-(-O // out), -(-T // rows), B)
+            self._launch("linear_mma_bf16_few_kernel" if few else "linear_mma_bf16_kernel", grid, _ptr(x), W.ptr,
+                         _ptr(y), T, I, O, x_stride, y_stride, x_bstride, w_bstride, y_bstride)
         else:                                       # LINEAR_ROWS rows per warp: W read once per row block,
             grid = (-(-O // WARPS_PER_BLOCK), -(-T // LINEAR_ROWS), B)   # each row the bits linear_kernel gives
             self._launch(weight_kernel("linear_rows", "linear", W), grid, _ptr(x), W.ptr, _ptr(y), T, I, O, x_stride,
                          y_stride, x_bstride, w_bstride, y_bstride)
-
-    @staticmethod
-    def linear_few_plan(I: int, O: int) -> tuple[int, int]:
-        """(ks, sps): linear_mma_bf16_few_kernel's k splits and 32-k steps per split for an I -> O product.
-        Enough splits that the grid reaches about LMMA_FEW_BLOCKS blocks (K2.6's router gate, 384 outputs, is
-        2 column blocks; its o_proj 28), each of LMMA_FEW_MIN_STEPS to LMMA_FEW_MAX_STEPS steps. It depends on
-        the shape alone, not on the GPU: the splits fix the order of every sum."""
-        steps, cols = -(-I // 32), -(-O // LMMA_FEW_OUT)
-        want = -(-LMMA_FEW_BLOCKS // cols)
-        sps = min(steps, LMMA_FEW_MAX_STEPS, max(LMMA_FEW_MIN_STEPS, -(-steps // want)))
-        return -(-steps // sps), sps
-
-    def linear_few_need(self, W: DevBuf) -> tuple[int, int]:
-        """(partials floats, tickets) linear_mma_bf16_few_kernel needs for weight W [.., O, I] (none at one split)."""
-        B = int(np.prod(W.shape[:-2], dtype=np.int64))
-        O, I = W.shape[-2:]
-        ks, _ = self.linear_few_plan(I, O)
-        return (B * ks * LMMA_FEW_ROWS * O, B * -(-O // LMMA_FEW_OUT)) if ks > 1 else (0, 0)
-
-    def linear_reserve(self, weights) -> None:
-        """Make the few-rows linear's workspace hold what any of these bf16 weights needs; before graph capture
-        (a capture cannot allocate; the engine reserves for its dense weights)."""
-        need = [self.linear_few_need(W) for W in weights if W.dtype == np.uint16 and len(W.shape) >= 2] + [(0, 0)]
-        self._reserve("linear_few", max(p for p, _ in need), max(t for _, t in need), "Ops.linear_reserve(weights)")
 
     # ------------------------------------------------------------ attention and cache
     def mla_latent(self, qkv, T: int, Q: int, C: int, R: int, w_q: DevBuf, w_kv: DevBuf, eps: float, cq, lat,

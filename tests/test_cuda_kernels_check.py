@@ -214,30 +214,12 @@ def test_linear_mma_tile_matches_the_kernel():
     import re
 
     from cuda_engine.build import KERNEL_DIR
-    from cuda_engine.ops import LMMA_FEW_MAX_STEPS, LMMA_FEW_OUT, LMMA_FEW_ROWS, LMMA_OUT, LMMA_ROWS
+    from cuda_engine.ops import LMMA_FEW_OUT, LMMA_FEW_ROWS, LMMA_OUT, LMMA_ROWS
 
     src = (KERNEL_DIR / "linear.cu").read_text()
     for name, value in (("LMMA_OUT", LMMA_OUT), ("LMMA_ROWS", LMMA_ROWS), ("LMMA_FEW_OUT", LMMA_FEW_OUT),
-                        ("LMMA_FEW_ROWS", LMMA_FEW_ROWS), ("LMMA_FEW_MAX_STEPS", LMMA_FEW_MAX_STEPS)):
+                        ("LMMA_FEW_ROWS", LMMA_FEW_ROWS)):
         assert re.search(rf"#define {name} (\d+)", src)[1] == str(value), name
-
-
-def test_linear_few_plan_covers_every_k_once():
-    """Ops.linear_few_plan's (ks, sps) for many shapes: every split holds 1 .. LMMA_FEW_MAX_STEPS steps (the
-    kernel stages that many) and none is empty (the last one starts inside the k range), together they cover
-    the k range; the grid reaches about LMMA_FEW_BLOCKS where the steps allow; and the plan does not depend on
-    the GPU (a static method of the shape)."""
-    import itertools
-
-    from cuda_engine.ops import LMMA_FEW_BLOCKS, LMMA_FEW_MAX_STEPS, LMMA_FEW_MIN_STEPS, LMMA_FEW_OUT, Ops
-
-    for I, O in itertools.product([1, 31, 32, 33, 257, 1536, 7168, 8192, 18432], [1, 9, 255, 384, 2112, 7168, 163840]):
-        steps, cols = -(-I // 32), -(-O // LMMA_FEW_OUT)
-        ks, sps = Ops.linear_few_plan(I, O)
-        assert 1 <= sps <= LMMA_FEW_MAX_STEPS and (ks - 1) * sps < steps <= ks * sps, (I, O, ks, sps)
-        if LMMA_FEW_MIN_STEPS < sps < LMMA_FEW_MAX_STEPS:   # neither bound binds: the grid is filled, but for
-            # the rounding of sps = ceil(steps / want) up: ks >= steps / sps > want (sps - 1) / sps
-            assert cols * ks * sps > LMMA_FEW_BLOCKS * (sps - 1), (I, O, ks, sps)
 
 
 def test_grouped_moe_groups_cap_holds_for_every_routing():

@@ -2,10 +2,8 @@
 //   linear_kernel / linear_bf16_kernel: one row (T = 1, the decode step's GEMV), float32 or bf16 W;
 //   linear_rows_kernel: T >= 2 rows with float32 W (CudaEngine(dense="float32")), 8 rows per warp, each row the
 //     bits linear_kernel gives it;
-//   linear_mma_bf16_kernel: T >= 9 rows with bf16 W (the engine's default for weights a bundle stores as bf16), on
-//     the tensor cores, FP32-faithful (below);
-//   linear_mma_bf16_few_kernel: 2 .. 8 rows with bf16 W (a prefill of a few tokens, a small tree's verify), the same
-//     products with x split once per block and the k range split over blocks (below).
+//   linear_mma_bf16_kernel / linear_mma_bf16_few_kernel: T >= 9 / 2 .. 8 rows with bf16 W (the engine's default
+//     for weights a bundle stores as bf16), on the tensor cores, FP32-faithful (below).
 // Contract: float32 x and y; W float32 or bf16 bits (widened exactly, common.cuh wval), W rows contiguous (row
 // length I). x row t of batch b starts at x + b * x_bstride + t * x_stride; y likewise; W of batch b at
 // W + b * w_bstride. The batch axis serves per-head products with no extra kernel.
@@ -89,26 +87,38 @@ extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM) l
     linear_rows_body(x, W, y, T, I, O, x_stride, y_stride, x_bstride, w_bstride, y_bstride);
 }
 
-// linear_mma_bf16_kernel: the product for T >= 9 rows with bf16 weights (K2.6's dense weights as stored), on the
-// tensor cores, FP32-faithful: each x element is split exactly into three bf16 terms (tensor_core.cuh, split3) and
-// W (exact in bf16) multiplies each, so every product W x_j is exact in float32 and summed in float32; nothing
-// is dropped. Why: linear_rows_kernel is bound by issuing a float32 load and multiply-add per (row, element):
-// at K2.6's o_proj (8192 -> 7168) a 5-row verify took 4x the one-row GEMV, a 33-row one 19x.
+// linear_mma_bf16_kernel / linear_mma_bf16_few_kernel: the product for T >= 2 rows with bf16 weights (K2.6's
+// dense weights as stored), on the tensor cores, FP32-faithful: each x element is split exactly into three bf16
+// terms (tensor_core.cuh, split3) and W (exact in bf16) multiplies each, so every product W x_j is exact in
+// float32 and summed in float32; nothing is dropped. Why: linear_rows_kernel is bound by issuing a float32 load
+// and multiply-add per (row, element): at K2.6's o_proj (8192 -> 7168) a 5-row verify took 4x the one-row GEMV,
+// a 33-row one 19x.
 // Roles: M = outputs (W rows, the mma's A, row-major), N = x rows (the mma's B: x [row][k] is B column-major).
-// Block (256 threads): 32 outputs (two m16 tiles) x 16 rows (two n8 tiles); its 8 warps split the k steps of
-// 32 into 8 contiguous ranges and the block adds their results in warp order (shared memory).
+// Block (256 threads): MT m16 tiles of outputs x NT n8 tiles of rows; its 8 warps split the k steps of 32 into 8
+// contiguous ranges and the block adds their results in warp order (shared memory). Two instances:
+//   linear_mma_bf16_kernel (MT = 2, NT = 2: 32 outputs x 16 rows) from 9 rows on;
+//   linear_mma_bf16_few_kernel (MT = 1, NT = 1: 16 outputs x 8 rows) for 2 .. 8 rows (a small tree's verify):
+//     there W's bytes decide the time, so half the mma (no padding rows past 8) and twice the blocks (K2.6's
+//     qkv_a, 2112 outputs, filled 66 of 132 SMs with 32-output blocks).
+// Every output's sum is the same in both (per warp the same k range, the same mma sequence per 32 k, the warps
+// added in the same order; an output element of an mma depends on its own row and column alone), so the two
+// give the same bits for a row (tests/test_cuda_kernels.py).
 // Lane (g, c) = (lane / 4, lane % 4) loads 8 consecutive k (16 bytes of W, 32 of x) at 32 s + 8 c of rows g and
 // g + 8: the mma's k slots 2c, 2c+1 / 2c+8, 2c+9 take physical k 8c + {0,1} / {2,3} in the first mma of the
 // step and 8c + {4,5} / {6,7} in the second; A and B use the same map, so the sum is over every k once.
-// Each warp keeps its next step's W and x in flight while it multiplies (a ring of two steps in registers).
+// Each warp keeps its next steps' W and x in flight while it multiplies (a ring of D steps in registers, loaded D
+// steps ahead): D = 2 for the full tiles, 4 for the few-rows one, whose W bytes decide its time (K2.6's qkv_a
+// runs one block per SM: 8 warps of one 1 KB step each in flight could not cover the memory's latency).
 // Per 32 k: hi (x0 W) starts afresh and is added to tot (rounded); lo (x1 W + x2 W) runs; the warp's result is
 // tot + lo (tensor_core.cuh says why). Fixed order throughout: the same bits every run.
-// Launch: grid (ceil(O / 32), ceil(T / 16), B), block BLOCK_THREADS.
+// Launch: grid (ceil(O / (16 MT)), ceil(T / (8 NT)), B), block BLOCK_THREADS.
 #define LMMA_OUT 32                            // linear_mma_bf16_kernel: outputs per block
 #define LMMA_ROWS 16                           // and x rows per block
-#define LMMA_DEPTH 2                           // and 32-k steps in flight per warp
-static_assert(LMMA_OUT == 32 && LMMA_ROWS == 16 && WARPS_PER_BLOCK == 8,
-              "linear_mma_bf16_kernel's two m16 tiles, two n8 tiles and 8-warp k split assume these (ops.py too)");
+#define LMMA_FEW_OUT 16                        // linear_mma_bf16_few_kernel: outputs per block
+#define LMMA_FEW_ROWS 8                        // and x rows per block (the most rows it is launched for)
+#define LMMA_FEW_DEPTH 4                       // and steps in flight per warp (the full tiles: 2)
+static_assert(LMMA_OUT == 32 && LMMA_ROWS == 16 && LMMA_FEW_OUT == 16 && LMMA_FEW_ROWS == 8 && WARPS_PER_BLOCK == 8,
+              "linear_mma's m16 tiles, n8 tiles and 8-warp k split assume these (ops.py too)");
 
 __device__ __forceinline__ void lmma_load_w(const bf16_t* __restrict__ row, int k, int I, bool ok, unsigned (&w)[4]) {
     if (ok && k + 8 <= I && ((reinterpret_cast<size_t>(row + k) & 15) == 0)) {
@@ -121,19 +131,6 @@ __device__ __forceinline__ void lmma_load_w(const bf16_t* __restrict__ row, int 
         const unsigned lo = (ok && k + 2 * j < I) ? row[k + 2 * j] : 0u;
         const unsigned hi = (ok && k + 2 * j + 1 < I) ? row[k + 2 * j + 1] : 0u;
         w[j] = lo | (hi << 16);
-    }
-}
-
-// One m16 tile's 32-k step: lo += x2 W + x1 W, hi += x0 W over the step's two mma k slots (regs 2 half, +1);
-// w = the lane's W words of rows g and g + 8, xt[term] = the lane's 4 words of that term of x.
-__device__ __forceinline__ void lmma_tile_step(const unsigned (&w)[2][4], const unsigned (&xt)[3][4], float (&hi)[4],
-                                               float (&lo)[4]) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const unsigned a[4] = {w[0][2 * half], w[1][2 * half], w[0][2 * half + 1], w[1][2 * half + 1]};
-        mma_bf16(lo, a, &xt[2][2 * half]);
-        mma_bf16(lo, a, &xt[1][2 * half]);
-        mma_bf16(hi, a, &xt[0][2 * half]);
     }
 }
 
@@ -173,26 +170,35 @@ __device__ __forceinline__ void lmma_step(const LmmaStep<MT, NT>& st, float (&to
             xt[nt][i][3] = u[i].w;
         }
     }
+    float hi[MT][NT][4] = {};
+#pragma unroll
+    for (int half = 0; half < 2; ++half)                       // the step's two mma k slots: regs 2 half, +1
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            const unsigned a[4] = {st.w[mt][0][2 * half], st.w[mt][1][2 * half], st.w[mt][0][2 * half + 1],
+                                   st.w[mt][1][2 * half + 1]};
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                mma_bf16(lo[mt][nt], a, &xt[nt][2][2 * half]);
+                mma_bf16(lo[mt][nt], a, &xt[nt][1][2 * half]);
+                mma_bf16(hi[mt][nt], a, &xt[nt][0][2 * half]);
+            }
+        }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            float hi[4] = {};
-            lmma_tile_step(st.w[mt], xt[nt], hi, lo[mt][nt]);
+        for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) tot[mt][nt][i] += hi[i];
-        }
+            for (int i = 0; i < 4; ++i) tot[mt][nt][i] += hi[mt][nt][i];
 }
 
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
-linear_mma_bf16_kernel(const float* __restrict__ x, const bf16_t* __restrict__ W, float* __restrict__ y, int T, int I,
-                       int O, int x_stride, int y_stride, long long x_bstride, long long w_bstride,
-                       long long y_bstride) {
-    AFTER_PREVIOUS_GRID();
-    constexpr int MT = LMMA_OUT / 16, NT = LMMA_ROWS / 8, D = LMMA_DEPTH;
+template <int MT, int NT, int D>
+__device__ __forceinline__ void lmma_body(const float* __restrict__ x, const bf16_t* __restrict__ W,
+                                          float* __restrict__ y, int T, int I, int O, int x_stride, int y_stride,
+                                          long long x_bstride, long long w_bstride, long long y_bstride) {
     __shared__ float red[WARPS_PER_BLOCK][MT][NT][4][WARP_SIZE];   // [warp][m tile][n tile][element][lane]
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE, g = lane / 4, c = lane % 4;
-    const int o0 = blockIdx.x * LMMA_OUT, t0 = blockIdx.y * LMMA_ROWS, b = blockIdx.z;
+    const int o0 = blockIdx.x * (16 * MT), t0 = blockIdx.y * (8 * NT), b = blockIdx.z;
     const float* xb = x + b * x_bstride;
     const bf16_t* wb = W + b * w_bstride;
     const bf16_t* wrow[MT][2];                                  // [m tile][row g, row g + 8]
@@ -245,138 +251,14 @@ linear_mma_bf16_kernel(const float* __restrict__ x, const bf16_t* __restrict__ W
     }
 }
 
-// linear_mma_bf16_few_kernel: the same products for 2 .. LMMA_FEW_ROWS rows, where W's bytes decide the time and
-// linear_mma_bf16_kernel was bound by its instruction issue instead (Nsight Compute, K2.6's o_proj at 5 rows: the
-// schedulers issuing every other cycle, DRAM at 41%): each of its warps split its x anew for every 32 k of W,
-// about 280 instructions per 1 KB of W, and half its mma and x work was rows past T.
-// Here the block splits its x once, into shared memory, and every warp reads the terms from there:
-//   Block (256 threads) = LMMA_FEW_OUT outputs (8 warps of 32: two m16 tiles each) x one n8 tile of rows
-//   (rows past T are zeros) x one split of the k range: sps 32-k steps from sps blockIdx.y (grid.y = ks splits;
-//   ops.Ops.linear_few_plan picks sps from (I, O) alone, so a shape sums in the same order on any GPU).
-//   The block stages x[rows, its k range] as the three bf16 terms [term][row][k] (LMMA_FEW_XPITCH: a row
-//   starts 64 bytes past a bank multiple, so the 8 rows x 4 lanes of one ldmatrix-free 16-byte read hit
-//   distinct banks in each quarter warp); lane (g, c) reads the 16 bytes at k + 8 c of row g per term, the map
-//   linear_mma_bf16_kernel's loads have (above).
-//   A warp streams W of its two m tiles over the split, LMMA_FEW_DEPTH steps ahead (a ring in registers).
-//   Per 32 k: hi (x0 W) afresh, added to tot; lo (x1 W + x2 W) runs; the split's result is tot + lo.
-// With ks = 1 the block writes y. Else it writes its split's sums to partials [B][ks][LMMA_FEW_ROWS][O] (rows < T);
-// the last block of a column range to finish (a ticket per (b, blockIdx.x), reset by that block) adds the ks
-// partials in split order and writes y: deterministic, no float atomics.
-// Error: per split a sum of at most 32 sps exact products in float32, then at most ks - 1 float32 additions:
-// the (I + 64) 2^-23 sum |x W| bound of linear_mma_bf16_kernel holds (tests/test_cuda_kernels.py).
-// Launch: grid (ceil(O / LMMA_FEW_OUT), ks, B), block BLOCK_THREADS; 2 <= T <= LMMA_FEW_ROWS,
-// 1 <= sps <= LMMA_FEW_MAX_STEPS, ks = ceil(ceil(I / 32) / sps).
-#define LMMA_FEW_WARP_OUT 32                   // outputs per warp (two m16 tiles)
-#define LMMA_FEW_OUT 256                       // outputs per block (8 warps)
-#define LMMA_FEW_ROWS 8                        // the most rows it is launched for (one n8 tile)
-#define LMMA_FEW_MAX_STEPS 16                  // 32-k steps per split at most (the staged x's size)
-#define LMMA_FEW_DEPTH 3                       // 32-k steps of W in flight per warp
-#define LMMA_FEW_XPITCH (LMMA_FEW_MAX_STEPS * 32 + 32)   // bf16 per staged row: 1088 bytes = 64 mod 128
-static_assert(LMMA_FEW_OUT == LMMA_FEW_WARP_OUT * WARPS_PER_BLOCK && LMMA_FEW_WARP_OUT == 32 && LMMA_FEW_ROWS == 8,
-              "linear_mma_bf16_few_kernel's warps hold two m16 tiles of one n8 tile (ops.py too)");
-static_assert((LMMA_FEW_XPITCH * 2) % 128 == 64, "a staged row must start 64 bytes past a bank multiple");
-
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 2)
-linear_mma_bf16_few_kernel(const float* __restrict__ x, const bf16_t* __restrict__ W, float* __restrict__ y, int T,
-                           int I, int O, int x_stride, int y_stride, long long x_bstride, long long w_bstride,
-                           long long y_bstride, int sps, float* __restrict__ partials, int* __restrict__ tickets) {
+#define LMMA_ARGS const float* __restrict__ x, const bf16_t* __restrict__ W, float* __restrict__ y, int T, int I, \
+    int O, int x_stride, int y_stride, long long x_bstride, long long w_bstride, long long y_bstride
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM) linear_mma_bf16_kernel(LMMA_ARGS) {
     AFTER_PREVIOUS_GRID();
-    __shared__ __align__(16) bf16_t xs[3][LMMA_FEW_ROWS][LMMA_FEW_XPITCH];
-    __shared__ int last;
-    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE, g = lane / 4, c = lane % 4;
-    const int ks = gridDim.y, split = blockIdx.y, b = blockIdx.z;
-    const int steps = (I + 31) / 32, s_lo = split * sps, n_steps = min(steps, s_lo + sps) - s_lo;
-    const int k_lo = 32 * s_lo, span = 32 * n_steps;
-    const float* xb = x + b * x_bstride;
-    for (int e = threadIdx.x; e < LMMA_FEW_ROWS * (span / 8); e += BLOCK_THREADS) {   // 8 columns of one row each
-        const int r = e / (span / 8), k = (e % (span / 8)) * 8;
-        const bool ok = r < T;
-        float v[8];
-        load8(ok ? xb + (size_t)r * x_stride + k_lo + k : xb, ok ? I - k_lo - k : 0, v);
-        uint4 u[3];
-        split3_x8(v, u);
-#pragma unroll
-        for (int i = 0; i < 3; ++i) *reinterpret_cast<uint4*>(&xs[i][r][k]) = u[i];
-    }
-    const int o0 = blockIdx.x * LMMA_FEW_OUT + warp * LMMA_FEW_WARP_OUT;
-    const bf16_t* wb = W + b * w_bstride;
-    const bf16_t* wrow[2][2];                                   // [m tile][row g, row g + 8]
-    bool wok[2][2];
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int o = o0 + mt * 16 + h * 8 + g;
-            wok[mt][h] = o < O;
-            wrow[mt][h] = wb + (size_t)min(o, O - 1) * I;
-        }
-    const bool busy = o0 < O;                                   // a warp past O only takes part in the barriers
-    unsigned ring[LMMA_FEW_DEPTH][2][2][4];                     // step j of the split in ring[j % DEPTH]
-    if (busy) {
-#pragma unroll
-        for (int j = 0; j < LMMA_FEW_DEPTH; ++j)
-            if (j < n_steps)
-#pragma unroll
-                for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) lmma_load_w(wrow[mt][h], k_lo + 32 * j + 8 * c, I, wok[mt][h], ring[j][mt][h]);
-    }
-    __syncthreads();                                            // x's terms staged
-    float tot[2][4] = {}, lo[2][4] = {};
-    if (busy) {
-        for (int j0 = 0; j0 < n_steps; j0 += LMMA_FEW_DEPTH)
-#pragma unroll
-            for (int d = 0; d < LMMA_FEW_DEPTH; ++d) {
-                const int j = j0 + d;
-                if (j >= n_steps) break;
-                unsigned xt[3][4];
-#pragma unroll
-                for (int i = 0; i < 3; ++i) {
-                    const uint4 u = *reinterpret_cast<const uint4*>(&xs[i][g][32 * j + 8 * c]);
-                    xt[i][0] = u.x; xt[i][1] = u.y; xt[i][2] = u.z; xt[i][3] = u.w;
-                }
-#pragma unroll
-                for (int mt = 0; mt < 2; ++mt) {
-                    float hi[4] = {};
-                    lmma_tile_step(ring[d][mt], xt, hi, lo[mt]);
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) tot[mt][i] += hi[i];
-                }
-                if (j + LMMA_FEW_DEPTH < n_steps)               // DEPTH steps ahead
-#pragma unroll
-                    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-                        for (int h = 0; h < 2; ++h)
-                            lmma_load_w(wrow[mt][h], k_lo + 32 * (j + LMMA_FEW_DEPTH) + 8 * c, I, wok[mt][h], ring[d][mt][h]);
-            }
-    }
-    // lane (g, c) holds rows 2c, 2c + 1 of outputs g, g + 8 of each m tile: element i = output + (i / 2) 8, row i % 2
-    float* dst = ks == 1 ? y + b * y_bstride : partials + ((size_t)b * ks + split) * LMMA_FEW_ROWS * O;
-    const size_t dst_stride = ks == 1 ? (size_t)y_stride : (size_t)O;
-    if (busy)
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int o = o0 + mt * 16 + g + (i / 2) * 8, t = 2 * c + i % 2;
-                if (o < O && t < T) dst[t * dst_stride + o] = tot[mt][i] + lo[mt][i];
-            }
-    if (ks == 1) return;
-    __threadfence();                                            // this block's partials visible before its ticket
-    __syncthreads();
-    int* ticket = tickets + (size_t)b * gridDim.x + blockIdx.x;
-    if (threadIdx.x == 0) last = atomicAdd(ticket, 1) == ks - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();                                            // the other blocks' partials, seen through L2
-    const int ob = blockIdx.x * LMMA_FEW_OUT, n_out = min(LMMA_FEW_OUT, O - ob);
-    for (int e = threadIdx.x; e < T * n_out; e += BLOCK_THREADS) {
-        const int t = e / n_out, o = ob + e % n_out;
-        const float* p = partials + (size_t)b * ks * LMMA_FEW_ROWS * O + (size_t)t * O + o;
-        float v = 0.0f;
-#pragma unroll 4
-        for (int j = 0; j < ks; ++j) v += __ldcg(p + (size_t)j * LMMA_FEW_ROWS * O);   // split order
-        y[b * y_bstride + (size_t)t * y_stride + o] = v;
-    }
-    if (threadIdx.x == 0) *ticket = 0;                          // ready for the next launch
+    lmma_body<LMMA_OUT / 16, LMMA_ROWS / 8, 2>(x, W, y, T, I, O, x_stride, y_stride, x_bstride, w_bstride, y_bstride);
+}
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM) linear_mma_bf16_few_kernel(LMMA_ARGS) {
+    AFTER_PREVIOUS_GRID();
+    lmma_body<LMMA_FEW_OUT / 16, LMMA_FEW_ROWS / 8, LMMA_FEW_DEPTH>(x, W, y, T, I, O, x_stride, y_stride, x_bstride, w_bstride,
+                                                    y_bstride);
 }
