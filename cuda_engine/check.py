@@ -108,12 +108,20 @@ def kernel_usage(arch: str, files=None) -> list[KernelUsage]:
 ENTRY_FIRST_STATEMENT = "AFTER_PREVIOUS_GRID();"
 
 
+def _comment_spans(source: str) -> list[tuple[int, int]]:
+    return [m.span() for m in re.finditer(r"//[^\n]*|/\*.*?\*/", source, flags=re.S)]
+
+
 def entries_without_the_wait(source: str, file: str) -> list[str]:
-    """A problem per extern "C" __global__ entry of `source` whose body does not begin with
-    AFTER_PREVIOUS_GRID(); (comments and blank lines before it are not allowed either: it must be first)."""
+    """A problem per kernel definition (`__global__ ... {`, however spelled: extern "C" or not, a template, inside
+    an extern "C" { } block) of `source` whose body does not begin with AFTER_PREVIOUS_GRID();. Whitespace before
+    it is fine; a comment or any statement before it is not: it must be first."""
+    comments = _comment_spans(source)
     out = []
-    for m in re.finditer(r'extern "C" __global__([^{;]*)\{', source):
-        name = re.search(r"(\w+)\s*\(", re.sub(r"__launch_bounds__\([^)]*\)", "", m[1]))
+    for m in re.finditer(r"\b__global__\b([^{;]*)\{", source):
+        if any(a <= m.start() < b for a, b in comments):
+            continue                                            # a __global__ named in a comment
+        name = re.search(r"(\w+)\s*\(", re.sub(r"__launch_bounds__\s*\([^)]*\)", "", m[1]))
         if not source[m.end():].lstrip().startswith(ENTRY_FIRST_STATEMENT):
             out.append(f"{name[1] if name else '?'} ({file}): its first statement is not {ENTRY_FIRST_STATEMENT} "
                        f"(kernels/common.cuh says why; a kernel without it may read its inputs before the kernel "

@@ -107,8 +107,11 @@ extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM) l
 // g + 8: the mma's k slots 2c, 2c+1 / 2c+8, 2c+9 take physical k 8c + {0,1} / {2,3} in the first mma of the
 // step and 8c + {4,5} / {6,7} in the second; A and B use the same map, so the sum is over every k once.
 // Each warp keeps its next steps' W and x in flight while it multiplies (a ring of D steps in registers, loaded D
-// steps ahead): D = 2 for the full tiles, 4 for the few-rows one, whose W bytes decide its time (K2.6's qkv_a
-// runs one block per SM: 8 warps of one 1 KB step each in flight could not cover the memory's latency).
+// steps ahead): D = 2 for the full tiles, 4 for the few-rows one. Measured on the H200 at K2.6's shapes, 5 rows
+// (a scratch build of each depth): D = 1 -> 4 took qkv_a from 27.8 to 20.0 us and the router gate from 21.5 to
+// 17.0 (grids of one block per SM or fewer), and left q_b (~20 us) and o_proj (~61 us, about 2 TB/s) as they were.
+// What holds o_proj at 2 TB/s is not established: not the issue of the split (a version that split x once per
+// block into shared memory and spread the k range over blocks ran it no faster), not latency (the depth).
 // Per 32 k: hi (x0 W) starts afresh and is added to tot (rounded); lo (x1 W + x2 W) runs; the warp's result is
 // tot + lo (tensor_core.cuh says why). Fixed order throughout: the same bits every run.
 // Launch: grid (ceil(O / (16 MT)), ceil(T / (8 NT)), B), block BLOCK_THREADS.

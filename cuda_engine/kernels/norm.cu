@@ -5,6 +5,11 @@
 // latent norm can read c_kv straight out of the [T, C + R] kv_a output. w float32 [n].
 // Launch: grid (T), block BLOCK_THREADS. The sum of squares is a fixed-order block reduction, so the
 // result is bitwise reproducible. 1/sqrtf (not rsqrtf: 2 ulp) keeps the oracle's rounding close.
+// A row is one block, so at K2.6's 7168 (28 elements a thread) the loop was a chain of dependent loads: 10.8 us
+// for one row on the H200 (bench/profile_forward.py --k26). Each thread now loads NORM_BATCH of its elements
+// before it adds them, in the same order (each thread's sum runs over i = tid, tid + 256, ... as before: the
+// same bits).
+#define NORM_BATCH 8
 #include "common.cuh"
 
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
@@ -15,8 +20,19 @@ rms_norm_kernel(const float* __restrict__ x, int x_stride, const float* __restri
     const float* xr = x + (size_t)blockIdx.x * x_stride;
     float* yr = y + (size_t)blockIdx.x * y_stride;
     float ss = 0.0f;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += xr[i] * xr[i];
+    for (int i0 = threadIdx.x; i0 < n; i0 += NORM_BATCH * blockDim.x) {
+        float v[NORM_BATCH];
+#pragma unroll
+        for (int j = 0; j < NORM_BATCH; ++j) {
+            const int i = i0 + j * blockDim.x;
+            v[j] = i < n ? xr[i] : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < NORM_BATCH; ++j)
+            if (i0 + j * blockDim.x < n) ss += v[j] * v[j];
+    }
     const float inv = 1.0f / sqrtf(block_sum(ss, buf) / (float)n + eps);
+#pragma unroll 4
     for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = w[i] * (xr[i] * inv);
 }
 
@@ -27,11 +43,23 @@ add_rms_norm_kernel(const float* __restrict__ h, const float* __restrict__ a, fl
     __shared__ float buf[BLOCK_THREADS];
     const size_t row = (size_t)blockIdx.x * n;
     float ss = 0.0f;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const float v = h[row + i] + a[row + i];
-        h_out[row + i] = v;                 // each thread re-reads only what it wrote itself below
-        ss += v * v;
+    for (int i0 = threadIdx.x; i0 < n; i0 += NORM_BATCH * blockDim.x) {
+        float v[NORM_BATCH];
+#pragma unroll
+        for (int j = 0; j < NORM_BATCH; ++j) {
+            const int i = i0 + j * blockDim.x;
+            v[j] = i < n ? h[row + i] + a[row + i] : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < NORM_BATCH; ++j) {
+            const int i = i0 + j * blockDim.x;
+            if (i < n) {
+                h_out[row + i] = v[j];      // each thread re-reads only what it wrote itself below
+                ss += v[j] * v[j];
+            }
+        }
     }
     const float inv = 1.0f / sqrtf(block_sum(ss, buf) / (float)n + eps);
+#pragma unroll 4
     for (int i = threadIdx.x; i < n; i += blockDim.x) y[row + i] = w[i] * (h_out[row + i] * inv);
 }
