@@ -93,6 +93,36 @@ def test_every_kernel_entry_waits_for_the_kernel_before_it():
     assert [f.split(" ")[0] for f in found] == ["not_extern", "a_template", "in_a_block"], found
 
 
+def test_the_wait_check_reads_every_entry_of_the_sources():
+    """Each AFTER_PREVIOUS_GRID(); of the kernel sources, deleted in turn, makes `kdtr kernels check` report
+    exactly one problem, for the entry that held it: no entry of the shipped sources escapes the check (a kernel
+    the check could not read would report nothing), and the check's count of entries is the kernel modules' own
+    (ops.SIGNATURES and the drafter's, each entry once in the sources)."""
+    from cuda_engine.build import kernel_files
+    from cuda_engine.check import ENTRY_FIRST_STATEMENT, entries_without_the_wait
+    from cuda_engine.drafter import DRAFTER_SIGNATURES
+    from cuda_engine.ops import SIGNATURES
+
+    names = []
+    for f in kernel_files():
+        text = f.read_text()
+        at = [m.start() for m in re.finditer(re.escape(ENTRY_FIRST_STATEMENT), text)]
+        for i in at:
+            found = entries_without_the_wait(text[:i] + text[i + len(ENTRY_FIRST_STATEMENT):], f.name)
+            assert len(found) == 1, (f.name, i, found)
+            names.append(found[0].split(" ")[0])
+    assert sorted(names) == sorted(set(SIGNATURES) | set(DRAFTER_SIGNATURES))
+
+
+@pytest.mark.xfail(strict=True, reason="known gap, fixed at the next re-proof (docs/cuda-engine.md, Stop 44): a "
+                   "comment naming __global__ runs the match on into the next kernel, which is then skipped")
+def test_a_comment_naming_global_does_not_hide_the_next_kernel():
+    from cuda_engine.check import entries_without_the_wait
+
+    planted = '// every __global__ function here\nextern "C" __global__ void k(int* p) {\n    *p = 1;\n}\n'
+    assert [f.split(" ")[0] for f in entries_without_the_wait(planted, "planted.cu")] == ["k"]
+
+
 def test_w4a16_wrapper_tables_match_the_kernel_entries():
     """w4a16_plan.py picks a w4a16_mma entry by numerics and token count and ops.py sizes its grid by the entry's row blocks
     per block: both tables must say what kernels/w4a16_mma.cu instantiates (a mismatch would launch too few
