@@ -79,11 +79,9 @@ def test_every_kernel_entry_waits_for_the_kernel_before_it():
         assert files[file].count(good) == 1, (file, good)
         found = entries_without_the_wait(files[file].replace(good, bad), file)
         assert len(found) == 1 and found[0].startswith(f"{entry} ({file})"), found
-    # every kernel definition is read, however spelled: the check finds as many as the sources hold, and flags
-    # planted kernels of other spellings that lack the wait (and not one that has it, nor a comment naming one)
-    for file, text in files.items():
-        code = re.sub(r"//[^\n]*|/\*.*?\*/", "", text, flags=re.S)
-        assert len(re.findall(r"\b__global__\b[^{;]*\{", code)) == text.count("AFTER_PREVIOUS_GRID();"), file
+    # every kernel definition is read, however spelled (that the check reads every entry of the real sources:
+    # test_the_wait_check_reads_every_entry_of_the_sources): planted kernels of other spellings that lack the wait
+    # are flagged, and not one that has it, nor a comment naming one
     planted = ('// __global__ void in_a_comment() {\n'
                '__global__ void __launch_bounds__(256) not_extern(int* p) { *p = 0; }\n'
                'template <int N> __global__ void a_template(int* p) {\n  *p = N;\n}\n'

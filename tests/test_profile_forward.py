@@ -34,8 +34,8 @@ def test_without_pycuda_it_says_so_and_exits_6(capsys):
 
 @pytest.mark.cuda
 def test_it_profiles_a_tiny_bundle_on_the_gpu(tmp_path):
-    """One pass on the GPU machine: every case names kernels, each launch's time is positive, and the kernels'
-    sum and the graph's time are both there."""
+    """One pass on the GPU machine: every case names kernels, each launch's time is positive, the per-launch list
+    (--launches) has every launch and adds up to the kernels' sum, and the graph's time is there."""
     import json
 
     from cuda_oracle import gpu_ops
@@ -49,3 +49,4 @@ def test_it_profiles_a_tiny_bundle_on_the_gpu(tmp_path):
     for c in cases:
         assert c["kernels"] and all(n >= 1 and us > 0 for n, us in c["kernels"].values()), c["label"]
         assert c["kernels_us"] > 0 and c["graph_us"] > 0 and c["launches"] == sum(n for n, _ in c["kernels"].values())
+        assert len(c["each"]) == c["launches"] and sum(us for _, _, us in c["each"]) == pytest.approx(c["kernels_us"])
