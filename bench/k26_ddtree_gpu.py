@@ -32,7 +32,7 @@ def _engine(layers: int, S_cap: int, T_cap: int, progress, dense: str = "bf16"):
     """A CudaEngine holding `layers` random K2.6 MoE layers (dense weights bf16 bits or float32), activations for
     T_cap rows, a cache of S_cap."""
     from cuda_engine.device import DevBuf, driver
-    from cuda_engine.engine import CudaEngine
+    from cuda_engine.engine import CudaEngine, tile_linear_weights
     from cuda_engine.ops import Ops
     from kdtr_format.bf16 import bf16_bits
     from refmodel.config import PRESETS
@@ -58,6 +58,7 @@ def _engine(layers: int, S_cap: int, T_cap: int, progress, dense: str = "bf16"):
     e.layers = []
     for l in range(layers):
         w = {k: DevBuf.from_array(v) for k, v in mats.items()}
+        tile_linear_weights(e.ops, w, mats)
         w.update({k: DevBuf.from_array(np.ones(n, np.float32)) for k, n in ones.items()})
         w["bias"] = DevBuf.from_array(np.zeros(E, np.float32))
         w["gate_up.mma"] = _expert_stack((E + 1, 2 * I // 32, D // 32, 144), rng)
@@ -104,8 +105,9 @@ def _expert_stack(shape, rng):
     return buf
 
 
-def _graph_us(ops, fn, reps: int, note: dict | None = None) -> float:
-    """Microseconds per replay of fn's launches as one CUDA graph (CUDA events over `reps` replays). Where no
+def _graph_us(ops, fn, reps: int, note: dict | None = None, edges: str | None = None) -> float:
+    """Microseconds per replay of fn's launches as one CUDA graph (CUDA events over `reps` replays; kernel ->
+    kernel edges `edges`, by default the engine's: cuda_engine.graph.capture). Where no
     graph can be captured (no cuda-bindings), the launches themselves, timed alike (each launch then costs its
     host overhead too), and note["timing"] says why."""
     from cuda_engine.device import CudaEngineError, timed_us
@@ -114,7 +116,7 @@ def _graph_us(ops, fn, reps: int, note: dict | None = None) -> float:
     fn()                                    # uncaptured: reserves workspaces, surfaces a fault here
     ops.stream.synchronize()
     try:
-        g = capture(ops, fn)
+        g = capture(ops, fn, edges)
         run = lambda: g.launch(ops.stream)  # noqa: E731
     except CudaEngineError as e:
         if note is not None:

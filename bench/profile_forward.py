@@ -71,26 +71,21 @@ def kernel_times(ops, fn, reps: int, note: dict, each: list | None = None) -> di
     """{kernel: [launches per call, device us per call]} of fn()'s launches, each replayed alone (COPIES
     back-to-back copies in a graph with plain edges, `reps` replays); `each`, where given, gets one
     [kernel, grid, us] per launch, in launch order."""
-    import cuda_engine.graph as graph_mod
     from bench.k26_ddtree_gpu import _graph_us
 
     fn()                                          # warm: workspaces reserved, code loaded
     ops.stream.synchronize()
     out: dict = {}
-    was, graph_mod.GRAPH_EDGES = graph_mod.GRAPH_EDGES, "plain"
-    try:
-        for name, f, grid, block, args, kw in record_launches(ops, fn):
-            def copies(f=f, grid=grid, block=block, args=args, kw=kw):
-                for _ in range(COPIES):
-                    f.prepared_async_call(grid, block, ops.stream, *args, **kw)
+    for name, f, grid, block, args, kw in record_launches(ops, fn):
+        def copies(f=f, grid=grid, block=block, args=args, kw=kw):
+            for _ in range(COPIES):
+                f.prepared_async_call(grid, block, ops.stream, *args, **kw)
 
-            us = _graph_us(ops, copies, reps, note) / COPIES
-            n, tot = out.get(name, (0, 0.0))
-            out[name] = (n + 1, tot + us)
-            if each is not None:
-                each.append([name, list(grid), us])
-    finally:
-        graph_mod.GRAPH_EDGES = was
+        us = _graph_us(ops, copies, reps, note, edges="plain") / COPIES
+        n, tot = out.get(name, (0, 0.0))
+        out[name] = (n + 1, tot + us)
+        if each is not None:
+            each.append([name, list(grid), us])
     return {name: [n, us] for name, (n, us) in sorted(out.items(), key=lambda kv: -kv[1][1])}
 
 

@@ -98,14 +98,9 @@ def graph_edges() -> str:
 def _capture(ops, record, edges: str | None = None):
     """cuda_engine.graph.capture with the engine's kernel -> kernel edges, or the ones named ("late", "early",
     "plain")."""
-    import cuda_engine.graph as graph_mod
+    from cuda_engine.graph import capture
 
-    was = graph_mod.GRAPH_EDGES
-    graph_mod.GRAPH_EDGES = edges or was
-    try:
-        return graph_mod.capture(ops, record)
-    finally:
-        graph_mod.GRAPH_EDGES = was
+    return capture(ops, record, edges)
 
 
 def _launch_floor(ops, n_kernels: int, steps: int, edges: str | None = None) -> tuple[float, float]:

@@ -108,19 +108,20 @@ def kernel_usage(arch: str, files=None) -> list[KernelUsage]:
 ENTRY_FIRST_STATEMENT = "AFTER_PREVIOUS_GRID();"
 
 
-def _comment_spans(source: str) -> list[tuple[int, int]]:
-    return [m.span() for m in re.finditer(r"//[^\n]*|/\*.*?\*/", source, flags=re.S)]
+def _blank_comments(source: str) -> str:
+    """`source` with every comment's characters (newlines kept) replaced by spaces: the same length, so offsets
+    still point into the source, and no word of a comment can start or end a match."""
+    return re.sub(r"//[^\n]*|/\*.*?\*/", lambda m: re.sub(r"[^\n]", " ", m[0]), source, flags=re.S)
 
 
 def entries_without_the_wait(source: str, file: str) -> list[str]:
     """A problem per kernel definition (`__global__ ... {`, however spelled: extern "C" or not, a template, inside
     an extern "C" { } block) of `source` whose body does not begin with AFTER_PREVIOUS_GRID();. Whitespace before
-    it is fine; a comment or any statement before it is not: it must be first."""
-    comments = _comment_spans(source)
+    it is fine; a comment or any statement before it is not: it must be first. Comments are blanked before the
+    search, so a comment that names __global__ neither counts as a kernel nor hides the next one."""
+    code = _blank_comments(source)
     out = []
-    for m in re.finditer(r"\b__global__\b([^{;]*)\{", source):
-        if any(a <= m.start() < b for a, b in comments):
-            continue                                            # a __global__ named in a comment
+    for m in re.finditer(r"\b__global__\b([^{;]*)\{", code):
         name = re.search(r"(\w+)\s*\(", re.sub(r"__launch_bounds__\s*\([^)]*\)", "", m[1]))
         if not source[m.end():].lstrip().startswith(ENTRY_FIRST_STATEMENT):
             out.append(f"{name[1] if name else '?'} ({file}): its first statement is not {ENTRY_FIRST_STATEMENT} "

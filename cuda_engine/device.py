@@ -104,6 +104,7 @@ class DevBuf:
                                       f"free") from None
             ptr = int(owner)
         self.ptr, self._owner = ptr, owner
+        self.tiled: "DevBuf | None" = None   # bf16 weights: the copy the mma linear kernels read (ops.Ops.tiled)
 
     @classmethod
     def from_array(cls, a: np.ndarray, dtype=None) -> "DevBuf":

@@ -30,6 +30,15 @@ from refmodel.model import tap_names, yarn_inv_freq
 
 T_CAP0, S_CAP0 = 64, 512            # first capacities (tokens per forward, cache rows); both grow x2
 W4A16_MODES = ("fast", "plain", "dense")   # INT4 experts: kernels/w4a16_mma.cu, w4a16_plain.cu, dequantized
+LINEAR_WEIGHTS = ("qkv_a", "q_b", "o_proj", "gate", "lm_head")   # the weights a forward passes to Ops.linear
+
+
+def tile_linear_weights(ops: Ops, bufs: dict, host: dict) -> None:
+    """Make the tiled copies (Ops.tiled) of the bf16 weights among LINEAR_WEIGHTS in bufs, from their host
+    values: a forward of 2 or more rows reads them, and none may be made while a graph is captured."""
+    for k in LINEAR_WEIGHTS:
+        if k in bufs and bufs[k].dtype == np.uint16:
+            ops.tiled(bufs[k], host[k])
 
 
 def check_config(cfg: ModelConfig) -> None:
@@ -120,11 +129,14 @@ class CudaEngine:
             if n_int4 and self.w4a16 == "fast":
                 arrays = _repack_fast(arrays, l)
             self.layers.append({k: DevBuf.from_array(v) for k, v in arrays.items()})
+            tile_linear_weights(self.ops, self.layers[-1], arrays)
             self.n_int4.append(n_int4)
         self._reserve_w4a16()
         self.embed = DevBuf.from_array(W["model.embed_tokens.weight"])
         self.norm = DevBuf.from_array(W["model.norm.weight"])
         self.lm_head = self.embed if cfg.tie_word_embeddings else DevBuf.from_array(W["lm_head.weight"])
+        tile_linear_weights(self.ops, {"lm_head": self.lm_head},
+                            {"lm_head": W["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]})
         held = [b for w in self.layers for k, b in w.items() if not k.endswith(".sc")] + [self.embed]
         held += [self.lm_head] if self.lm_head is not self.embed else []
         self.bf16_weights = sum(b.dtype == np.uint16 for b in held)

@@ -9,7 +9,8 @@ Programmatic edges: after capture, each edge from one kernel node to another may
 (CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC), so the second kernel's blocks are scheduled before the first kernel has
 ended. Every kernel begins with AFTER_PREVIOUS_GRID() (kernels/common.cuh; `kdtr kernels check` holds it), which
 waits for the kernel before it to complete with its writes visible: no result changes, only the gap between two
-kernels. GRAPH_EDGES (read at each capture) says when the second kernel may be scheduled:
+kernels. A capture's `edges` (by default GRAPH_EDGES, read at each capture) say when the second kernel may be
+scheduled:
 - "late": once every block of the first has exited (CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC; no kernel triggers
   earlier): the launch overlaps the first kernel's completion and memory flush;
 - "early": once every block of the first has begun (CU_GRAPH_KERNEL_NODE_PORT_LAUNCH_ORDER): its blocks then wait,
@@ -63,10 +64,12 @@ class Graph:
             self._exe = self._graph = None
 
 
-def capture(ops, record) -> Graph:
-    """Run `record()` (which launches on ops.stream) under stream capture; returns the instantiated graph."""
-    if GRAPH_EDGES not in EDGE_MODES:
-        raise CudaEngineError(f"graph edges {GRAPH_EDGES!r} (KDTR_GRAPH_EDGES): choose one of {', '.join(EDGE_MODES)}")
+def capture(ops, record, edges: str | None = None) -> Graph:
+    """Run `record()` (which launches on ops.stream) under stream capture; returns the instantiated graph, its
+    kernel -> kernel edges `edges` (one of EDGE_MODES; by default the engine's, GRAPH_EDGES)."""
+    edges = GRAPH_EDGES if edges is None else edges
+    if edges not in EDGE_MODES:
+        raise CudaEngineError(f"graph edges {edges!r} (KDTR_GRAPH_EDGES): choose one of {', '.join(EDGE_MODES)}")
     cu = _cu()
     before = ops.launches
     ops.stream.synchronize()
@@ -90,7 +93,7 @@ def capture(ops, record) -> Graph:
             gc.enable()
     try:
         # below sm_90 AFTER_PREVIOUS_GRID() compiles to nothing, so such a device keeps plain edges
-        programmatic = make_programmatic(graph, GRAPH_EDGES) if GRAPH_EDGES != "plain" and ops.cc_major >= 9 else 0
+        programmatic = make_programmatic(graph, edges) if edges != "plain" and ops.cc_major >= 9 else 0
         exe = _check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
     except BaseException:
         cu.cuGraphDestroy(graph)

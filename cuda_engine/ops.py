@@ -8,6 +8,7 @@ and names the kernel that faulted.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -54,6 +55,7 @@ ROUTER_MAX_E, ROUTER_MAX_GROUPS, MOE_MAX_SLOTS = 1024, 64, 64   # kernels/moe.cu
 LINEAR_ROWS = 8                   # kernels/linear.cu, linear_rows_kernel: rows per warp
 LMMA_OUT, LMMA_ROWS = 32, 16      # kernels/linear.cu, linear_mma_bf16_kernel: outputs and x rows per block
 LMMA_FEW_OUT, LMMA_FEW_ROWS = 16, 8   # linear_mma_bf16_few_kernel, for 2 .. LMMA_FEW_ROWS rows (same bits a row)
+LMMA_TILE = (16, 32)              # kernels/linear.cu, LMMA_TILE_ELEMS: the mma kernels' W blocks (outputs x k)
 COMBINE_DSLICE = 32 * WARPS_PER_BLOCK   # kernels/moe.cu: the elements of a row one combine block owns
 W4A16_CHUNK_WORDS = 144             # kernels/w4a16_mma.cu
 MOE_GROUP_MAX_E = ROUTER_MAX_E + 1  # kernels/moe.cu, moe_group_kernel: the routed experts and the shared one
@@ -203,6 +205,20 @@ def _group(qw: DevBuf, sc: DevBuf, op: str) -> int:
     return g
 
 
+def tile_bf16(W: np.ndarray) -> np.ndarray:
+    """bf16 weight bits [..., O, I] -> the layout the mma linear kernels read (kernels/linear.cu): per 16 outputs
+    and per 32 k one 16 x 32 block, row-major, a tile's blocks consecutive: [..., ceil(O/16), ceil(I/32), 16, 32],
+    zeros past O and I. Every weight value keeps its bits; only its place changes."""
+    _need(W.dtype == np.uint16 and W.ndim >= 2, "tile_bf16", f"weight must be bf16 bits [.., O, I], got {W.shape} "
+          f"{W.dtype}")
+    (O, I), (mo, mk) = W.shape[-2:], LMMA_TILE
+    lead = W.shape[:-2]
+    P = np.zeros(lead + (-(-O // mo) * mo, -(-I // mk) * mk), np.uint16)
+    P[..., :O, :I] = W
+    P = P.reshape(lead + (P.shape[-2] // mo, mo, P.shape[-1] // mk, mk))
+    return np.ascontiguousarray(np.moveaxis(P, -3, -2))
+
+
 class Ops:
     """The loaded kernel module and one prepared function per kernel."""
 
@@ -286,10 +302,22 @@ class Ops:
         n = w.shape[0]
         self._launch("add_rms_norm_kernel", (T,), _ptr(h), _ptr(a), _ptr(h_out), w.ptr, _ptr(y), n, eps)
 
+    def tiled(self, W: DevBuf, host: np.ndarray | None = None) -> DevBuf:
+        """The tiled copy (tile_bf16) of bf16 weights W that the mma linear kernels read, made once and kept
+        with W (the one-row GEMV reads W itself). `host`, W's values when the caller holds them, spares the copy
+        back; a loader makes every copy before any graph is captured (no allocation may happen in one)."""
+        if W.tiled is None:
+            if self.capturing:
+                raise CudaEngineError(f"the tiled copy of bf16 weights {W.shape} must be made before a graph is "
+                                      f"captured (no allocation may happen in one): call Ops.tiled(W) after loading "
+                                      f"them, as the engine's loader does (engine.tile_linear_weights)")
+            W.tiled = DevBuf.from_array(tile_bf16(W.get() if host is None else host))
+        return W.tiled
+
     def linear(self, x, W: DevBuf, y, T: int, I: int, O: int, x_stride=None, y_stride=None,
                B: int = 1, x_bstride: int = 0, w_bstride: int = 0, y_bstride: int = 0) -> None:
-        """y[b, t, :O] = W[b] @ x[b, t, :I]; W [B, O, I] float32 or bf16 bits, rows contiguous; strides in
-        elements."""
+        """y[b, t, :O] = W[b] @ x[b, t, :I]; W [B, O, I] float32 or bf16 bits, rows contiguous (bf16 ones read by 2
+        or more rows through their tiled copy, Ops.tiled); strides in elements."""
         x_stride = I if x_stride is None else x_stride
         y_stride = O if y_stride is None else y_stride
         _need(W.shape[-2:] == (O, I), "linear", f"weight {W.shape} is not [.., O={O}, I={I}]")
@@ -300,9 +328,14 @@ class Ops:
         elif W.dtype == np.uint16:                  # bf16 weights: the tensor cores, x split into three bf16
             few = T <= LMMA_FEW_ROWS                # terms (FP32-faithful), W read once per 16 rows (per 8 for
             out, rows = (LMMA_FEW_OUT, LMMA_FEW_ROWS) if few else (LMMA_OUT, LMMA_ROWS)   # few: twice the blocks)
+            per = O * I                             # their W is the tiled copy: batch strides in whole matrices
+            _need(w_bstride % per == 0, "linear", f"w_bstride {w_bstride} is not a whole number of [{O}, {I}] "
+                  f"matrices (the tiled copy of bf16 weights moves by whole matrices)")
+            Wt = self.tiled(W)
             grid = (-(-O // out), -(-T // rows), B)
-            self._launch("linear_mma_bf16_few_kernel" if few else "linear_mma_bf16_kernel", grid, _ptr(x), W.ptr,
-                         _ptr(y), T, I, O, x_stride, y_stride, x_bstride, w_bstride, y_bstride)
+            self._launch("linear_mma_bf16_few_kernel" if few else "linear_mma_bf16_kernel", grid, _ptr(x), Wt.ptr,
+                         _ptr(y), T, I, O, x_stride, y_stride, x_bstride, w_bstride // per * math.prod(Wt.shape[-4:]),
+                         y_bstride)
         else:                                       # LINEAR_ROWS rows per warp: W read once per row block,
             grid = (-(-O // WARPS_PER_BLOCK), -(-T // LINEAR_ROWS), B)   # each row the bits linear_kernel gives
             self._launch(weight_kernel("linear_rows", "linear", W), grid, _ptr(x), W.ptr, _ptr(y), T, I, O, x_stride,

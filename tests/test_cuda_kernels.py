@@ -142,22 +142,27 @@ def test_linear_mma_bf16(ops, T, B, I, O, spread):
     assert (err <= bound).all(), f"max err / bound {np.max(err / np.maximum(bound, 1e-300)):.3g}"
 
 
-@pytest.mark.parametrize("T,I,O", [(2, 37, 17), (5, 7168, 2112), (8, 64 * 128, 7168), (5, 7168, 384)])
-def test_linear_mma_few_rows_are_the_full_tiles_bits(ops, T, I, O):
+@pytest.mark.parametrize("T,B,I,O,spread", [(2, 1, 37, 17, 0), (5, 1, 7168, 2112, 0), (8, 1, 64 * 128, 7168, 0),
+                                            (5, 1, 7168, 384, 0), (3, 3, 40, 33, 0), (6, 1, 300, 50, 30)])
+def test_linear_mma_few_rows_are_the_full_tiles_bits(ops, T, B, I, O, spread):
     """2 .. LMMA_FEW_ROWS rows run linear_mma_bf16_few_kernel (16 outputs x 8 rows a block); the same rows as the
     first of LMMA_FEW_ROWS + 1 run linear_mma_bf16_kernel (32 x 16), and each row comes out the same bits in both
     (kernels/linear.cu: every output's sum runs the same steps in both), not merely within tolerance. Shapes: I
-    not a multiple of 8, K2.6's qkv_a, o_proj and router gate."""
+    not a multiple of 8, K2.6's qkv_a, o_proj and router gate, batched with a head stride wider than I, x over
+    2^+-30 (the three terms' exponents)."""
     from kdtr_format.bf16 import bf16_bits
 
     assert T <= LMMA_FEW_ROWS
     rng = np.random.default_rng(T + I + O)
-    x = rand(rng, LMMA_FEW_ROWS + 1, I)
-    dW = dev(bf16_bits(rand(rng, O, I, scale=I ** -0.5)))
-    few, full = dev(np.zeros((T, O), np.float32)), dev(np.zeros((LMMA_FEW_ROWS + 1, O), np.float32))
+    x = rand(rng, LMMA_FEW_ROWS + 1, B, I + 3)
+    if spread:
+        x *= np.exp2(rng.integers(-spread, spread + 1, x.shape)).astype(np.float32)
+    dW = dev(bf16_bits(rand(rng, B, O, I, scale=I ** -0.5)))
+    few, full = dev(np.zeros((T, B, O), np.float32)), dev(np.zeros((LMMA_FEW_ROWS + 1, B, O), np.float32))
+    kw = dict(x_stride=B * (I + 3), y_stride=B * O, B=B, x_bstride=I + 3, w_bstride=O * I, y_bstride=O)
     ran = {n: ops.ran.get(n, 0) for n in ("linear_mma_bf16_few_kernel", "linear_mma_bf16_kernel")}
-    run(ops, ops.linear, dev(x[:T]), dW, few, T, I, O)
-    run(ops, ops.linear, dev(x), dW, full, LMMA_FEW_ROWS + 1, I, O)
+    run(ops, ops.linear, dev(x[:T]), dW, few, T, I, O, **kw)
+    run(ops, ops.linear, dev(x), dW, full, LMMA_FEW_ROWS + 1, I, O, **kw)
     assert {n: ops.ran.get(n, 0) - c for n, c in ran.items()} == {n: 1 for n in ran}
     np.testing.assert_array_equal(few.get(), full.get()[:T])
 

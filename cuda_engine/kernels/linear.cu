@@ -5,7 +5,7 @@
 //   linear_mma_bf16_kernel / linear_mma_bf16_few_kernel: T >= 9 / 2 .. 8 rows with bf16 W (the engine's default
 //     for weights a bundle stores as bf16), on the tensor cores, FP32-faithful (below).
 // Contract: float32 x and y; W float32 or bf16 bits (widened exactly, common.cuh wval), W rows contiguous (row
-// length I). x row t of batch b starts at x + b * x_bstride + t * x_stride; y likewise; W of batch b at
+// length I), except the two mma kernels', which read W tiled (below). x row t of batch b starts at x + b * x_bstride + t * x_stride; y likewise; W of batch b at
 // W + b * w_bstride. The batch axis serves per-head products with no extra kernel.
 // linear_kernel: grid (ceil(O / WARPS_PER_BLOCK), T, B), block BLOCK_THREADS; one warp per output element.
 // Why a warp per output: at decode (T = 1) the product is a GEMV that only streams W; lanes read
@@ -103,15 +103,20 @@ extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM) l
 // Every output's sum is the same in both (per warp the same k range, the same mma sequence per 32 k, the warps
 // added in the same order; an output element of an mma depends on its own row and column alone), so the two
 // give the same bits for a row (tests/test_cuda_kernels.py).
-// Lane (g, c) = (lane / 4, lane % 4) loads 8 consecutive k (16 bytes of W, 32 of x) at 32 s + 8 c of rows g and
-// g + 8: the mma's k slots 2c, 2c+1 / 2c+8, 2c+9 take physical k 8c + {0,1} / {2,3} in the first mma of the
-// step and 8c + {4,5} / {6,7} in the second; A and B use the same map, so the sum is over every k once.
+// W comes tiled (ops.py, tile_bf16; the engine keeps it beside the row-major copy the one-row GEMV reads): per 16
+// outputs (an m tile, zero rows past O) and per 32 k (a step, zeros past I) one 16 x 32 block, row-major, 1 KB,
+// the steps of a tile consecutive: [ceil(O / 16)][ceil(I / 32)][16][32] bf16 per batch. Lane (g, c) = (lane / 4,
+// lane % 4) loads 8 consecutive k (16 bytes of W, 32 of x) at 32 s + 8 c of rows g and g + 8: the mma's k slots
+// 2c, 2c+1 / 2c+8, 2c+9 take physical k 8c + {0,1} / {2,3} in the first mma of the step and 8c + {4,5} / {6,7}
+// in the second; A and B use the same map, so the sum is over every k once. In the tiled layout each of a warp's
+// two W loads a step reads 512 contiguous bytes (rows g and g + 8 at their k), and a warp's k range is one
+// contiguous run: row-major, the same loads touched 8 rows 64 bytes each. Measured on the H200 at K2.6's shapes,
+// 5 rows, each launch alone over weights larger than L2: o_proj 60.8 -> 47.5 us (1.93 -> 2.47 TB/s), qkv_a 19.8 ->
+// 15.9, q_b 19.8 -> 17.2, the router gate 18.3 -> 14.4; 17 rows (linear_mma_bf16_kernel) o_proj 146 -> 112 us;
+// the same bits (docs/cuda-engine.md, "Stop 45").
 // Each warp keeps its next steps' W and x in flight while it multiplies (a ring of D steps in registers, loaded D
-// steps ahead): D = 2 for the full tiles, 4 for the few-rows one. Measured on the H200 at K2.6's shapes, 5 rows
-// (a scratch build of each depth): D = 1 -> 4 took qkv_a from 27.8 to 20.0 us and the router gate from 21.5 to
-// 17.0 (grids of one block per SM or fewer), and left q_b (~20 us) and o_proj (~61 us, about 2 TB/s) as they were.
-// What holds o_proj at 2 TB/s is not established: not the issue of the split (a version that split x once per
-// block into shared memory and spread the k range over blocks ran it no faster), not latency (the depth).
+// steps ahead): LMMA_DEPTH for the full tiles, LMMA_FEW_DEPTH for the few-rows one (row-major, D = 1 -> 4 took
+// qkv_a from 27.8 to 20.0 us; D = 8 spilled and was slower).
 // Per 32 k: hi (x0 W) starts afresh and is added to tot (rounded); lo (x1 W + x2 W) runs; the warp's result is
 // tot + lo (tensor_core.cuh says why). Fixed order throughout: the same bits every run.
 // Launch: grid (ceil(O / (16 MT)), ceil(T / (8 NT)), B), block BLOCK_THREADS.
@@ -119,23 +124,11 @@ extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM) l
 #define LMMA_ROWS 16                           // and x rows per block
 #define LMMA_FEW_OUT 16                        // linear_mma_bf16_few_kernel: outputs per block
 #define LMMA_FEW_ROWS 8                        // and x rows per block (the most rows it is launched for)
-#define LMMA_FEW_DEPTH 4                       // and steps in flight per warp (the full tiles: 2)
+#define LMMA_DEPTH 2                           // and steps in flight per warp
+#define LMMA_FEW_DEPTH 4                       // and steps in flight per warp
+#define LMMA_TILE_ELEMS 512                    // bf16 per tiled 16 x 32 block of W (ops.py: LMMA_TILE)
 static_assert(LMMA_OUT == 32 && LMMA_ROWS == 16 && LMMA_FEW_OUT == 16 && LMMA_FEW_ROWS == 8 && WARPS_PER_BLOCK == 8,
               "linear_mma's m16 tiles, n8 tiles and 8-warp k split assume these (ops.py too)");
-
-__device__ __forceinline__ void lmma_load_w(const bf16_t* __restrict__ row, int k, int I, bool ok, unsigned (&w)[4]) {
-    if (ok && k + 8 <= I && ((reinterpret_cast<size_t>(row + k) & 15) == 0)) {
-        const uint4 v = __ldg(reinterpret_cast<const uint4*>(row + k));
-        w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
-        return;
-    }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const unsigned lo = (ok && k + 2 * j < I) ? row[k + 2 * j] : 0u;
-        const unsigned hi = (ok && k + 2 * j + 1 < I) ? row[k + 2 * j + 1] : 0u;
-        w[j] = lo | (hi << 16);
-    }
-}
 
 // One step's operands as loaded: W of the warp's MT m tiles (rows g, g + 8 of each) and x[k .. k + 7] of its NT
 // n tiles' row g (zeros past I and for rows past T).
@@ -146,13 +139,15 @@ struct LmmaStep {
 };
 
 template <int MT, int NT>
-__device__ __forceinline__ void lmma_load(LmmaStep<MT, NT>& st, const bf16_t* const (&wrow)[MT][2],
-                                          const bool (&wok)[MT][2], const float* const (&xrow)[NT],
-                                          const bool (&xok)[NT], int k, int I) {
+__device__ __forceinline__ void lmma_load(LmmaStep<MT, NT>& st, const bf16_t* const (&wt)[MT], const float* const (&xrow)[NT],
+                                          const bool (&xok)[NT], int s, int k, int I) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) lmma_load_w(wrow[mt][h], k, I, wok[mt][h], st.w[mt][h]);
+        for (int h = 0; h < 2; ++h) {                          // rows h 8 + g: 512 contiguous bytes a warp
+            const uint4 v = __ldg(reinterpret_cast<const uint4*>(wt[mt] + (size_t)s * LMMA_TILE_ELEMS + h * 256));
+            st.w[mt][h][0] = v.x; st.w[mt][h][1] = v.y; st.w[mt][h][2] = v.z; st.w[mt][h][3] = v.w;
+        }
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) load8(xok[nt] ? xrow[nt] + k : xrow[nt], xok[nt] ? I - k : 0, st.x[nt]);
 }
@@ -204,37 +199,32 @@ __device__ __forceinline__ void lmma_body(const float* __restrict__ x, const bf1
     const int o0 = blockIdx.x * (16 * MT), t0 = blockIdx.y * (8 * NT), b = blockIdx.z;
     const float* xb = x + b * x_bstride;
     const bf16_t* wb = W + b * w_bstride;
-    const bf16_t* wrow[MT][2];                                  // [m tile][row g, row g + 8]
-    bool wok[MT][2];
+    const int steps = (I + 31) / 32, tiles = (O + 15) / 16;
+    const bf16_t* wt[MT];                                       // [m tile]: its first step's 16 x 32, at this lane's 8
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)                             // (a last block's tile past O: the last tile, not stored)
+        wt[mt] = wb + (size_t)min(o0 / 16 + mt, tiles - 1) * steps * LMMA_TILE_ELEMS + lane * 8;
     const float* xrow[NT];
     bool xok[NT];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int o = o0 + mt * 16 + h * 8 + g;
-            wok[mt][h] = o < O;
-            wrow[mt][h] = wb + (size_t)min(o, O - 1) * I;
-        }
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
         const int t = t0 + nt * 8 + g;
         xok[nt] = t < T;
         xrow[nt] = xb + (size_t)min(t, T - 1) * x_stride;
     }
-    const int steps = (I + 31) / 32, s_lo = warp * steps / WARPS_PER_BLOCK, s_hi = (warp + 1) * steps / WARPS_PER_BLOCK;
+    const int s_lo = warp * steps / WARPS_PER_BLOCK, s_hi = (warp + 1) * steps / WARPS_PER_BLOCK;
     float tot[MT][NT][4] = {}, lo[MT][NT][4] = {};
     LmmaStep<MT, NT> buf[D];                                    // a ring: step s in buf[(s - s_lo) % D]
 #pragma unroll
     for (int j = 0; j < D; ++j)
-        if (s_lo + j < s_hi) lmma_load(buf[j], wrow, wok, xrow, xok, (s_lo + j) * 32 + 8 * c, I);
+        if (s_lo + j < s_hi) lmma_load(buf[j], wt, xrow, xok, s_lo + j, (s_lo + j) * 32 + 8 * c, I);
     for (int s0 = s_lo; s0 < s_hi; s0 += D)
 #pragma unroll
         for (int j = 0; j < D; ++j) {
             const int s = s0 + j;
             if (s >= s_hi) break;
             lmma_step(buf[j], tot, lo);
-            if (s + D < s_hi) lmma_load(buf[j], wrow, wok, xrow, xok, (s + D) * 32 + 8 * c, I);   // D steps ahead
+            if (s + D < s_hi) lmma_load(buf[j], wt, xrow, xok, s + D, (s + D) * 32 + 8 * c, I);   // D steps ahead
         }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -258,7 +248,7 @@ __device__ __forceinline__ void lmma_body(const float* __restrict__ x, const bf1
     int O, int x_stride, int y_stride, long long x_bstride, long long w_bstride, long long y_bstride
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM) linear_mma_bf16_kernel(LMMA_ARGS) {
     AFTER_PREVIOUS_GRID();
-    lmma_body<LMMA_OUT / 16, LMMA_ROWS / 8, 2>(x, W, y, T, I, O, x_stride, y_stride, x_bstride, w_bstride, y_bstride);
+    lmma_body<LMMA_OUT / 16, LMMA_ROWS / 8, LMMA_DEPTH>(x, W, y, T, I, O, x_stride, y_stride, x_bstride, w_bstride, y_bstride);
 }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM) linear_mma_bf16_few_kernel(LMMA_ARGS) {
     AFTER_PREVIOUS_GRID();

@@ -12,6 +12,30 @@
 #define NORM_BATCH 8
 #include "common.cuh"
 
+// This thread's sum of squares of row elements i = tid, tid + blockDim.x, ... < n, in that order: value(i) gives
+// element i, NORM_BATCH of them loaded before any is added; keep(i, v) sees each element once as it is added.
+template <typename Value, typename Keep>
+__device__ __forceinline__ float thread_sum_squares(int n, Value value, Keep keep) {
+    float ss = 0.0f;
+    for (int i0 = threadIdx.x; i0 < n; i0 += NORM_BATCH * blockDim.x) {
+        float v[NORM_BATCH];
+#pragma unroll
+        for (int j = 0; j < NORM_BATCH; ++j) {
+            const int i = i0 + j * blockDim.x;
+            v[j] = i < n ? value(i) : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < NORM_BATCH; ++j) {
+            const int i = i0 + j * blockDim.x;
+            if (i < n) {
+                keep(i, v[j]);
+                ss += v[j] * v[j];
+            }
+        }
+    }
+    return ss;
+}
+
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
 rms_norm_kernel(const float* __restrict__ x, int x_stride, const float* __restrict__ w,
                 float* __restrict__ y, int y_stride, int n, float eps) {
@@ -19,18 +43,7 @@ rms_norm_kernel(const float* __restrict__ x, int x_stride, const float* __restri
     __shared__ float buf[BLOCK_THREADS];
     const float* xr = x + (size_t)blockIdx.x * x_stride;
     float* yr = y + (size_t)blockIdx.x * y_stride;
-    float ss = 0.0f;
-    for (int i0 = threadIdx.x; i0 < n; i0 += NORM_BATCH * blockDim.x) {
-        float v[NORM_BATCH];
-#pragma unroll
-        for (int j = 0; j < NORM_BATCH; ++j) {
-            const int i = i0 + j * blockDim.x;
-            v[j] = i < n ? xr[i] : 0.0f;
-        }
-#pragma unroll
-        for (int j = 0; j < NORM_BATCH; ++j)
-            if (i0 + j * blockDim.x < n) ss += v[j] * v[j];
-    }
+    const float ss = thread_sum_squares(n, [&](int i) { return xr[i]; }, [](int, float) {});
     const float inv = 1.0f / sqrtf(block_sum(ss, buf) / (float)n + eps);
 #pragma unroll 4
     for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = w[i] * (xr[i] * inv);
@@ -42,23 +55,8 @@ add_rms_norm_kernel(const float* __restrict__ h, const float* __restrict__ a, fl
     AFTER_PREVIOUS_GRID();
     __shared__ float buf[BLOCK_THREADS];
     const size_t row = (size_t)blockIdx.x * n;
-    float ss = 0.0f;
-    for (int i0 = threadIdx.x; i0 < n; i0 += NORM_BATCH * blockDim.x) {
-        float v[NORM_BATCH];
-#pragma unroll
-        for (int j = 0; j < NORM_BATCH; ++j) {
-            const int i = i0 + j * blockDim.x;
-            v[j] = i < n ? h[row + i] + a[row + i] : 0.0f;
-        }
-#pragma unroll
-        for (int j = 0; j < NORM_BATCH; ++j) {
-            const int i = i0 + j * blockDim.x;
-            if (i < n) {
-                h_out[row + i] = v[j];      // each thread re-reads only what it wrote itself below
-                ss += v[j] * v[j];
-            }
-        }
-    }
+    const float ss = thread_sum_squares(n, [&](int i) { return h[row + i] + a[row + i]; },
+                                        [&](int i, float v) { h_out[row + i] = v; });   // re-read below by this thread only
     const float inv = 1.0f / sqrtf(block_sum(ss, buf) / (float)n + eps);
 #pragma unroll 4
     for (int i = threadIdx.x; i < n; i += blockDim.x) y[row + i] = w[i] * (h_out[row + i] * inv);
