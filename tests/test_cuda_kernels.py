@@ -226,6 +226,50 @@ def attention_oracle(q, w_uk, w_uv, ckv, kpe, mask, scale, N):
     return np.einsum("thc,huc->thu", o_lat, w_uv)
 
 
+@pytest.mark.parametrize("cached,T,n_split", [(5000, 3, 4), (5000, 3, 1), (3069, 3, 1), (3070, 3, 1), (40, 2, 7)])
+def test_mla_softmax_both_paths(ops, cached, T, n_split):
+    """mla_softmax_kernel alone: a chunk of up to SOFTMAX_HELD spans (3072 columns) read once and held in registers,
+    a longer one read twice (cached 5000 in one chunk; 3072 / 3073 columns: the edge). Per chunk against float64:
+    m the exact max; each p (its three bf16 terms' sum) within expf's 2 ulp plus the float32 rounding of s - m
+    (|s - m| 2^-24 relative); l within the float32 sum's bound; zeros where p's terms are past the chunk. A row
+    with every entry masked gives m = -inf, l = 0 and p = 0; masked entries give p = 0."""
+    from cuda_engine.ops import join3
+
+    H, C = 2, 8
+    S, TH = cached + T, T * H
+    S_cap = S + 5
+    rng = np.random.default_rng(cached + n_split)
+    sc = (rng.standard_normal((TH, S_cap)) * 6).astype(np.float32)
+    sc[:, ::37] = -np.inf
+    sc[1, :] = -np.inf
+    pitch = p_terms_shape(TH, S_cap)[2]
+    p = dev(np.full((3, TH, pitch), 0x7777, np.uint16))
+    part = dev(np.zeros((n_split, TH, C + 2), np.float32))
+    meta = dev(np.array([cached, 0, 0, 0], np.int32))
+    scores = dev(sc)                                   # held: freed only after the launch has run
+    run(ops, ops._launch, "mla_softmax_kernel", (-(-TH // 8), n_split), scores.ptr, S_cap, meta.ptr, p.ptr, pitch,
+        part.ptr, T, H, C)
+    got_p, got = join3(p.get()), part.get()
+    per = -(-S // n_split)
+    chunk = -(-per // 32) * 32
+    for j in range(n_split):
+        lo, hi = min(S, j * chunk), min(S, j * chunk + chunk)
+        s64 = sc[:, lo:hi].astype(np.float64)
+        m = s64.max(axis=1) if hi > lo else np.full(TH, -np.inf)
+        np.testing.assert_array_equal(got[j, :, 0], m.astype(np.float32))
+        with np.errstate(invalid="ignore"):
+            d = np.where(np.isfinite(s64), s64 - m[:, None], -np.inf)
+        d = np.nan_to_num(d, nan=-np.inf)
+        want = np.exp(d)
+        bound = want * ((1 + 2 * 2.0**-23) * (1 + np.abs(np.where(np.isfinite(d), d, 0)) * 2.0**-24) - 1)
+        err = np.abs(got_p[:, lo:hi] - want)
+        assert (err <= bound).all(), (j, float(np.max(err - bound)))
+        n = max(hi - lo, 1)
+        l_bound = (n + 5) * 2.0**-24 * want.sum(axis=1) + np.abs(want - got_p[:, lo:hi]).sum(axis=1)
+        assert (np.abs(got[j, :, 1] - want.sum(axis=1)) <= l_bound).all(), j
+    assert (got[:, 1, 0] == -np.inf).all() and (got[:, 1, 1] == 0).all() and not got_p[1, :S].any()
+
+
 @pytest.mark.parametrize("T,H,C,R,N,U,Q,S0,tree", [
     (1, 1, 1, 2, 1, 1, 1, 0, False), (3, 5, 17, 6, 3, 7, 13, 11, False), (7, 2, 33, 4, 9, 5, 31, 0, True),
     (5, 3, 64, 16, 32, 32, 96, 9, True),                          # the golden model's shapes
