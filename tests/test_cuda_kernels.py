@@ -227,9 +227,9 @@ def attention_oracle(q, w_uk, w_uv, ckv, kpe, mask, scale, N):
 
 
 @pytest.mark.parametrize("cached,T,n_split", [(5000, 3, 4), (5000, 3, 1), (3069, 3, 1), (3070, 3, 1), (40, 2, 7)])
-def test_mla_softmax_both_paths(ops, cached, T, n_split):
-    """mla_softmax_kernel alone: a chunk of up to SOFTMAX_HELD spans (3072 columns) read once and held in registers,
-    a longer one read twice (cached 5000 in one chunk; 3072 / 3073 columns: the edge). Per chunk against float64:
+def test_mla_softmax_chunks(ops, cached, T, n_split):
+    """mla_softmax_kernel alone, over chunks of 1280 to 5024 columns (3072 / 3104 at 3069 / 3070 cached: the edge a
+    register-held version had, docs/cuda-engine.md "Stop 45") and chunks past the cache. Per chunk against float64:
     m the exact max; each p (its three bf16 terms' sum) within expf's 2 ulp plus the float32 rounding of s - m
     (|s - m| 2^-24 relative); l within the float32 sum's bound; zeros where p's terms are past the chunk. A row
     with every entry masked gives m = -inf, l = 0 and p = 0; masked entries give p = 0."""
