@@ -171,10 +171,16 @@ def test_the_bf16_bundle_passes_both_ways(engine_cls, w4a16):
             # the embedding and lm_head
             L, first = e.cfg.num_hidden_layers, e.cfg.first_k_dense_replace
             assert info["bf16_weights"] == 8 * L + (L - first) + 2, info["bf16_weights"]
-            # the tiled copies the mma linear reads were made at load, none in a forward (inside a graph capture)
+            # the tiled copies the mma linear reads are made by the load itself, before any forward (Ops.tiled would
+            # make a missing one at a prefill's first use, so this is read off an engine that only loaded)
             from cuda_engine.engine import LINEAR_WEIGHTS
-            held = [w[k] for w in e.layers for k in LINEAR_WEIGHTS if k in w] + [e.lm_head]
+
+            fresh = engine_cls(w4a16=w4a16, dense=dense)
+            with open_kdtr(SLICE) as f:
+                fresh.load(f)
+            held = [w[k] for w in fresh.layers for k in LINEAR_WEIGHTS if k in w] + [fresh.lm_head]
             assert held and all(b.dtype == np.uint16 and b.tiled is not None for b in held)
+            del fresh
             ran = info["kernels_ran"]
             assert {"linear_bf16_kernel", "linear_mma_bf16_kernel", "linear_mma_bf16_few_kernel", "embedding_bf16_kernel", "mla_qprep_bf16_kernel",
                     "mla_merge_uv_bf16_kernel", "swiglu_gate_up_bf16_kernel", "expert_down_bf16_kernel",

@@ -124,6 +124,17 @@ def test_a_comment_naming_global_does_not_hide_the_next_kernel(comment):
     assert entries_without_the_wait(planted.replace("{\n", "{\n    AFTER_PREVIOUS_GRID();\n", 1), "planted.cu") == []
 
 
+def test_a_brace_in_a_comment_inside_the_signature_does_not_end_it():
+    """A `{` in a comment between __global__ and the body once ended the match there, so the check looked for the
+    wait inside the comment and reported a kernel that has it."""
+    from cuda_engine.check import entries_without_the_wait
+
+    good = 'extern "C" __global__ void k(int* p /* { */) {\n    AFTER_PREVIOUS_GRID();\n    *p = 1;\n}\n'
+    assert entries_without_the_wait(good, "planted.cu") == []
+    assert [f.split(" ")[0] for f in entries_without_the_wait(good.replace("    AFTER_PREVIOUS_GRID();\n", ""),
+                                                               "planted.cu")] == ["k"]
+
+
 def test_w4a16_wrapper_tables_match_the_kernel_entries():
     """w4a16_plan.py picks a w4a16_mma entry by numerics and token count and ops.py sizes its grid by the entry's row blocks
     per block: both tables must say what kernels/w4a16_mma.cu instantiates (a mismatch would launch too few
