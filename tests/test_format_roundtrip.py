@@ -196,7 +196,11 @@ def test_flipped_preamble_or_header_bit_is_detected(tmp_path, offset):
 
 # ---- property-based round trips -----------------------------------------------------------------
 
-NAMES = st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7E), min_size=1, max_size=40)
+# any printable name but one ending in ".qw": the format keeps that suffix for packed INT4, which must carry int4_shape
+# (kdtr_format/checks.py, check_int4_pairs; its refusal is tested in test_format_spec_points.py), so such a tensor case is
+# not a valid file to round-trip (a run of the suite drew {'.qw': bfloat16} and failed on the refusal)
+NAMES = st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7E), min_size=1, max_size=40).filter(
+    lambda n: not n.endswith(".qw"))
 SHAPES = st.lists(st.integers(0, 5), min_size=0, max_size=4)
 
 
