@@ -35,7 +35,6 @@ TINY = [os.path.join(ROOT, "bundles", b) for b in ("model_tiny.kdtr", "model_int
 
 
 COPIES = 10                 # back-to-back copies of one launch per replayed graph
-LAUNCHES = False            # --launches: print every launch, not only the sums per kernel
 
 
 class _Recorded:
@@ -108,10 +107,6 @@ def profile(ops, label: str, fn, reps: int, progress=print, reset=None) -> dict:
              f"(between kernels {graph - total:+.1f} us, {(graph - total) / max(launches, 1):+.2f} a launch)")
     for name, (n, us) in kernels.items():
         progress(f"    {name:34s} {n:5.1f} x {us / n:7.2f} us = {us:8.1f} us  {100 * us / total:5.1f}%")
-    if LAUNCHES:
-        progress("    each launch in order (kernel, grid, us):")
-        for name, grid, us in each:
-            progress(f"      {name:34s} {str(tuple(grid)):16s} {us:8.2f}")
     if note:
         progress(f"    ({note['timing']})")
     return {"label": label, "launches": launches, "kernels_us": total, "graph_us": graph, "kernels": kernels,
@@ -176,6 +171,15 @@ def k26_cases(reps: int, progress=print) -> list[dict]:
     return out
 
 
+def _shown(cases: list[dict], launches: bool) -> list[dict]:
+    """cases, after printing each one's launches in order when --launches asked for them."""
+    for c in cases if launches else ():
+        print(f"{c['label']}: each launch in order (kernel, grid, us):")
+        for name, grid, us in c["each"]:
+            print(f"      {name:34s} {str(tuple(grid)):16s} {us:8.2f}")
+    return cases
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -186,8 +190,6 @@ def main(argv=None) -> int:
                     "holds every launch's time too")
     ap.add_argument("--launches", action="store_true", help="also print every launch (kernel, grid, us) in order")
     a = ap.parse_args(argv)
-    global LAUNCHES
-    LAUNCHES = a.launches
     if a.reps < 1:
         ap.error(f"--reps {a.reps}: give at least 1")
     bundles = a.bundles or TINY
@@ -200,9 +202,9 @@ def main(argv=None) -> int:
     try:
         res.update(device_info())
         for b in bundles:
-            res["cases"] += bundle_cases(b, a.reps)
+            res["cases"] += _shown(bundle_cases(b, a.reps), a.launches)
         if a.k26:
-            res["cases"] += k26_cases(a.reps)
+            res["cases"] += _shown(k26_cases(a.reps), a.launches)
     except CudaEngineError as e:
         print(f"profile_forward: {e}", file=sys.stderr)
         res["error"] = str(e)
