@@ -93,6 +93,7 @@ class DevBuf:
         self.shape = tuple(int(s) for s in shape)
         self.dtype = np.dtype(dtype)
         self.nbytes = math.prod(self.shape) * self.dtype.itemsize
+        self.owns = ptr is None                 # False for a view into another allocation (view(), a given ptr)
         if ptr is None:
             drv = driver()
             try:
@@ -104,7 +105,8 @@ class DevBuf:
                                       f"free") from None
             ptr = int(owner)
         self.ptr, self._owner = ptr, owner
-        self.tiled: "DevBuf | None" = None   # bf16 weights: the copy the mma linear kernels read (ops.Ops.tiled)
+        self.tiled: "DevBuf | None" = None   # bf16 weights: the copy the mma linear kernels read (ops.Ops.tiled);
+        #                                      set() and copy_from() drop it, so it never outlives the values
 
     @classmethod
     def from_array(cls, a: np.ndarray, dtype=None) -> "DevBuf":
@@ -124,6 +126,7 @@ class DevBuf:
         a = np.ascontiguousarray(a, dtype=self.dtype)
         if a.nbytes > self.nbytes:
             raise ValueError(f"DevBuf.set: {a.shape} does not fit {self.shape}")
+        self.tiled = None
         if a.nbytes:
             driver().memcpy_htod(self.ptr, a)
 
@@ -138,5 +141,6 @@ class DevBuf:
 
     def copy_from(self, src: "DevBuf", nbytes: int | None = None) -> None:
         n = min(self.nbytes, src.nbytes) if nbytes is None else nbytes
+        self.tiled = None
         if n:
             driver().memcpy_dtod(self.ptr, src.ptr, n)

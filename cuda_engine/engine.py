@@ -135,8 +135,9 @@ class CudaEngine:
         self.embed = DevBuf.from_array(W["model.embed_tokens.weight"])
         self.norm = DevBuf.from_array(W["model.norm.weight"])
         self.lm_head = self.embed if cfg.tie_word_embeddings else DevBuf.from_array(W["lm_head.weight"])
-        tile_linear_weights(self.ops, {"lm_head": self.lm_head},
-                            {"lm_head": W["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]})
+        if self.lm_head.dtype == np.uint16:          # bf16: the verify's logits read its tiled copy (Ops.tiled)
+            self.ops.tiled(self.lm_head, W["model.embed_tokens.weight" if cfg.tie_word_embeddings
+                                           else "lm_head.weight"])
         held = [b for w in self.layers for k, b in w.items() if not k.endswith(".sc")] + [self.embed]
         held += [self.lm_head] if self.lm_head is not self.embed else []
         self.bf16_weights = sum(b.dtype == np.uint16 for b in held)

@@ -67,9 +67,10 @@ class Graph:
 def capture(ops, record, edges: str | None = None) -> Graph:
     """Run `record()` (which launches on ops.stream) under stream capture; returns the instantiated graph, its
     kernel -> kernel edges `edges` (one of EDGE_MODES; by default the engine's, GRAPH_EDGES)."""
+    source = "KDTR_GRAPH_EDGES" if edges is None else "edges="
     edges = GRAPH_EDGES if edges is None else edges
     if edges not in EDGE_MODES:
-        raise CudaEngineError(f"graph edges {edges!r} (KDTR_GRAPH_EDGES): choose one of {', '.join(EDGE_MODES)}")
+        raise CudaEngineError(f"graph edges {edges!r} ({source}): choose one of {', '.join(EDGE_MODES)}")
     cu = _cu()
     before = ops.launches
     ops.stream.synchronize()

@@ -306,6 +306,10 @@ class Ops:
         """The tiled copy (tile_bf16) of bf16 weights W that the mma linear kernels read, made once and kept
         with W (the one-row GEMV reads W itself). `host`, W's values when the caller holds them, spares the copy
         back; a loader makes every copy before any graph is captured (no allocation may happen in one)."""
+        if not W.owns:
+            raise CudaEngineError(f"bf16 weights {W.shape} read by 2 or more rows must be a buffer of their own, not "
+                                  f"a view into another allocation (a view cannot keep the tiled copy, so every call "
+                                  f"would make it again): load each weight as its own DevBuf")
         if W.tiled is None:
             if self.capturing:
                 raise CudaEngineError(f"the tiled copy of bf16 weights {W.shape} must be made before a graph is "
@@ -332,6 +336,9 @@ class Ops:
             _need(w_bstride % per == 0, "linear", f"w_bstride {w_bstride} is not a whole number of [{O}, {I}] "
                   f"matrices (the tiled copy of bf16 weights moves by whole matrices)")
             Wt = self.tiled(W)
+            held = math.prod(W.shape[:-2])              # the matrices the tiled copy holds
+            _need(B == 1 or (B - 1) * (w_bstride // per) < held, "linear", f"batch B={B} with w_bstride {w_bstride} "
+                  f"reaches matrix {(B - 1) * (w_bstride // per)}, past the {held} that weights {W.shape} hold")
             grid = (-(-O // out), -(-T // rows), B)
             self._launch("linear_mma_bf16_few_kernel" if few else "linear_mma_bf16_kernel", grid, _ptr(x), Wt.ptr,
                          _ptr(y), T, I, O, x_stride, y_stride, x_bstride, w_bstride // per * math.prod(Wt.shape[-4:]),

@@ -167,6 +167,39 @@ def test_linear_mma_few_rows_are_the_full_tiles_bits(ops, T, B, I, O, spread):
     np.testing.assert_array_equal(few.get(), full.get()[:T])
 
 
+def test_rewritten_bf16_weights_are_read_anew_and_their_bounds_kept(ops):
+    """The tiled copy never outlives the values it was made from: after W.set (and W.copy_from) a linear of 2 or more
+    rows multiplies by the new weights, the bits of a buffer that never held the old ones. A view cannot keep a
+    tiled copy and is refused, as is a batch that would read past the matrices W holds."""
+    from cuda_engine.device import CudaEngineError, DevBuf
+    from kdtr_format.bf16 import bf16_bits
+
+    T, I, O = 5, 70, 33
+    rng = np.random.default_rng(11)
+    x = dev(rand(rng, T, I))
+    old, new = bf16_bits(rand(rng, O, I)), bf16_bits(rand(rng, O, I))
+    W, fresh = dev(old), dev(new)
+    y, want = dev(np.zeros((T, O), np.float32)), dev(np.zeros((T, O), np.float32))
+    run(ops, ops.linear, x, W, y, T, I, O)                       # makes W's tiled copy of the old values
+    assert W.tiled is not None
+    run(ops, ops.linear, x, fresh, want, T, I, O)
+    W.set(new)
+    run(ops, ops.linear, x, W, y, T, I, O)
+    np.testing.assert_array_equal(y.get(), want.get())
+    W.copy_from(dev(old))
+    run(ops, ops.linear, x, W, y, T, I, O)
+    run(ops, ops.linear, x, dev(old), want, T, I, O)
+    np.testing.assert_array_equal(y.get(), want.get())
+    stack = dev(np.stack([old, new]))
+    with pytest.raises(CudaEngineError, match="view"):
+        ops.linear(x, stack.view(1), y, T, I, O)
+    with pytest.raises(ValueError, match="past the 2"):          # (ops' argument checks raise ValueError)
+        ops.linear(x, stack, y, T, I, O, B=3, w_bstride=O * I)
+    with pytest.raises(ValueError, match="past the 1"):
+        ops.linear(x, W, y, T, I, O, B=2, w_bstride=O * I)
+    assert isinstance(W, DevBuf) and W.owns and not stack.view(0).owns
+
+
 @pytest.mark.parametrize("T,B,I,O", [(1, 1, 1, 1), (3, 5, 17, 9), (1, 64, 128, 512), (2, 64, 512, 128),
                                      (9, 4, 33, 17)])
 def test_linear_batched_heads(ops, T, B, I, O):
@@ -226,15 +259,22 @@ def attention_oracle(q, w_uk, w_uv, ckv, kpe, mask, scale, N):
     return np.einsum("thc,huc->thu", o_lat, w_uv)
 
 
-@pytest.mark.parametrize("cached,T,n_split", [(5000, 3, 4), (5000, 3, 1), (3069, 3, 1), (3070, 3, 1), (40, 2, 7)])
+@pytest.mark.parametrize("cached,T,n_split", [(5000, 3, 4), (5000, 3, 1), (3069, 3, 1), (3070, 3, 1), (2557, 3, 1),
+                                             (2558, 3, 1), (7678, 3, 1), (40, 2, 7)])
 def test_mla_softmax_chunks(ops, cached, T, n_split):
-    """mla_softmax_kernel alone, over chunks of 1280 to 5024 columns (3072 / 3104 at 3069 / 3070 cached: the edge a
-    register-held version had, docs/cuda-engine.md "Stop 45") and chunks past the cache. Per chunk against float64:
+    """mla_softmax_kernel alone, over chunks of 1280 to 7681 columns (2560 / 2561 at 2557 / 2558 cached: one batch of
+    the SOFTMAX_HELD spans a warp holds, then one column more, read twice; 7681: three whole batches and one column;
+    3072 / 3104: stop 45's edge, docs/cuda-engine.md) and chunks past the cache. Per chunk against float64:
     m the exact max; each p (its three bf16 terms' sum) within expf's 2 ulp plus the float32 rounding of s - m
     (|s - m| 2^-24 relative); l within the float32 sum's bound; zeros where p's terms are past the chunk. A row
     with every entry masked gives m = -inf, l = 0 and p = 0; masked entries give p = 0."""
+    import re
+
+    from cuda_engine.build import KERNEL_DIR
     from cuda_engine.ops import join3
 
+    held = int(re.search(r"#define SOFTMAX_HELD (\d+)", (KERNEL_DIR / "attention.cu").read_text()).group(1))
+    assert held * 32 * 8 == 2560, "the batch edge moved: move the cases at 2557 / 2558 cached rows with it"
     H, C = 2, 8
     S, TH = cached + T, T * H
     S_cap = S + 5

@@ -48,3 +48,28 @@ def test_a_batch_is_tiled_matrix_by_matrix():
 def test_anything_but_bf16_bits_of_a_matrix_is_refused(W):
     with pytest.raises(ValueError, match="tile_bf16"):
         tile_bf16(W)
+
+
+def test_a_view_is_refused_before_anything_is_tiled():
+    """Ops.tiled keeps the copy on the buffer; a view (a sub-array of another allocation) would be tiled again on
+    every call, so it is refused with an error that names the fix. A view is made here without a GPU: a DevBuf
+    given a pointer allocates nothing."""
+    from types import SimpleNamespace
+
+    from cuda_engine.device import CudaEngineError, DevBuf
+    from cuda_engine.ops import Ops
+
+    view = DevBuf((4, 32), np.uint16, ptr=4096, owner=None)
+    assert not view.owns
+    with pytest.raises(CudaEngineError, match="its own DevBuf"):
+        Ops.tiled(SimpleNamespace(capturing=False), view)
+
+
+@pytest.mark.parametrize("given,named", [("sideways", "edges="), (None, "KDTR_GRAPH_EDGES")])
+def test_a_bad_graph_edge_mode_names_where_it_came_from(monkeypatch, given, named):
+    from cuda_engine import graph
+    from cuda_engine.device import CudaEngineError
+
+    monkeypatch.setattr(graph, "GRAPH_EDGES", "sideways")
+    with pytest.raises(CudaEngineError, match=named):
+        graph.capture(None, lambda: None, edges=given)

@@ -311,8 +311,31 @@ extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, WIDE_BLOCKS_PER_SM) 
 // p [3][T H][p_pitch] (zeros from S to the next multiple of 8), l_j = sum_s p (each lane's sum in column order,
 // then the warp's fixed butterfly) -> partials[j, row, 0..1]. Once per element here, not again by each of p
 // c_kv's column tiles. Chunk j owns rows [j chunk, (j + 1) chunk) of the S rows, chunk = pv_chunk(S, n_split).
+// Each warp loads its columns in batches of SOFTMAX_HELD spans, every load of a batch issued before any is used. A
+// chunk of one batch (up to 2560 columns: K2.6's 5-row verify at 32768 rows has 2521 in each of 13 chunks) is read
+// once and held in registers between the max and the exponentials; a longer one is read twice, a batch at a time.
+// Every way computes the same values in the same order (each lane's columns in increasing order): the bits of the
+// plain two-pass loop it replaced (stop 46). Why: read twice, the second pass went back to DRAM for most of the
+// scores (Nsight Compute, that verify: 76 MB read for 42 MB of scores, 49% of L2 sectors hit). Why 10 spans at two
+// blocks per SM (120 registers on sm_90, no spill): 12 spans at one block per SM (137 registers) ran a decode
+// step's 256 blocks in two waves, and 12 at two (128) or 6 at three were slower at 5 and 9 tokens (measured on the
+// H200, docs/cuda-engine.md "Stop 46").
 #define SOFTMAX_SPAN (WARP_SIZE * LOADS)      // columns a warp takes per step
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
+#define SOFTMAX_HELD 10                       // spans a warp holds (2560 columns)
+#define SOFTMAX_BLOCKS_PER_SM 2               // so at most 128 registers: a decode step's blocks in one wave
+
+// One span's exponentials at s (v: its scores, n = s_hi - s of them valid), stored as terms, added to lsum.
+__device__ __forceinline__ void softmax_span(float (&v)[LOADS], int n, float m, float& lsum, bf16_t* dst,
+                                             size_t plane) {
+#pragma unroll
+    for (int j = 0; j < LOADS; ++j) {                         // p = 0 past the chunk, for a row of no visible entry
+        v[j] = (j < n && m != -INFINITY) ? expf(v[j] - m) : 0.0f;
+        lsum += v[j];
+    }
+    stage3_x8(v, dst, plane);                                 // (a chunk ends on a piece, or at S)
+}
+
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, SOFTMAX_BLOCKS_PER_SM)
 mla_softmax_kernel(const float* __restrict__ scores, int S_cap, const int* __restrict__ meta, bf16_t* __restrict__ p,
                    int p_pitch, float* __restrict__ partials, int T, int H, int C) {
     AFTER_PREVIOUS_GRID();
@@ -322,26 +345,40 @@ mla_softmax_kernel(const float* __restrict__ scores, int S_cap, const int* __res
     const int lane = threadIdx.x % WARP_SIZE, r = blockIdx.x * WARPS_PER_BLOCK + threadIdx.x / WARP_SIZE;
     if (r >= TH) return;                                      // a whole warp (no barrier below)
     const float* row = scores + (size_t)r * S_cap;
-    float m = -INFINITY, v[LOADS];
-#pragma unroll 4
-    for (int s = s_lo + lane * LOADS; s < s_hi; s += SOFTMAX_SPAN) {   // the max: the same value in any order
-        load8(row + s, s_hi - s, v);
+    bf16_t* prow = p + (size_t)r * p_pitch;
+    const size_t plane = (size_t)TH * p_pitch;
+    float m = -INFINITY, lsum = 0.0f;
+    float v[SOFTMAX_HELD][LOADS];                             // a batch of spans: every load issued before any use
+    const int batch = SOFTMAX_HELD * SOFTMAX_SPAN;
+    for (int s0 = s_lo; s0 < s_hi; s0 += batch) {             // the max: the same value in any order
 #pragma unroll
-        for (int j = 0; j < LOADS; ++j)
-            if (j < s_hi - s) m = fmaxf(m, v[j]);
+        for (int u = 0; u < SOFTMAX_HELD; ++u) {
+            const int s = s0 + lane * LOADS + u * SOFTMAX_SPAN;
+            if (s < s_hi) load8(row + s, s_hi - s, v[u]);
+        }
+#pragma unroll
+        for (int u = 0; u < SOFTMAX_HELD; ++u) {
+            const int s = s0 + lane * LOADS + u * SOFTMAX_SPAN;
+#pragma unroll
+            for (int j = 0; j < LOADS; ++j)
+                if (j < s_hi - s) m = fmaxf(m, v[u][j]);
+        }
     }
     m = warp_max(m);
-    float lsum = 0.0f;
-    const size_t plane = (size_t)TH * p_pitch;
-#pragma unroll 2
-    for (int s = s_lo + lane * LOADS; s < s_hi; s += SOFTMAX_SPAN) {
-        load8(row + s, s_hi - s, v);
+    const bool held = chunk <= batch;                         // one batch: still in v (the same for every block)
+    for (int s0 = s_lo; s0 < s_hi; s0 += batch) {
+        if (!held) {
 #pragma unroll
-        for (int j = 0; j < LOADS; ++j) {                     // p = 0 past the chunk, for a row of no visible entry
-            v[j] = (j < s_hi - s && m != -INFINITY) ? expf(v[j] - m) : 0.0f;
-            lsum += v[j];
+            for (int u = 0; u < SOFTMAX_HELD; ++u) {
+                const int s = s0 + lane * LOADS + u * SOFTMAX_SPAN;
+                if (s < s_hi) load8(row + s, s_hi - s, v[u]);
+            }
         }
-        stage3_x8(v, p + (size_t)r * p_pitch + s, plane);     // (a chunk ends on a piece, or at S)
+#pragma unroll
+        for (int u = 0; u < SOFTMAX_HELD; ++u) {              // each lane's sum in column order
+            const int s = s0 + lane * LOADS + u * SOFTMAX_SPAN;
+            if (s < s_hi) softmax_span(v[u], s_hi - s, m, lsum, prow + s, plane);
+        }
     }
     lsum = warp_sum(lsum);
     if (lane == 0) {

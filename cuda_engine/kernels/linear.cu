@@ -5,8 +5,9 @@
 //   linear_mma_bf16_kernel / linear_mma_bf16_few_kernel: T >= 9 / 2 .. 8 rows with bf16 W (the engine's default
 //     for weights a bundle stores as bf16), on the tensor cores, FP32-faithful (below).
 // Contract: float32 x and y; W float32 or bf16 bits (widened exactly, common.cuh wval), W rows contiguous (row
-// length I), except the two mma kernels', which read W tiled (below). x row t of batch b starts at x + b * x_bstride + t * x_stride; y likewise; W of batch b at
-// W + b * w_bstride. The batch axis serves per-head products with no extra kernel.
+// length I), except the two mma kernels', which read W tiled (below). x row t of batch b starts at
+// x + b * x_bstride + t * x_stride; y likewise; W of batch b at W + b * w_bstride. The batch axis serves per-head
+// products with no extra kernel.
 // linear_kernel: grid (ceil(O / WARPS_PER_BLOCK), T, B), block BLOCK_THREADS; one warp per output element.
 // Why a warp per output: at decode (T = 1) the product is a GEMV that only streams W; lanes read
 // consecutive elements of one W row (coalesced loads), accumulate a strided partial sum in a fixed order and
