@@ -185,6 +185,8 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("bundles", nargs="*", metavar="BUNDLE", help="bundles to profile (default: the tiny two)")
     ap.add_argument("--k26", action="store_true", help="also one random-weight K2.6 layer at true dims")
+    ap.add_argument("--k26-only", action="store_true", help="only the K2.6 layer: no bundle is read (for a tree "
+                    "that holds none)")
     ap.add_argument("--reps", type=int, default=20, help="calls per measurement (default 20)")
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON (written whole, then renamed); it "
                     "holds every launch's time too")
@@ -192,10 +194,13 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.reps < 1:
         ap.error(f"--reps {a.reps}: give at least 1")
-    bundles = a.bundles or TINY
+    if a.k26_only and a.bundles:
+        ap.error(f"--k26-only profiles no bundle, but {' '.join(a.bundles)} was named: drop one or the other")
+    bundles = [] if a.k26_only else a.bundles or TINY
     for b in bundles:
         if not os.path.isfile(b):
-            ap.error(f"{b}: no such bundle (the committed ones are in bundles/)")
+            ap.error(f"{b}: no such bundle (the committed ones are in bundles/; --k26-only profiles the K2.6 layer "
+                     f"without any)")
     from cuda_engine.device import CudaEngineError, device_info
 
     res: dict = {"cases": []}
@@ -203,7 +208,7 @@ def main(argv=None) -> int:
         res.update(device_info())
         for b in bundles:
             res["cases"] += _shown(bundle_cases(b, a.reps), a.launches)
-        if a.k26:
+        if a.k26 or a.k26_only:
             res["cases"] += _shown(k26_cases(a.reps), a.launches)
     except CudaEngineError as e:
         print(f"profile_forward: {e}", file=sys.stderr)

@@ -7,7 +7,8 @@ import pytest
 from bench.profile_forward import _Recorded, main
 
 
-@pytest.mark.parametrize("argv,named", [(["--reps", "0"], "--reps 0"), (["no/such.kdtr"], "no/such.kdtr")])
+@pytest.mark.parametrize("argv,named", [(["--reps", "0"], "--reps 0"), (["no/such.kdtr"], "no/such.kdtr"),
+                                         (["--k26-only", "bundles/model_tiny.kdtr"], "bundles/model_tiny.kdtr")])
 def test_bad_arguments_exit_2_naming_the_value(argv, named, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
@@ -29,6 +30,25 @@ def test_the_timing_proxy_passes_everything_else_through():
 @pytest.mark.skipif(importlib.util.find_spec("pycuda") is not None, reason="pycuda is installed: the GPU half would run")
 def test_without_pycuda_it_says_so_and_exits_6(capsys):
     assert main(["bundles/model_tiny.kdtr"]) == 6
+    assert "pycuda is not installed" in capsys.readouterr().err
+
+
+def test_a_missing_default_bundle_names_the_flag_that_needs_none(monkeypatch, capsys):
+    import bench.profile_forward as pf
+
+    monkeypatch.setattr(pf, "TINY", ["no/such/tiny.kdtr"])
+    with pytest.raises(SystemExit) as e:
+        main(["--k26"])
+    assert e.value.code == 2 and "--k26-only" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("pycuda") is not None, reason="pycuda is installed: the GPU half would run")
+def test_k26_only_reads_no_bundle(monkeypatch, capsys):
+    """--k26-only gets past the bundle checks with no bundle in the tree, to the device work (here: no PyCUDA)."""
+    import bench.profile_forward as pf
+
+    monkeypatch.setattr(pf, "TINY", ["no/such/tiny.kdtr"])
+    assert main(["--k26-only"]) == 6
     assert "pycuda is not installed" in capsys.readouterr().err
 
 
