@@ -259,6 +259,26 @@ def attention_oracle(q, w_uk, w_uv, ckv, kpe, mask, scale, N):
     return np.einsum("thc,huc->thu", o_lat, w_uv)
 
 
+def softmax_l_in_kernel_order(p: np.ndarray) -> np.ndarray:
+    """l of each row of a chunk's p [rows, n] (float32, as the kernel computed them) summed as mla_softmax_kernel
+    sums it: lane k of a warp adds columns 8 k + 256 u + j (u = 0, 1, ..; j = 0..7) in increasing order in float32,
+    then the warp's butterfly (common.cuh warp_sum: partner lane ^ 16, 8, 4, 2, 1), lane 0's total. The order, not
+    only the value: a batched or held loop that summed in another order would differ here in the last bits."""
+    rows, n = p.shape
+    spans = max(1, -(-n // 256))
+    x = np.zeros((rows, spans * 256), np.float32)
+    x[:, :n] = p
+    x = x.reshape(rows, spans, 32, 8)                           # [row, u, lane, j]
+    acc = np.zeros((rows, 32), np.float32)
+    for u in range(spans):
+        for j in range(8):
+            acc = acc + x[:, u, :, j]                           # float32 + float32: one rounding, as on the device
+    lanes = np.arange(32)
+    for off in (16, 8, 4, 2, 1):
+        acc = acc + acc[:, lanes ^ off]
+    return acc[:, 0]
+
+
 @pytest.mark.parametrize("cached,T,n_split", [(5000, 3, 4), (5000, 3, 1), (3069, 3, 1), (3070, 3, 1), (2557, 3, 1),
                                              (2558, 3, 1), (7678, 3, 1), (40, 2, 7)])
 def test_mla_softmax_chunks(ops, cached, T, n_split):
@@ -266,8 +286,10 @@ def test_mla_softmax_chunks(ops, cached, T, n_split):
     the SOFTMAX_HELD spans a warp holds, then one column more, read twice; 7681: three whole batches and one column;
     3072 / 3104: stop 45's edge, docs/cuda-engine.md) and chunks past the cache. Per chunk against float64:
     m the exact max; each p (its three bf16 terms' sum) within expf's 2 ulp plus the float32 rounding of s - m
-    (|s - m| 2^-24 relative); l within the float32 sum's bound; zeros where p's terms are past the chunk. A row
-    with every entry masked gives m = -inf, l = 0 and p = 0; masked entries give p = 0."""
+    (|s - m| 2^-24 relative); l within the float32 sum's bound, and bit for bit the sum of the kernel's own p in
+    the kernel's order (softmax_l_in_kernel_order: the held and the re-read paths must keep the order of the two-pass
+    loop they replaced); zeros where p's terms are past the chunk. A row with every entry masked gives m = -inf,
+    l = 0 and p = 0; masked entries give p = 0."""
     import re
 
     from cuda_engine.build import KERNEL_DIR
@@ -306,6 +328,7 @@ def test_mla_softmax_chunks(ops, cached, T, n_split):
         n = max(hi - lo, 1)                  # a float32 sum of n terms in any order: (n - 1) u, u = 2^-24, (+ 6 u for
         l_bound = (n + 5) * 2.0**-24 * want.sum(axis=1) + np.abs(want - got_p[:, lo:hi]).sum(axis=1)   # want vs p)
         assert (np.abs(got[j, :, 1] - want.sum(axis=1)) <= l_bound).all(), j
+        np.testing.assert_array_equal(got[j, :, 1], softmax_l_in_kernel_order(got_p[:, lo:hi]), err_msg=str(j))
     assert (got[:, 1, 0] == -np.inf).all() and (got[:, 1, 1] == 0).all() and not got_p[1, :S].any()
     assert not p.get()[:, :, S:-(-S // 8) * 8].any()            # zeros from S to a whole piece: p c_kv reads them
 

@@ -190,11 +190,16 @@ def test_a_gen_interrupted_while_writing_leaves_nothing(many_experts, tmp_path):
     # Wait for the temp file or the gen's end, however long a loaded machine takes to get there (a 120 s limit
     # here failed now and then under load); the bound only keeps a hung gen from hanging the suite.
     deadline = time.monotonic() + 900
-    while not list(out_dir.iterdir()) and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.005)
-    seen = [p.name for p in out_dir.iterdir()]
-    proc.send_signal(signal.SIGINT)
-    rc = proc.wait(60)
+    try:
+        while not list(out_dir.iterdir()) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        seen = [p.name for p in out_dir.iterdir()]
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(60)
+    finally:
+        if proc.poll() is None:                   # a gen that hung or ignored the signal is not left running
+            proc.kill()
+            proc.wait()
     assert seen and seen[0].endswith(".kdtr-tmp"), f"no temp file seen before the gen ended (exit {rc}): {seen}"
     assert rc != 0 and list(out_dir.iterdir()) == []
 
