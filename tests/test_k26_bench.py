@@ -185,6 +185,7 @@ def test_summary_projection_and_table_of_a_device_result(rounds):
     pg = next(p for p in r["projection"] if p["routing"] == "router" and p["acceptance"] == "published GSM8K")
     assert aim[("4096 cached rows", "router routing")]["value"] == pg["best_speedup"]
     assert aim[("4096 cached rows", "router routing")]["met"] == (pg["best_speedup"] >= 1.5)
+    assert not aim[("4096 cached rows", "router routing")]["on_aim_card"]          # the fake device is no H200
     tau = acc["published GSM8K"]["tau"]
     room = max(tau[b] / 1.5 - router[b]["verify_over_ar"] for b in (1, 2))
     assert aim[("4096 cached rows", "router routing")]["draft_room_ar_steps"] == pytest.approx(room)
@@ -270,3 +271,21 @@ def test_the_kdtr_script_finds_bench_from_any_directory(tmp_path):
                           str(bundle)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert (tmp_path / "r.json").is_file() and "tokens per round (tau)" in out.stdout
+
+
+@pytest.mark.parametrize("device,on_card", [("NVIDIA H200", True), ("NVIDIA H100 80GB HBM3", False), (None, False)])
+def test_an_aim_measured_on_another_card_says_which(rounds, device, on_card):
+    """The aims are stated for the H200: a verify / AR ratio moves with the card's memory speed, so a projection
+    measured elsewhere says 'met on <card>, not on an H200' instead of a bare 'met'."""
+    shapes = {b: k.tree_shape(rounds, b)[0] for b in (1, 2)}
+    acc = rp.acceptance_models(rounds, (1, 2))
+    gpu = {**_fake_gpu(), "device": device}
+    r = rp.report(rounds, shapes, {1: False, 2: False}, acc, rp.routing_table(shapes, samples=8), gpu)
+    lines = [line for line in rp.table(r).splitlines() if line.startswith("aim: ")]
+    assert lines and all(a["on_aim_card"] is on_card and a["device"] == device for a in r["aims"])
+    for a, line in zip(r["aims"], lines):
+        verdict = "met" if a["met"] else "MISSED"
+        if on_card:
+            assert line.split(" -> ")[1].startswith(f"{verdict} (room")
+        else:
+            assert f"-> {verdict} on {device or 'an unnamed device'}, not on an H200, the card the aim is for" in line
