@@ -11,6 +11,8 @@ from bench.k26_ddtree import (BUDGETS, CONTEXTS, K26, PUBLISHED, QUICK_BUDGETS, 
                               bundle_acceptance, dense_bytes, expert_bytes, fit_alpha, golden_rounds,
                               independent_distinct, layer_bytes, mean_distinct, project, published_acceptance,
                               tree_shape)
+from cuda_engine.bench_w4a16 import aim_verdict   # the one verdict line for both benches' aims
+
 
 def acceptance_models(rounds: list[dict], budgets) -> dict:
     """{name: {"source": ..., "tau": {b: tokens per round}}}: the bundles' measured acceptance and the
@@ -151,14 +153,6 @@ def aims(proj: list[dict], device: str | None = None) -> list[dict]:
              "draft_room_ar_steps": p["draft_room"], "aim_card": AIM_CARD, "device": device,
              "on_aim_card": device is not None and AIM_CARD in device}
             for p in proj if p["acceptance"] == "published GSM8K"]
-
-
-def aim_verdict(a: dict) -> str:
-    """'met' / 'MISSED', and where the card measured is not the aim's, which card it was."""
-    verdict = "met" if a["met"] else "MISSED"
-    if a.get("on_aim_card", True):
-        return verdict
-    return f"{verdict} on {a.get('device') or 'an unnamed device'}, not on an {a['aim_card']}, the card the aim is for"
 
 
 def _f(x, fmt: str) -> str:

@@ -89,7 +89,7 @@ def _kernel_module_version() -> str:
 class DevBuf:
     """A float32/int32/float64 array in device memory: ptr, shape, dtype; views share the allocation."""
 
-    def __init__(self, shape, dtype, ptr: int | None = None, owner=None):
+    def __init__(self, shape, dtype, ptr: int | None = None, owner=None, base: "DevBuf | None" = None):
         self.shape = tuple(int(s) for s in shape)
         self.dtype = np.dtype(dtype)
         self.nbytes = math.prod(self.shape) * self.dtype.itemsize
@@ -105,8 +105,12 @@ class DevBuf:
                                       f"free") from None
             ptr = int(owner)
         self.ptr, self._owner = ptr, owner
+        self._base = base                    # view(): the buffer it is a view of (its root), whose tiled copy a write
+        #                                      through the view rewrites
         self.tiled: "DevBuf | None" = None   # bf16 weights: the copy the mma linear kernels read (ops.Ops.tiled);
-        #                                      set() and copy_from() drop it, so it never outlives the values
+        #                                      a write through set() or copy_from(), on the buffer or a view of it,
+        #                                      rewrites it in place (same allocation: a captured graph keeps reading
+        #                                      it), so it never holds other values than the buffer
 
     @classmethod
     def from_array(cls, a: np.ndarray, dtype=None) -> "DevBuf":
@@ -120,15 +124,16 @@ class DevBuf:
         if not 0 <= index < self.shape[0]:
             raise IndexError(f"DevBuf.view({index}) outside [0, {self.shape[0]})")
         inner = self.shape[1:]
-        return DevBuf(inner, self.dtype, self.ptr + index * math.prod(inner) * self.dtype.itemsize, self._owner)
+        return DevBuf(inner, self.dtype, self.ptr + index * math.prod(inner) * self.dtype.itemsize, self._owner,
+                      base=self._base or self)
 
     def set(self, a: np.ndarray) -> None:
         a = np.ascontiguousarray(a, dtype=self.dtype)
         if a.nbytes > self.nbytes:
             raise ValueError(f"DevBuf.set: {a.shape} does not fit {self.shape}")
-        self.tiled = None
         if a.nbytes:
             driver().memcpy_htod(self.ptr, a)
+        self._retile()
 
     def get(self, shape=None) -> np.ndarray:
         """The first prod(shape) elements as a host array (the whole buffer by default)."""
@@ -141,6 +146,15 @@ class DevBuf:
 
     def copy_from(self, src: "DevBuf", nbytes: int | None = None) -> None:
         n = min(self.nbytes, src.nbytes) if nbytes is None else nbytes
-        self.tiled = None
         if n:
             driver().memcpy_dtod(self.ptr, src.ptr, n)
+        self._retile()
+
+    def _retile(self) -> None:
+        """After a write: the tiled copy of the buffer written (or of the one it is a view of) made again from its
+        new values, in place. (A DevBuf made on a raw pointer into a weight is not known to be one: the engine
+        never writes weights so.)"""
+        root = self._base or self
+        if root.tiled is not None:
+            from .ops import tile_bf16        # ops imports this module
+            root.tiled.set(tile_bf16(root.get()))

@@ -168,10 +168,13 @@ def test_linear_mma_few_rows_are_the_full_tiles_bits(ops, T, B, I, O, spread):
 
 
 def test_rewritten_bf16_weights_are_read_anew_and_their_bounds_kept(ops):
-    """The tiled copy never outlives the values it was made from: after W.set (and W.copy_from) a linear of 2 or more
-    rows multiplies by the new weights, the bits of a buffer that never held the old ones. A view cannot keep a
-    tiled copy and is refused, as is a batch that would read past the matrices W holds."""
+    """The tiled copy never holds other values than its weights: after W.set (and W.copy_from, and a write through a
+    view of a stacked W) a linear of 2 or more rows multiplies by the new weights, the bits of a buffer that never
+    held the old ones, and the copy is rewritten in place, so a graph captured before the write reads the new values
+    too. A view cannot keep a tiled copy and is refused; so is a batch that would read past the weights, on every
+    path (one row, several, float32 and bf16), before anything is tiled."""
     from cuda_engine.device import CudaEngineError
+    from cuda_engine.graph import capture
     from kdtr_format.bf16 import bf16_bits
 
     T, I, O = 5, 70, 33
@@ -182,21 +185,38 @@ def test_rewritten_bf16_weights_are_read_anew_and_their_bounds_kept(ops):
     y, want = dev(np.zeros((T, O), np.float32)), dev(np.zeros((T, O), np.float32))
     run(ops, ops.linear, x, W, y, T, I, O)                       # makes W's tiled copy of the old values
     assert W.tiled is not None
+    tiled_at = W.tiled.ptr
+    graph = capture(ops, lambda: ops.linear(x, W, y, T, I, O))  # captured before the write: keeps W.tiled's pointer
     run(ops, ops.linear, x, fresh, want, T, I, O)
     W.set(new)
+    assert W.tiled.ptr == tiled_at                               # rewritten in place, not dropped and freed
     run(ops, ops.linear, x, W, y, T, I, O)
     np.testing.assert_array_equal(y.get(), want.get())
+    y.set(np.full((T, O), np.nan, np.float32))
+    graph.launch(ops.stream)
+    ops.stream.synchronize()
+    np.testing.assert_array_equal(y.get(), want.get(), err_msg="the graph captured before the write")
+    graph.destroy()
     W.copy_from(dev(old))
     run(ops, ops.linear, x, W, y, T, I, O)
     run(ops, ops.linear, x, dev(old), want, T, I, O)
     np.testing.assert_array_equal(y.get(), want.get())
     stack = dev(np.stack([old, new]))
+    yb, wantb = (dev(np.zeros((2, T, O), np.float32)) for _ in range(2))
+    run(ops, ops.linear, x, stack, yb, T, I, O, B=2, w_bstride=O * I, y_bstride=T * O)     # tiles the stack
+    stack.view(1).set(old)                                       # a write through a view rewrites the base's copy
+    run(ops, ops.linear, x, stack, yb, T, I, O, B=2, w_bstride=O * I, y_bstride=T * O)
+    run(ops, ops.linear, x, dev(np.stack([old, old])), wantb, T, I, O, B=2, w_bstride=O * I, y_bstride=T * O)
+    np.testing.assert_array_equal(yb.get(), wantb.get(), err_msg="written through a view")
     with pytest.raises(CudaEngineError, match="view"):
         ops.linear(x, stack.view(1), y, T, I, O)
-    with pytest.raises(ValueError, match="past the 2"):          # (ops' argument checks raise ValueError)
-        ops.linear(x, stack, y, T, I, O, B=3, w_bstride=O * I)
-    with pytest.raises(ValueError, match="past the 1"):
-        ops.linear(x, W, y, T, I, O, B=2, w_bstride=O * I)
+    untiled = dev(old)
+    for rows, weights in ((T, stack), (1, stack), (T, dev(rand(rng, 2, O, I))), (1, dev(rand(rng, 2, O, I)))):
+        with pytest.raises(ValueError, match=f"past the {2 * O * I} they hold"):   # (ValueError: ops' checks)
+            ops.linear(x, weights, y, rows, I, O, B=3, w_bstride=O * I)
+    with pytest.raises(ValueError, match=f"past the {O * I} they hold"):
+        ops.linear(x, untiled, y, T, I, O, B=2, w_bstride=O * I)
+    assert untiled.tiled is None                                 # refused before its tiled copy was made
     assert W.owns and not stack.view(0).owns
 
 
@@ -509,6 +529,94 @@ def test_router_held(ops, cfg_name, changes, T):
     check(case + " weights", w.get()[:, :K], w64, w32)
     check(case + " own weights", own_w.get(), own_w64, own_w32)
     np.testing.assert_array_equal(w.get()[:, K], 1.0)
+
+
+@pytest.mark.parametrize("cfg_name,changes,T,dtype", [(*ROUTER[0], "float32"), (*ROUTER[2], "float32"),
+                                                      (*ROUTER[1], "bf16"), ("tiny", {"hidden_size": 2048}, 3, "float32"),
+                                                      (*ROUTER[4], "bf16")])
+def test_router_makes_its_logits_with_the_gemvs_bits(ops, cfg_name, changes, T, dtype):
+    """A small router makes its own logits (one launch, ops.ROUTER_FUSED_MAX): scores, slots, weights and the held
+    rows' taps are, row by row, the bits of the one-row GEMV-first path (linear_kernel's logits), for float32 and
+    bf16 gates, group-limited selection and held routing included. (Over 2 or more rows a bf16 gate's GEMV runs the
+    mma kernels, whose sums run in another order: the fused router gives every row the one-row bits.) A large router
+    (K2.6's 384 x 7168) takes the GEMV first by default; forced through the fused path (one block a token) it still
+    gives the one-row bits."""
+    import dataclasses
+
+    from cuda_engine.ops import ROUTER_FUSED_MAX
+    from kdtr_format.bf16 import bf16_bits
+
+    cfg = dataclasses.replace(PRESETS[cfg_name], **changes)
+    D, E, K, S = cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.num_experts_per_tok + 1
+    rng = np.random.default_rng(E + D + T)
+    x, bias = rand(rng, T, D), dev(rand(rng, E, scale=0.1))
+    gate = rand(rng, E, D, scale=D ** -0.5)
+    gate = dev(bf16_bits(gate)) if dtype == "bf16" else dev(gate)
+    held = np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int32)
+    held[1::2] = -1
+    shapes = [((E,), np.float32), ((S,), np.int32), ((S,), np.float32), ((K,), np.int32), ((K,), np.float32)]
+    routing = (K, S, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+
+    def route_rows(rows, **kw):
+        bufs = [dev(np.zeros((rows.stop - rows.start,) + shape, dt)) for shape, dt in shapes]
+        run(ops, ops.router, dev(x[rows]), gate, bias, *bufs[:3], rows.stop - rows.start, *routing, dev(held[rows]),
+            *bufs[3:], **kw)
+        return [b.get() for b in bufs]
+
+    fused = route_rows(slice(0, T), fused=True)
+    for t in range(T):
+        one = route_rows(slice(t, t + 1), fused=False)
+        for name, a, b in zip(("scores", "slot ids", "slot weights", "own ids", "own weights"), fused, one):
+            np.testing.assert_array_equal(a[t].view(np.uint32), b[0].view(np.uint32),
+                                          err_msg=f"{cfg_name} {changes} {dtype} row {t} {name}")
+    gemvs = lambda: sum(n for k, n in ops.ran.items() if k.startswith("linear"))   # noqa: E731
+    before = gemvs()
+    route_rows(slice(0, T))
+    assert (gemvs() > before) == (E * D > ROUTER_FUSED_MAX), "the default path"
+
+
+@pytest.mark.parametrize("T,I,D,dtype", [(1, 192, 192, "float32"), (1, 130, 257, "float32"), (1, 192, 192, "bf16"),
+                                         (5, 192, 192, "float32"), (33, 130, 257, "float32"), (9, 64, 7, "float32"),
+                                         (1, 64 * 128, 7168, "bf16"), (5, 64 * 128, 7168, "bf16")])
+def test_linear_add_norm_is_the_two_launches_bits(ops, T, I, D, dtype):
+    """o_proj with the residual add and the norm in one launch (the last block of a row group finishes the rows): a,
+    h_out and y are the bits of ops.linear then add_rms_norm, launch after launch (the tickets are left zero) and
+    replayed in a captured graph; one row with float32 and bf16 weights, row groups of 8 with float32 (a last group of
+    1 at T = 9 and 33, fewer outputs than a block's warps at D = 7); bf16 rows (the mma kernels) stay two launches
+    (K2.6's o_proj)."""
+    from cuda_engine.graph import capture
+    from kdtr_format.bf16 import bf16_bits
+
+    rng = np.random.default_rng(T + I + D)
+    x, h, w_norm = dev(rand(rng, T, I)), dev(rand(rng, T, D)), dev(rand(rng, D) + 1)
+    W = rand(rng, D, I, scale=I ** -0.5)
+    W = dev(bf16_bits(W)) if dtype == "bf16" else dev(W)
+    if dtype == "bf16":
+        ops.tiled(W)
+
+    def outputs():
+        return [dev(np.full((T, D), np.nan, np.float32)) for _ in range(3)]
+
+    want = outputs()
+    run(ops, ops.linear_add_norm, x, W, want[0], T, I, h, want[1], w_norm, want[2], 1e-5, fused=False)
+    fused = dtype == "float32" or T == 1
+    ran = dict(ops.ran)
+    for launch in range(2):
+        got = outputs()
+        run(ops, ops.linear_add_norm, x, W, got[0], T, I, h, got[1], w_norm, got[2], 1e-5)
+        for name, g, w in zip(("a", "h_out", "y"), got, want):
+            np.testing.assert_array_equal(g.get().view(np.uint32), w.get().view(np.uint32), err_msg=f"launch {launch} {name}")
+    assert (ops.ran.get("add_rms_norm_kernel", 0) == ran.get("add_rms_norm_kernel", 0)) == fused, "fused or not"
+    got = outputs()
+    graph = capture(ops, lambda: ops.linear_add_norm(x, W, got[0], T, I, h, got[1], w_norm, got[2], 1e-5))
+    for replay in range(2):
+        for b in got:
+            b.set(np.full((T, D), np.nan, np.float32))
+        graph.launch(ops.stream)
+        ops.stream.synchronize()
+        for name, g, w in zip(("a", "h_out", "y"), got, want):
+            np.testing.assert_array_equal(g.get().view(np.uint32), w.get().view(np.uint32), err_msg=f"replay {replay} {name}")
+    graph.destroy()
 
 
 def moe_oracle(x, Wg, Wu, Wd, ids, w, K):

@@ -312,14 +312,15 @@ extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, WIDE_BLOCKS_PER_SM) 
 // then the warp's fixed butterfly) -> partials[j, row, 0..1]. Once per element here, not again by each of p
 // c_kv's column tiles. Chunk j owns rows [j chunk, (j + 1) chunk) of the S rows, chunk = pv_chunk(S, n_split).
 // Each warp loads its columns in batches of SOFTMAX_HELD spans, every load of a batch issued before any is used. A
-// chunk of one batch (up to 2560 columns: K2.6's 5-row verify at 32768 rows has 2521 in each of 13 chunks) is read
-// once and held in registers between the max and the exponentials; a longer one is read twice, a batch at a time.
+// chunk of one batch (up to 2560 columns: K2.6's 5-row verify at 32768 rows has 13 chunks, 12 of 2528 columns and
+// one of 2437) is read once and held in registers between the max and the exponentials; a longer one is read twice,
+// a batch at a time.
 // Every way computes the same values in the same order (each lane's columns in increasing order): the bits of the
 // plain two-pass loop it replaced (stop 46). Why: read twice, the second pass went back to DRAM for most of the
 // scores (Nsight Compute, that verify: 76 MB read for 42 MB of scores, 49% of L2 sectors hit). Why 10 spans at two
 // blocks per SM (120 registers on sm_90, no spill): 12 spans at one block per SM (137 registers) ran a decode
-// step's 256 blocks in two waves, and 12 at two (128) or 6 at three were slower at 5 and 9 tokens (measured on the
-// H200, docs/cuda-engine.md "Stop 46").
+// step's 256 blocks in two waves, and 12 at two (128) or 6 at three were slower at 9 tokens (measured on the H200,
+// docs/cuda-engine.md "Stop 46"; which other token count the lost notes named is not known).
 #define SOFTMAX_SPAN (WARP_SIZE * LOADS)      // columns a warp takes per step
 #define SOFTMAX_HELD 10                       // spans a warp holds (2560 columns)
 #define SOFTMAX_BLOCKS_PER_SM 2               // so at most 128 registers: a decode step's blocks in one wave
