@@ -265,6 +265,13 @@ class Ops:
         self._resident: dict[str, int] = {}
         self.capturing = False
         self.debug_sync = os.environ.get("KDTR_CUDA_SYNC") == "1"
+        # KDTR_FUSE=0: the router's GEMV and o_proj's norm as launches of their own, as before stop 48 (the same
+        # bits: tests/test_cuda_kernels.py), so that a benchmark can measure what the fusions save in one run
+        fuse = os.environ.get("KDTR_FUSE", "1")
+        if fuse not in ("0", "1"):
+            raise CudaEngineError(f"KDTR_FUSE={fuse!r}: set it to 1 (the default: fused launches) or 0 (the "
+                                  f"router's GEMV and o_proj's norm as launches of their own)")
+        self.fuse = fuse == "1"
         # workspaces (fp32 partials, int32 tickets) by owner, "w4a16_mma" (split-K) and "moe_combine" (the
         # norm's sums): grown, never freed (a captured graph may still point at an old one, kept in _retired)
         self._ws: dict[str, tuple[DevBuf, DevBuf]] = {}
@@ -323,7 +330,7 @@ class Ops:
         D = w_norm.shape[0]
         _need(W.shape == (D, I), "linear_add_norm", f"weight {W.shape} != [D={D}, I={I}]")
         if fused is None:
-            fused = T == 1 or W.dtype == np.float32
+            fused = self.fuse and (T == 1 or W.dtype == np.float32)
         _need(not fused or T == 1 or W.dtype == np.float32, "linear_add_norm", "bf16 weights fuse for one row only")
         if not fused:
             self.linear(x, W, a, T, I, D)
@@ -493,7 +500,7 @@ class Ops:
         null = lambda b: 0 if b is None else _ptr(b)  # noqa: E731 - an absent optional buffer: a null pointer
         kernel = weight_kernel("router", "router", gate)
         if fused is None:
-            fused = E * D <= ROUTER_FUSED_MAX
+            fused = self.fuse and E * D <= ROUTER_FUSED_MAX
         if not fused:                                          # the logits into scores first (a GEMV over many
             self.linear(x, gate, scores, T, D, E)              # blocks); the kernel makes them sigmoid in place
         self._launch(kernel, (T,), _ptr(x), gate.ptr if fused else 0, D, bias.ptr, _ptr(scores), _ptr(slot_ids),
