@@ -212,8 +212,7 @@ class CudaEngine:
         self.buf["dense_slots"] = DevBuf.from_array(np.zeros(T_cap, i))
         # the grouped MoE path's work list (ops.moe_group): 1 + 3 Z + pairs entries, Z <= pairs <= T_cap S
         self.buf["groups"] = DevBuf((1 + 4 * T_cap * S,), i)
-        self.ops.moe_combine_reserve(T_cap, D)                        # its norm workspace, before any capture;
-        self.ops.linear_add_norm_reserve(T_cap)                       # o_proj's tickets (one per row at most)
+        self.ops.moe_combine_reserve(T_cap, D)                        # its norm workspace, before any capture
         self.T_cap = T_cap
         self._drop_graph()
 
@@ -410,8 +409,9 @@ class CudaEngine:
         o.mla_latent(qkv, T, Q, C, R, w["q_a_ln"], w["kv_a_ln"], c.latent_norm_eps, b["cq"], lat, kv,
                      self.meta, b["positions"], self.inv_freq, c.rope_attention_factor)
         self._mla_core(l, T, kv, masked)                                        # [T, Q] -> [T, H, U]
-        o.linear_add_norm(b["o"], w["o_proj"], b["attn_out"].view(l), T, H * U, h_in,    # [T, H U] -> [T, D],
-                          b["resid_attn"].view(l), w["post_ln"], b["mlp_in"].view(l), c.rms_norm_eps)   # + h, norm
+        o.linear(b["o"], w["o_proj"], b["attn_out"].view(l), T, H * U, D)             # [T, H U] -> [T, D]
+        o.add_rms_norm(h_in, b["attn_out"].view(l), b["resid_attn"].view(l), w["post_ln"], b["mlp_in"].view(l),
+                       T, c.rms_norm_eps)
         self._mlp_half(l, T)
 
     def _mla_core(self, l: int, T: int, kv: DevBuf, masked: bool) -> None:

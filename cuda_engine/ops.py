@@ -52,10 +52,6 @@ ATTN_DYNAMIC_SMEM = {f"mla_{g}{t.suffix}_kernel": (t.scores_smem() if g == "scor
                      for t in (ATTN_NARROW, ATTN_WIDE) for g in ("scores", "pv")}
 KV_PIECE = 8                        # kernels/kv_layout.cuh: a cache row is padded to whole 16-byte pieces of bf16
 ROUTER_MAX_E, ROUTER_MAX_GROUPS, MOE_MAX_SLOTS = 1024, 64, 64   # kernels/moe.cu
-# The router makes its own logits (one launch, a block per token, a warp per expert) up to E D = ROUTER_FUSED_MAX
-# gate elements: a block then reads at most 128 KB of a float32 gate (the tiny models' 16 x 192: 12 KB); past it a
-# GEMV over many blocks first (K2.6's 384 x 7168 through one SM per token was ~200 us).
-ROUTER_FUSED_MAX = 32 * 1024
 LINEAR_ROWS = 8                   # kernels/linear.cu, linear_rows_kernel: rows per warp
 LMMA_OUT, LMMA_ROWS = 32, 16      # kernels/linear.cu, linear_mma_bf16_kernel: outputs and x rows per block
 LMMA_FEW_OUT, LMMA_FEW_ROWS = 16, 8   # linear_mma_bf16_few_kernel, for 2 .. LMMA_FEW_ROWS rows (same bits a row)
@@ -75,9 +71,6 @@ SIGNATURES = {
     "linear_bf16_kernel": "PPPiiiiqqq",
     "linear_mma_bf16_kernel": "PPPiiiiiqqq",
     "linear_mma_bf16_few_kernel": "PPPiiiiiqqq",
-    "linear_add_norm_kernel": "PPPiiiPPPPfP",
-    "linear_add_norm_bf16_kernel": "PPPiiiPPPPfP",
-    "linear_rows_add_norm_kernel": "PPPiiiiPPPPfP",
     "mla_latent_kernel": "PiiiPPfPPPiPPPd",
     "mla_qprep_kernel": "PPPdPPiiiii",
     "mla_qprep_bf16_kernel": "PPPdPPiiiii",
@@ -89,8 +82,7 @@ SIGNATURES = {
     "mla_merge_uv_kernel": "PiPPPiiii",
     "mla_merge_uv_bf16_kernel": "PiPPPiiii",
     "kv_compact_kernel": "PPiiii",
-    "router_kernel": "PPiPPPPiiiiiifPPP",
-    "router_bf16_kernel": "PPiPPPPiiiiiifPPP",
+    "router_kernel": "PPPPiiiiiifPPP",
     "swiglu_gate_up_kernel": "PPPPPiiiiii",
     "expert_down_kernel": "PPPPiiiiii",
     "swiglu_gate_up_bf16_kernel": "PPPPPiiiiii",
@@ -265,13 +257,6 @@ class Ops:
         self._resident: dict[str, int] = {}
         self.capturing = False
         self.debug_sync = os.environ.get("KDTR_CUDA_SYNC") == "1"
-        # KDTR_FUSE=0: the router's GEMV and o_proj's norm as launches of their own, as before stop 48 (the same
-        # bits: tests/test_cuda_kernels.py), so that a benchmark can measure what the fusions save in one run
-        fuse = os.environ.get("KDTR_FUSE", "1")
-        if fuse not in ("0", "1"):
-            raise CudaEngineError(f"KDTR_FUSE={fuse!r}: set it to 1 (the default: fused launches) or 0 (the "
-                                  f"router's GEMV and o_proj's norm as launches of their own)")
-        self.fuse = fuse == "1"
         # workspaces (fp32 partials, int32 tickets) by owner, "w4a16_mma" (split-K) and "moe_combine" (the
         # norm's sums): grown, never freed (a captured graph may still point at an old one, kept in _retired)
         self._ws: dict[str, tuple[DevBuf, DevBuf]] = {}
@@ -316,34 +301,6 @@ class Ops:
     def add_rms_norm(self, h, a, h_out, w: DevBuf, y, T: int, eps: float) -> None:
         n = w.shape[0]
         self._launch("add_rms_norm_kernel", (T,), _ptr(h), _ptr(a), _ptr(h_out), w.ptr, _ptr(y), n, eps)
-
-    def linear_add_norm_reserve(self, T: int) -> None:
-        """The fused o_proj + norm's tickets for T rows (zeroed); before graph capture (the engine reserves its
-        T_cap), grown here otherwise."""
-        self._reserve("linear_add_norm", 0, T, f"Ops.linear_add_norm_reserve(T={T})")
-
-    def linear_add_norm(self, x, W: DevBuf, a, T: int, I: int, h, h_out, w_norm: DevBuf, y, eps: float,
-                        fused: bool | None = None) -> None:
-        """a = x W^T (W [D, I]), then h_out = h + a and y = rms_norm(h_out, w_norm), rows [T, D] contiguous: one
-        launch (kernels/linear.cu, linear_add_norm kernels) for one row or float32 W, else ops.linear then
-        add_rms_norm (bf16 rows: the mma kernels). Either way the same bits (`fused` forces either)."""
-        D = w_norm.shape[0]
-        _need(W.shape == (D, I), "linear_add_norm", f"weight {W.shape} != [D={D}, I={I}]")
-        if fused is None:
-            fused = self.fuse and (T == 1 or W.dtype == np.float32)
-        _need(not fused or T == 1 or W.dtype == np.float32, "linear_add_norm", "bf16 weights fuse for one row only")
-        if not fused:
-            self.linear(x, W, a, T, I, D)
-            self.add_rms_norm(h, a, h_out, w_norm, y, T, eps)
-            return
-        self.linear_add_norm_reserve(-(-T // LINEAR_ROWS) if T > 1 else 1)
-        tail = (_ptr(h), _ptr(h_out), w_norm.ptr, _ptr(y), eps, self._ws["linear_add_norm"][1].ptr)
-        if T == 1:
-            self._launch(weight_kernel("linear_add_norm", "linear_add_norm", W), (-(-D // WARPS_PER_BLOCK), 1),
-                         _ptr(x), W.ptr, _ptr(a), I, D, I, *tail)
-        else:
-            self._launch("linear_rows_add_norm_kernel", (-(-D // WARPS_PER_BLOCK), -(-T // LINEAR_ROWS)), _ptr(x),
-                         W.ptr, _ptr(a), T, I, D, I, *tail)
 
     def tiled(self, W: DevBuf, host: np.ndarray | None = None) -> DevBuf:
         """The tiled copy (tile_bf16) of bf16 weights W that the mma linear kernels read, made once and kept
@@ -486,10 +443,8 @@ class Ops:
 
     # ------------------------------------------------------------ MoE
     def router(self, x, gate: DevBuf, bias: DevBuf, scores, slot_ids, slot_w, T: int, K: int, S: int, n_group: int,
-               topk_group: int, norm_topk_prob: bool, scale: float, held=None, own_ids=None, own_w=None,
-               fused: bool | None = None) -> None:
-        """Router GEMV (gate [E, D]) and selection for x [T, D]: scores [T, E], slots [T, S] (ids, weights); one
-        launch where E D <= ROUTER_FUSED_MAX, else the GEMV first (`fused` forces either: the same bits).
+               topk_group: int, norm_topk_prob: bool, scale: float, held=None, own_ids=None, own_w=None) -> None:
+        """Router GEMV (gate [E, D]) and selection for x [T, D]: scores [T, E], slots [T, S] (ids, weights).
         Held routing: held [T, K] int32 (a row of -1: the router's choice) sets the routed slots; own_ids
         [T, K] int32 and own_w [T, K] receive the router's own choice and weights (kernels/moe.cu)."""
         E, D = gate.shape
@@ -498,12 +453,8 @@ class Ops:
               f"n_routed_experts={E} (max {ROUTER_MAX_E}), n_group={n_group} (max {ROUTER_MAX_GROUPS})")
         _need((own_ids is None) == (own_w is None), "router", "own_ids and own_w come together")
         null = lambda b: 0 if b is None else _ptr(b)  # noqa: E731 - an absent optional buffer: a null pointer
-        kernel = weight_kernel("router", "router", gate)
-        if fused is None:
-            fused = self.fuse and E * D <= ROUTER_FUSED_MAX
-        if not fused:                                          # the logits into scores first (a GEMV over many
-            self.linear(x, gate, scores, T, D, E)              # blocks); the kernel makes them sigmoid in place
-        self._launch(kernel, (T,), _ptr(x), gate.ptr if fused else 0, D, bias.ptr, _ptr(scores), _ptr(slot_ids),
+        self.linear(x, gate, scores, T, D, E)                  # the logits, into scores (the kernel makes them sigmoid)
+        self._launch("router_kernel", (T,), bias.ptr, _ptr(scores), _ptr(slot_ids),
                      _ptr(slot_w), E, K, S, n_group, topk_group, int(norm_topk_prob), scale, null(held),
                      null(own_ids), null(own_w))
 

@@ -195,6 +195,28 @@ __device__ __forceinline__ int pv_chunk(int S, int n_split) {
 }
 
 // The GEMMs' blocks per SM (__launch_bounds__; ops.AttnTiling.blocks_per_sm sizes p c_kv's chunk count from them)
+// Both GEMMs' k loop: `steps` k steps through GEMM_STAGES cp.async stages in shared memory. load(stage, i) issues
+// step i's copies into a stage; mma(stage) multiplies the step staged there. The first GEMM_STAGES - 1 steps go in
+// flight first; then step i computes while the next ones load, and no load overwrites a stage before every warp
+// is done with it.
+template <typename Load, typename Mma>
+__device__ __forceinline__ void staged_k_steps(int steps, Load load, Mma mma) {
+#pragma unroll
+    for (int i = 0; i < GEMM_STAGES - 1; ++i) {
+        if (i < steps) load(i, i);
+        cp_async_commit();
+    }
+    for (int i = 0; i < steps; ++i) {
+        const int ahead = i + GEMM_STAGES - 1;
+        if (ahead < steps) load(ahead % GEMM_STAGES, ahead);
+        cp_async_commit();
+        cp_async_wait<GEMM_STAGES - 1>();
+        __syncthreads();
+        mma(i % GEMM_STAGES);
+        __syncthreads();                                      // before the next load overwrites this stage
+    }
+}
+
 // and their dynamic shared memory: GEMM_STAGES-deep cp.async stages of both operand tiles, over the 48 KB a static
 // array may take (ops.AttnTiling.scores_smem and .pv_smem compute the same bytes; each body static_asserts that
 // its layout is this size).
@@ -263,21 +285,9 @@ __device__ __forceinline__ void mla_scores_body(unsigned char* smem, const bf16_
         }
     };
     float tot[TL::WM][TL::WN][4] = {}, lo[TL::WM][TL::WN][4] = {};
-    const int steps = (Kp + KSTEP - 1) / KSTEP;
-#pragma unroll
-    for (int i = 0; i < GEMM_STAGES - 1; ++i) {               // the first k steps in flight
-        if (i < steps) load(i, i * KSTEP);
-        cp_async_commit();
-    }
-    for (int i = 0; i < steps; ++i) {                         // step i computes while the next ones load
-        const int ahead = i + GEMM_STAGES - 1;
-        if (ahead < steps) load(ahead % GEMM_STAGES, ahead * KSTEP);
-        cp_async_commit();
-        cp_async_wait<GEMM_STAGES - 1>();
-        __syncthreads();
-        tile_mma<TL, false>(As + (i % GEMM_STAGES) * A_ELEMS, Bs + (i % GEMM_STAGES) * B_ELEMS, tot, lo);
-        __syncthreads();                                      // before the next load overwrites this stage
-    }
+    staged_k_steps((Kp + KSTEP - 1) / KSTEP, [&](int stage, int i) { load(stage, i * KSTEP); }, [&](int stage) {
+        tile_mma<TL, false>(As + stage * A_ELEMS, Bs + stage * B_ELEMS, tot, lo);
+    });
 #pragma unroll
     for (int mi = 0; mi < TL::WM; ++mi)
 #pragma unroll
@@ -440,21 +450,8 @@ __device__ __forceinline__ void mla_pv_body(unsigned char* smem, const bf16_t* _
         }
     };
     float tot[TL::WM][TL::WN][4] = {}, lo[TL::WM][TL::WN][4] = {};
-    const int steps = (s_hi - s_lo + KSTEP - 1) / KSTEP;
-#pragma unroll
-    for (int i = 0; i < GEMM_STAGES - 1; ++i) {               // the first k steps in flight
-        if (i < steps) load(i, s_lo + i * KSTEP);
-        cp_async_commit();
-    }
-    for (int i = 0; i < steps; ++i) {                         // step i computes while the next ones load
-        const int ahead = i + GEMM_STAGES - 1;
-        if (ahead < steps) load(ahead % GEMM_STAGES, s_lo + ahead * KSTEP);
-        cp_async_commit();
-        cp_async_wait<GEMM_STAGES - 1>();
-        __syncthreads();
-        tile_mma<TL, true>(As + (i % GEMM_STAGES) * A_ELEMS, Bs + (i % GEMM_STAGES) * B_ELEMS, tot, lo);
-        __syncthreads();                                      // before the next load overwrites this stage
-    }
+    staged_k_steps((s_hi - s_lo + KSTEP - 1) / KSTEP, [&](int stage, int i) { load(stage, s_lo + i * KSTEP); },
+                   [&](int stage) { tile_mma<TL, true>(As + stage * A_ELEMS, Bs + stage * B_ELEMS, tot, lo); });
     float* part = partials + (size_t)split * TH * (C + 2);
 #pragma unroll
     for (int mi = 0; mi < TL::WM; ++mi)

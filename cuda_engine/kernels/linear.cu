@@ -1,12 +1,9 @@
-// Every dense projection: y[b, t, o] = sum_i x[b, t, i] * W[b, o, i]   (nn.Linear, W [O, I]), these kernels:
+// Every dense projection: y[b, t, o] = sum_i x[b, t, i] * W[b, o, i]   (nn.Linear, W [O, I]), four kernels:
 //   linear_kernel / linear_bf16_kernel: one row (T = 1, the decode step's GEMV), float32 or bf16 W;
 //   linear_rows_kernel: T >= 2 rows with float32 W (CudaEngine(dense="float32")), 8 rows per warp, each row the
 //     bits linear_kernel gives it;
 //   linear_mma_bf16_kernel / linear_mma_bf16_few_kernel: T >= 9 / 2 .. 8 rows with bf16 W (the engine's default
-//     for weights a bundle stores as bf16), on the tensor cores, FP32-faithful (below);
-//   linear_add_norm_kernel (float32 and bf16 W, one row a grid row) / linear_rows_add_norm_kernel (float32 W): the
-//     product of linear_kernel / linear_rows_kernel, then the residual add and RMSNorm of add_rms_norm_kernel by
-//     the last block to finish (the engine's o_proj; below).
+//     for weights a bundle stores as bf16), on the tensor cores, FP32-faithful (below).
 // Contract: float32 x and y; W float32 or bf16 bits (widened exactly, common.cuh wval), W rows contiguous (row
 // length I), except the two mma kernels', which read W tiled (below). x row t of batch b starts at
 // x + b * x_bstride + t * x_stride; y likewise; W of batch b at W + b * w_bstride. The batch axis serves per-head
@@ -16,7 +13,6 @@
 // consecutive elements of one W row (coalesced loads), accumulate a strided partial sum in a fixed order and
 // finish with a butterfly, so the result is deterministic.
 #include "common.cuh"
-#include "row_ops.cuh"
 #include "tensor_core.cuh"
 
 template <typename WT>
@@ -25,9 +21,14 @@ __device__ __forceinline__ void linear_body(const float* __restrict__ x, const W
                                             long long w_bstride, long long y_bstride) {
     const int lane = threadIdx.x % WARP_SIZE;
     const int o = blockIdx.x * WARPS_PER_BLOCK + threadIdx.x / WARP_SIZE;
-    if (o >= O) return;                                     // whole warp leaves the body together
+    if (o >= O) return;                                     // whole warp exits together
     const int t = blockIdx.y, b = blockIdx.z;
-    const float acc = warp_dot(x + b * x_bstride + (size_t)t * x_stride, W + b * w_bstride + (size_t)o * I, I);
+    const float* xr = x + b * x_bstride + (size_t)t * x_stride;
+    const WT* wr = W + b * w_bstride + (size_t)o * I;
+    float acc = 0.0f;
+#pragma unroll 8
+    for (int i = lane; i < I; i += WARP_SIZE) acc += xr[i] * wval(wr[i]);   // unrolled: 8 loads in flight, sums in order
+    acc = warp_sum(acc);
     if (lane == 0) y[b * y_bstride + (size_t)t * y_stride + o] = acc;
 }
 
@@ -85,59 +86,6 @@ __device__ __forceinline__ void linear_rows_body(const float* __restrict__ x, co
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM) linear_rows_kernel(LINEAR_ROWS_ARGS(float)) {
     AFTER_PREVIOUS_GRID();
     linear_rows_body(x, W, y, T, I, O, x_stride, y_stride, x_bstride, w_bstride, y_bstride);
-}
-
-// linear_add_norm_kernel / linear_add_norm_bf16_kernel / linear_rows_add_norm_kernel: the attention's output
-// projection and the block's residual add + post-attention norm in one launch (the engine's o_proj: one launch fewer
-// per layer; a tiny model's step is its launch count, docs/cuda-engine.md "Stop 48"). The product is linear_kernel's
-// (one row per grid y) or linear_rows_kernel's (LINEAR_ROWS rows per grid y; float32 W only: bf16 rows run the mma
-// kernels, unfused), so a = x W^T has their bits; then the last block of a grid row to finish (a ticket per grid row,
-// tickets [gridDim.y]: zero before the launch, left zero by that block; the ticket orders no arithmetic) runs
-// add_rms_norm_kernel's row (row_ops.cuh) on each of its rows: h_out = h + a, y_norm = rms_norm(h_out, w_norm), the
-// same bits as the two launches. Rows are contiguous: a, h, h_out, y_norm [T, O]; x rows x_stride apart; B = 1.
-// Launch: grid (ceil(O / WARPS_PER_BLOCK), T or ceil(T / LINEAR_ROWS)), block BLOCK_THREADS.
-__device__ __forceinline__ void add_norm_when_last(int t0, int n, const float* a, int D, const float* __restrict__ h,
-                                                   float* __restrict__ h_out, const float* __restrict__ w_norm,
-                                                   float* __restrict__ y_norm, float eps, int* __restrict__ tickets) {
-    __shared__ float buf[BLOCK_THREADS];
-    __shared__ bool is_last;
-    __threadfence();                                        // this block's outputs visible before its ticket
-    __syncthreads();
-    if (threadIdx.x == 0) is_last = atomicAdd(&tickets[blockIdx.y], 1) == (int)gridDim.x - 1;
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();
-    for (int r = 0; r < n; ++r) {                           // (L2 loads of a: other blocks wrote it)
-        const size_t row = (size_t)(t0 + r) * D;
-        add_rms_norm_row(h + row, [&](int i) { return __ldcg(a + row + i); }, h_out + row, w_norm, y_norm + row, D,
-                         eps, buf);
-    }
-    if (threadIdx.x == 0) tickets[blockIdx.y] = 0;          // ready for the next launch (graph replays)
-}
-
-#define ADD_NORM_ARGS const float* __restrict__ h, float* __restrict__ h_out, const float* __restrict__ w_norm, \
-    float* __restrict__ y_norm, float eps, int* __restrict__ tickets
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
-linear_add_norm_kernel(const float* __restrict__ x, const float* __restrict__ W, float* y, int I, int O, int x_stride,
-                       ADD_NORM_ARGS) {
-    AFTER_PREVIOUS_GRID();
-    linear_body(x, W, y, I, O, x_stride, O, 0, 0, 0);
-    add_norm_when_last(blockIdx.y, 1, y, O, h, h_out, w_norm, y_norm, eps, tickets);
-}
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
-linear_add_norm_bf16_kernel(const float* __restrict__ x, const bf16_t* __restrict__ W, float* y, int I, int O,
-                            int x_stride, ADD_NORM_ARGS) {
-    AFTER_PREVIOUS_GRID();
-    linear_body(x, W, y, I, O, x_stride, O, 0, 0, 0);
-    add_norm_when_last(blockIdx.y, 1, y, O, h, h_out, w_norm, y_norm, eps, tickets);
-}
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
-linear_rows_add_norm_kernel(const float* __restrict__ x, const float* __restrict__ W, float* y, int T, int I, int O,
-                            int x_stride, ADD_NORM_ARGS) {
-    AFTER_PREVIOUS_GRID();
-    linear_rows_body(x, W, y, T, I, O, x_stride, O, 0, 0, 0);
-    const int t0 = blockIdx.y * LINEAR_ROWS;
-    add_norm_when_last(t0, min(LINEAR_ROWS, T - t0), y, O, h, h_out, w_norm, y_norm, eps, tickets);
 }
 
 // linear_mma_bf16_kernel / linear_mma_bf16_few_kernel: the product for T >= 2 rows with bf16 weights (K2.6's

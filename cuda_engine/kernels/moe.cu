@@ -7,10 +7,7 @@
 //
 //   router_kernel:         scores [T, E] holds the logits gate x[t] on entry (ops.linear, mlp.gate.weight [E, D]:
 //                          a warp per expert row over many blocks; one block per token streaming the gate was
-//                          11 MB through one SM per token at K2.6's 384 x 7168, ~200 us), or, where a gate is
-//                          given (router_kernel / router_bf16_kernel: float32 / bf16 gate, for small routers,
-//                          ops.ROUTER_FUSED_MAX: one launch fewer per layer), the block makes them first, a warp
-//                          per expert, each logit linear_kernel's bits (row_ops.cuh, warp_dot); scores =
+//                          11 MB through one SM per token at K2.6's 384 x 7168, ~200 us); scores =
 //                          sigmoid(logits) in place [T, E]; choice = scores + bias (selection only);
 //                          with n_group > 1 keep the topk_group groups with the largest top-2 sums;
 //                          top-K of choice, ties to the lower id; weights = scores[ids], renormalised
@@ -57,20 +54,18 @@
 // Limits: E <= ROUTER_MAX_E, n_group <= ROUTER_MAX_GROUPS, S <= MOE_MAX_SLOTS (shared-memory arrays);
 // moe_group_kernel: E <= MOE_GROUP_MAX_E (the routed experts and the shared one).
 #include "common.cuh"
-#include "row_ops.cuh"
 
 #define ROUTER_MAX_E 1024
 #define ROUTER_MAX_GROUPS 64
 #define MOE_MAX_SLOTS 64
 #define MOE_GROUP_MAX_E (ROUTER_MAX_E + 1)
 
-template <typename WT>
-__device__ __forceinline__ void router_body(const float* __restrict__ x, const WT* __restrict__ gate, int D,
-                                            const float* __restrict__ bias, float* __restrict__ scores,
-                                            int* __restrict__ slot_ids, float* __restrict__ slot_w, int E, int K, int S,
-                                            int n_group, int topk_group, int norm_topk_prob,
-                                            float routed_scaling_factor, const int* __restrict__ held,
-                                            int* __restrict__ own_ids, float* __restrict__ own_w) {
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
+router_kernel(const float* __restrict__ bias, float* __restrict__ scores, int* __restrict__ slot_ids, float* __restrict__ slot_w, int E, int K, int S,
+              int n_group,
+              int topk_group, int norm_topk_prob, float routed_scaling_factor, const int* __restrict__ held,
+              int* __restrict__ own_ids, float* __restrict__ own_w) {
+    AFTER_PREVIOUS_GRID();
     __shared__ float choice[ROUTER_MAX_E];
     __shared__ unsigned char taken[ROUTER_MAX_E];
     __shared__ float gscore[ROUTER_MAX_GROUPS];
@@ -79,13 +74,6 @@ __device__ __forceinline__ void router_body(const float* __restrict__ x, const W
     __shared__ float w_sel[MOE_MAX_SLOTS];
     __shared__ int id_sel[MOE_MAX_SLOTS];
     const int t = blockIdx.x, lane = threadIdx.x % WARP_SIZE;
-    if (gate != nullptr) {                                    // the logits made here: a warp per expert
-        for (int e = threadIdx.x / WARP_SIZE; e < E; e += WARPS_PER_BLOCK) {
-            const float logit = warp_dot(x + (size_t)t * D, gate + (size_t)e * D, D);
-            if (lane == 0) scores[(size_t)t * E + e] = logit;
-        }
-        __syncthreads();                                      // (this block's global writes, seen by all of it)
-    }
     for (int e = threadIdx.x; e < E; e += blockDim.x) {       // the logits in, the sigmoid scores out, in place
         const float s = sigmoid(scores[(size_t)t * E + e]);
         scores[(size_t)t * E + e] = s;
@@ -153,21 +141,6 @@ __device__ __forceinline__ void router_body(const float* __restrict__ x, const W
         slot_w[(size_t)t * S + k] = w * routed_scaling_factor;
     }
     for (int k = K; k < S; ++k) { slot_ids[(size_t)t * S + k] = E + (k - K); slot_w[(size_t)t * S + k] = 1.0f; }
-}
-
-#define ROUTER_ARGS(WT) const float* __restrict__ x, const WT* __restrict__ gate, int D, const float* __restrict__ bias, \
-    float* __restrict__ scores, int* __restrict__ slot_ids, float* __restrict__ slot_w, int E, int K, int S, \
-    int n_group, int topk_group, int norm_topk_prob, float routed_scaling_factor, const int* __restrict__ held, \
-    int* __restrict__ own_ids, float* __restrict__ own_w
-#define ROUTER_PASS x, gate, D, bias, scores, slot_ids, slot_w, E, K, S, n_group, topk_group, norm_topk_prob, \
-    routed_scaling_factor, held, own_ids, own_w
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM) router_kernel(ROUTER_ARGS(float)) {
-    AFTER_PREVIOUS_GRID();
-    router_body(ROUTER_PASS);
-}
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM) router_bf16_kernel(ROUTER_ARGS(bf16_t)) {
-    AFTER_PREVIOUS_GRID();
-    router_body(ROUTER_PASS);
 }
 
 // The dense experts (float32 Wg, Wu, Wd, or bf16 bits in the _bf16_ instances: common.cuh, wval)
