@@ -289,3 +289,25 @@ def test_an_aim_measured_on_another_card_says_which(rounds, device, on_card):
             assert line.split(" -> ")[1].startswith(f"{verdict} (room")
         else:
             assert f"-> {verdict} on {device or 'an unnamed device'}, not on an H200, the card the aim is for" in line
+
+
+@pytest.mark.parametrize("device,on_card", [("NVIDIA H200", True), ("NVIDIA H100 80GB HBM3", False)])
+def test_the_w4a16_bench_aims_are_the_issues_and_name_the_card(device, on_card):
+    """`kdtr bench w4a16`'s aims (cuda_engine/bench_w4a16.py, no GPU needed to judge them): the one-token K2.6 MoE
+    layer's aim is 75% of the copy bandwidth (it said 70% until stop 48, so 72% printed 'met'), the grouped layer's
+    1.6x its distinct experts' floor, and a run on a card other than the H200 says which card it was."""
+    from cuda_engine.bench_w4a16 import _aims, table
+
+    out = {"device": device, "compute_capability": "9.0", "l2_bytes": 50 * 2**20, "tinygemm": "-", "rows": [],
+           "moe_layer": {"fraction_of_copy": 0.72, "slots": 9, "experts_on_device": 385, "what": "w", "us_per_token": 1.0,
+                         "gbps": 1.0, "copy_gbps": 1.0, "us_gate_up": 1.0, "gbps_gate_up": 1.0, "us_down": 1.0,
+                         "gbps_down": 1.0, "us_combine": 1.0},
+           "moe_grouped": []}
+    out["aims"] = _aims(out)
+    (one,) = out["aims"]
+    assert one["aim"] == "one-token K2.6 MoE layer: >= 75% of the copy bandwidth" and not one["met"]
+    assert one["on_aim_card"] is on_card and one["aim_card"] == "H200"
+    line = next(x for x in table(out).splitlines() if x.startswith("aim: "))
+    assert line.endswith("-> MISSED" if on_card else f"-> MISSED on {device}, not on an H200, the card the aim is for")
+    out["moe_layer"]["fraction_of_copy"] = 0.75
+    assert _aims(out)[0]["met"]
