@@ -2,8 +2,9 @@
 its float64 corpus and its trained weights, gives the same bits on every x86-64 CPU with AVX2, Intel or AMD,
 with or without AVX-512. Measured: it held within a vendor's emulated settings (this test), not across vendors
 while training's products ran on MKL (an AMD EPYC and an Intel Xeon distilled different drafters; that doc's
-"Measured: the pin across vendors"). They now run on NumPy's OpenBLAS, pinned to its Haswell kernels; whether
-that holds across vendors is not measured yet (bench/probe_distill_vendor.py tells on the other vendor).
+"Measured: the pin across vendors"). They now run on NumPy's OpenBLAS, pinned to its Haswell kernels. That is not
+enough: on an Intel Xeon (stop 48) training still moved with MKL's branch, through torch's exp and AdamW's sqrt,
+and distilled other drafters than the AMD EPYC (that doc's "Measured on an Intel Xeon", with the fix that waits).
 
 How it is tested: a small distillation runs pinned under every instruction-set setting this machine can emulate
 (its native one, AVX-512 here; MKL allowed only AVX2; glibc's dispatch without AVX-512; all at once) and must
