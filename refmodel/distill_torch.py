@@ -6,6 +6,7 @@ Legend as in refmodel/distill.py.
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import torch
@@ -114,14 +115,18 @@ def torch_drafter_logits(dcfg: DrafterConfig, P: dict, embed, head, feats, ids, 
     return _mm(out, head.T)                                                            # [N, M, B-1, V]
 
 
-def block_anchor_loss(logits, ids, anchors, gamma: float, after_miss: float = 1.0):
+def block_anchor_loss(logits, ids, anchors, gamma: float, after_miss: float = 1.0, numpy_exp: bool = False):
     """Weighted CE of block row k against tok[a+k], k = 1..B-1, weight exp(-(k-1)/gamma), times `after_miss`
-    where the drafter's own top-1 missed the stream at a row before k (1: every row counts alike)."""
+    where the drafter's own top-1 missed the stream at a row before k (1: every row counts alike). numpy_exp: the
+    weights' exp by NumPy in float64, rounded to float32, not by torch (MKL's vector math: numpy_math)."""
     N, M, L, V = logits.shape
     k = torch.arange(1, L + 1)
     labels = torch.gather(ids, 1, (anchors[..., None] + k).reshape(N, M * L)).reshape(N, M, L)
     ce = torch.nn.functional.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), reduction="none")
-    w = torch.exp(-(k - 1).to(logits.dtype) / gamma)                                  # [L]
+    if numpy_exp:
+        w = torch.from_numpy(np.exp(-(np.arange(L, dtype=np.float64)) / gamma).astype(np.float32))   # [L]
+    else:
+        w = torch.exp(-(k - 1).to(logits.dtype) / gamma)                              # [L]
     ce = ce.reshape(N, M, L) * w                                                      # [N, M, L]
     if after_miss != 1.0:
         hit = (logits.detach().argmax(-1) == labels).to(logits.dtype)                 # [N, M, L]
@@ -132,6 +137,54 @@ def block_anchor_loss(logits, ids, anchors, gamma: float, after_miss: float = 1.
 
 # ----------------------------------------------------------------------------------------------------
 # training
+
+# MKL's vector math: torch's exp, log, tanh and sqrt of float32 CPU tensors go there, and their bits depend on MKL's
+# branch (MKL_CBWR) on an Intel CPU and, as measured, on the vendor. Training uses two: the loss weights' exp and
+# AdamW's square root. The pinned distillation of bench/probe_distill_vendor.py gave other weights under COMPATIBLE
+# and AUTO on an Intel Xeon, with no MKL GEMM call, and other drafters than the AMD EPYC that made the committed
+# bundles. With KDTR_DISTILL_NUMPY_MATH=1 NumPy takes both (the same bits under both branches there). It is not the
+# default yet: it changes every distilled drafter, so it becomes the default only with regenerated bundles and GPU
+# proofs (docs/golden-bundles.md, "Measured on an Intel Xeon").
+NUMPY_MATH_ENV = "KDTR_DISTILL_NUMPY_MATH"
+
+
+def numpy_math() -> bool:
+    """Whether training takes exp and sqrt from NumPy rather than MKL's vector math (NUMPY_MATH_ENV, default 0)."""
+    value = os.environ.get(NUMPY_MATH_ENV, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{NUMPY_MATH_ENV}={value!r}: set it to 0 (torch's exp and AdamW, as the committed bundles "
+                         f"were distilled) or 1 (NumPy's exp and square root: the same bits on every CPU)")
+    return value == "1"
+
+
+class _AdamW:
+    """torch.optim.AdamW's single-tensor step (defaults betas (0.9, 0.999), eps 1e-8; decoupled weight decay): the
+    same operations in the same order on the same float32 tensors, but the square root of exp_avg_sq taken by NumPy
+    (correctly rounded, the same on every CPU) instead of torch's MKL vector math (numpy_math). `lr` is set per step."""
+
+    def __init__(self, params, lr: float, weight_decay: float, betas=(0.9, 0.999), eps: float = 1e-8):
+        self.params, self.lr, self.wd, (self.b1, self.b2), self.eps = list(params), lr, weight_decay, betas, eps
+        self.m = [torch.zeros_like(p) for p in self.params]
+        self.v = [torch.zeros_like(p) for p in self.params]
+        self.t = 0.0
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.t += 1.0
+        bc1, bc2 = 1 - self.b1 ** self.t, 1 - self.b2 ** self.t
+        step_size, bc2_sqrt = self.lr / bc1, bc2 ** 0.5
+        for p, m, v in zip(self.params, self.m, self.v):
+            if p.grad is None:
+                continue
+            p.mul_(1 - self.lr * self.wd)
+            m.lerp_(p.grad, 1 - self.b1)
+            v.mul_(self.b2).addcmul_(p.grad, p.grad, value=1 - self.b2)
+            denom = (torch.from_numpy(np.sqrt(v.numpy())) / bc2_sqrt).add_(self.eps)
+            p.addcdiv_(m, denom, value=-step_size)
 
 
 def _sample_anchors(gen, plens, T: int, B: int, M: int):
@@ -152,11 +205,17 @@ def train(cfg, W, dcfg, seed, s, ids_np, feats_np, plens, progress):
     embed = torch.tensor(W["model.embed_tokens.weight"], dtype=torch.float32)
     head = torch.tensor(W.get("lm_head.weight", W["model.embed_tokens.weight"]), dtype=torch.float32)
     ids, feats = torch.as_tensor(ids_np), torch.tensor(feats_np, dtype=torch.float32)
-    opt = torch.optim.AdamW(P.values(), lr=s.lr, weight_decay=s.weight_decay)
+    nm = numpy_math()
     warm = max(1, s.steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda i: min(1.0, (i + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(i, s.steps) / s.steps)))
+    schedule = lambda i: min(1.0, (i + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(i, s.steps) / s.steps))  # noqa: E731
+    if nm:                                                       # the lr set by hand each step, LambdaLR's formula
+        opt, sched = _AdamW(P.values(), lr=s.lr, weight_decay=s.weight_decay), None
+    else:
+        opt = torch.optim.AdamW(P.values(), lr=s.lr, weight_decay=s.weight_decay)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     for step in range(s.steps):
+        if nm:
+            opt.lr = s.lr * schedule(step)
         rows = torch.randperm(len(ids), generator=gen)[: s.batch]                       # [N]
         anchors = _sample_anchors(gen, plens[rows.numpy()], ids.shape[1], dcfg.block_size, s.anchors)
         wmax = anchors.clamp(max=s.window_max) if s.window_max > 0 else anchors
@@ -167,12 +226,13 @@ def train(cfg, W, dcfg, seed, s, ids_np, feats_np, plens, progress):
         logits = torch_drafter_logits(dcfg, P, embed, head, feats[rows], ids[rows], anchors, ctx_from)
         ramp = min(1.0, step / max(1.0, s.ramp_frac * s.steps))
         loss = block_anchor_loss(logits, ids[rows], anchors, s.gamma_start + ramp * (s.gamma - s.gamma_start),
-                                 s.after_miss)
+                                 s.after_miss, numpy_exp=nm)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(P.values(), 1.0)
         opt.step()
-        sched.step()
+        if sched is not None:
+            sched.step()
         if progress:
             progress("train", step + 1, s.steps, loss.item())
     assert set(P) == set(drafter_shapes(dcfg))

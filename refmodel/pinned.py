@@ -4,8 +4,9 @@ floating-point bits on every x86-64 CPU with AVX2, Intel or AMD, with or without
 matrix products ran on MKL: an AMD EPYC with AVX-512 distilled other drafter bits than an Intel Xeon did, with
 every float64 golden the same (that section, "Measured: the pin across vendors"); training's products now run
 on NumPy's OpenBLAS (refmodel/distill_torch.py, `_mm`), pinned below, and make no MKL GEMM call. MKL's vector
-math still runs (torch's exp and AdamW's sqrt): on an Intel Xeon it moved training with MKL's branch, so the pin
-does not hold across vendors yet (that section, "Measured on an Intel Xeon").
+math still runs (torch's exp and AdamW's sqrt) unless KDTR_DISTILL_NUMPY_MATH=1. On an Intel Xeon it moved training
+with MKL's branch, so the default pin does not hold across vendors yet (that section, "Measured on an Intel
+Xeon").
 
 Why: each library picks its kernels by the CPU it finds, and hundreds of optimiser steps turn a last-bit
 difference into a different drafter. Three libraries take part in distillation, each pinned here:
