@@ -11,7 +11,7 @@ from bench.k26_ddtree import (BUDGETS, CONTEXTS, K26, PUBLISHED, QUICK_BUDGETS, 
                               bundle_acceptance, dense_bytes, expert_bytes, fit_alpha, golden_rounds,
                               independent_distinct, layer_bytes, mean_distinct, project, published_acceptance,
                               tree_shape)
-from cuda_engine.bench_w4a16 import aim_verdict   # the one verdict line for both benches' aims
+from cuda_engine.bench_w4a16 import AIM_CARD, aim_verdict   # one card and one verdict line for both benches' aims
 
 
 def acceptance_models(rounds: list[dict], budgets) -> dict:
@@ -136,9 +136,9 @@ def report(rounds, shapes, synthesised, acceptance, routing_model, gpu: dict | N
 
 
 AIM_SPEEDUP = 1.5                # the projected batch-1 speedup aimed at, under the published acceptance
-AIM_CARD = "H200"                # the card the aim is stated for: a verify / AR ratio depends on the card's memory
-#                                  speed (an H100's slower memory slows the AR step more than the verify), so a
-#                                  projection measured on another card is not the aim's
+# AIM_CARD (cuda_engine/bench_w4a16.py, shared with kdtr bench w4a16): the card the aim is stated for. A verify / AR
+# ratio depends on the card's memory speed (an H100's slower memory slows the AR step more than the verify), so a
+# projection measured on another card is not the aim's.
 
 
 def aims(proj: list[dict], device: str | None = None) -> list[dict]:

@@ -107,12 +107,15 @@ def _under_mkl_branch(branch: str, numpy_math: bool, progress=None):
     return _corpus_and_weights()
 
 
-def test_numpy_math_training_does_not_depend_on_mkls_branch():
+def test_numpy_math_training_does_not_depend_on_mkls_branch(monkeypatch):
     """With KDTR_DISTILL_NUMPY_MATH=1 training takes no MKL function at all: not its GEMM (test_training_makes_no_mkl_
     call) and not its vector math, which torch uses for exp and sqrt (refmodel/distill_torch.py). So the weights are
     the same under MKL's COMPATIBLE and AUTO branches. The control: the default training (torch's exp and AdamW, as
     the committed bundles were distilled) moves with the branch on an Intel Xeon with AVX-512 (stop 48); where it
     does not move on this CPU, the equality cannot be told from vacuous, and the test says so."""
+    from refmodel.distill_torch import NUMPY_MATH_ENV
+
+    monkeypatch.delenv(NUMPY_MATH_ENV, raising=False)                  # the default, as gen runs it
     fixed = {b: run_pinned(_under_mkl_branch, b, True) for b in ("COMPATIBLE,STRICT", "AUTO")}
     assert fixed["AUTO"] == fixed["COMPATIBLE,STRICT"], "the NumPy-math weights move with MKL's branch"
     default = {b: run_pinned(_under_mkl_branch, b, False) for b in ("COMPATIBLE,STRICT", "AUTO")}
@@ -120,6 +123,34 @@ def test_numpy_math_training_does_not_depend_on_mkls_branch():
     if default["AUTO"] == default["COMPATIBLE,STRICT"]:
         pytest.skip("the control: the default training gives the same weights under both MKL branches on this CPU, "
                     "so the NumPy-math equality cannot be told from vacuous here")
+
+
+def test_the_written_out_adamw_is_torchs_step_with_numpys_sqrt(monkeypatch):
+    """_AdamW (KDTR_DISTILL_NUMPY_MATH=1) is torch.optim.AdamW with LambdaLR's schedule, step for step, except where
+    the square root comes from: with torch's sqrt replaced by NumPy's, the two give the same bits (8 steps, weight
+    decay, a warm-up schedule). A torch release that changes its AdamW step fails this."""
+    import torch
+
+    from refmodel.distill_torch import _AdamW
+
+    monkeypatch.setattr(torch.Tensor, "sqrt", lambda t: torch.from_numpy(np.sqrt(t.detach().numpy())))
+    g = torch.Generator().manual_seed(0)
+    ours = [torch.randn(30, 7, generator=g).requires_grad_(True) for _ in range(3)]
+    theirs = [p.detach().clone().requires_grad_(True) for p in ours]
+    schedule = lambda i: min(1.0, (i + 1) / 3) * 0.5 * (1 + np.cos(np.pi * i / 8))   # noqa: E731
+    mine, ref = _AdamW(ours, lr=1e-3, weight_decay=0.01), torch.optim.AdamW(theirs, lr=1e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(ref, schedule)
+    for step in range(8):
+        mine.lr = 1e-3 * schedule(step)
+        for a, b in zip(ours, theirs):
+            a.grad = torch.randn(30, 7, generator=g)
+            b.grad = a.grad.clone()
+        mine.step()
+        ref.step()
+        sched.step()
+        for a, b in zip(ours, theirs):
+            np.testing.assert_array_equal(a.detach().numpy().view(np.uint32), b.detach().numpy().view(np.uint32),
+                                          err_msg=f"step {step}")
 
 
 def test_numpy_math_is_asked_by_zero_or_one():
