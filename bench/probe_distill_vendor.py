@@ -9,7 +9,10 @@ in the pinned worker, two ways, each under MKL's COMPATIBLE branch (the pin) and
   computed by NumPy in float32 (refmodel/distill_torch.py, `_mm`), that is by NumPy's OpenBLAS on its pinned
   Haswell kernels, one thread (the library whose float64 products gave the same bits on an Intel Xeon and an AMD
   EPYC);
-- `mkl`: as `kdtr gen` trained before: torch's own matrix products, through MKL.
+- `mkl`: as `kdtr gen` trained before: torch's own matrix products, through MKL;
+- `numpy-math`: `openblas` with KDTR_DISTILL_NUMPY_MATH=1, the loss weights' exp and AdamW's square root by NumPy too
+  (no MKL vector math; refmodel/distill_torch.py). On an Intel Xeon (stop 48) it gave `0970a55bc215d5f0` under both
+  branches; the same digest on an AMD CPU says the opt-in distils the same drafters on both vendors.
 For each it prints the corpus digest, the weights digest and the MKL calls the run made (MKL_VERBOSE). What to
 read: `openblas` makes no MKL GEMM call, so its weights cannot depend on MKL's branch (COMPATIBLE == AUTO there);
 run it on a CPU of the other vendor and compare its digests with the ones docs/golden-bundles.md records: equal
@@ -50,6 +53,9 @@ def _probe(route: str, branch: str, steps: int, progress=None):
         from test_ddtree_verify import MICRO, MICRO_DRAFTER
         from test_distill_pinned import SMALL, _digest
 
+        from refmodel.distill_torch import NUMPY_MATH_ENV
+
+        os.environ[NUMPY_MATH_ENV] = "1" if route == "numpy-math" else "0"
         if route == "mkl":
             _route_through_mkl()
         W = init_weights(MICRO, 1)
@@ -78,10 +84,10 @@ def main() -> None:
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
     print(f"CPU: {cpu} ({platform.machine()}); {args.steps} steps")
     os.environ["MKL_VERBOSE"] = "1"
-    for route in ("mkl", "openblas"):
+    for route in ("mkl", "openblas", "numpy-math"):
         for branch in ("COMPATIBLE,STRICT", "AUTO"):
             corpus, weights, calls = run_pinned(_probe, route, branch, args.steps)
-            print(f"{route:8s} MKL_CBWR={branch:17s} corpus {corpus[:16]}  weights {weights[:16]}  MKL calls "
+            print(f"{route:10s} MKL_CBWR={branch:17s} corpus {corpus[:16]}  weights {weights[:16]}  MKL calls "
                   f"{dict(sorted(calls.items())) or 'none'}")
 
 
