@@ -157,13 +157,20 @@ def numpy_math() -> bool:
     return value == "1"
 
 
-class _AdamW:
-    """torch.optim.AdamW's single-tensor step (defaults betas (0.9, 0.999), eps 1e-8; decoupled weight decay): the
-    same operations in the same order on the same float32 tensors, but the square root of exp_avg_sq taken by NumPy
-    (correctly rounded, the same on every CPU) instead of torch's MKL vector math (numpy_math). `lr` is set per step."""
+def _numpy_sqrt(v):
+    """sqrt of a float32 CPU tensor by NumPy: correctly rounded, the same on every CPU (torch's goes to MKL)."""
+    return torch.from_numpy(np.sqrt(v.numpy()))
 
-    def __init__(self, params, lr: float, weight_decay: float, betas=(0.9, 0.999), eps: float = 1e-8):
+
+class _AdamW:
+    """torch.optim.AdamW's single-tensor step (defaults betas (0.9, 0.999), eps 1e-8; decoupled weight decay), the
+    same operations in the same order on the same float32 tensors, with the square root of exp_avg_sq taken by
+    `sqrt`: torch's own (torch.optim.AdamW's bits, tested) or _numpy_sqrt (numpy_math). `lr` is set per step."""
+
+    def __init__(self, params, lr: float, weight_decay: float, sqrt=torch.sqrt, betas=(0.9, 0.999),
+                 eps: float = 1e-8):
         self.params, self.lr, self.wd, (self.b1, self.b2), self.eps = list(params), lr, weight_decay, betas, eps
+        self.sqrt = sqrt
         self.m = [torch.zeros_like(p) for p in self.params]
         self.v = [torch.zeros_like(p) for p in self.params]
         self.t = 0.0
@@ -183,7 +190,7 @@ class _AdamW:
             p.mul_(1 - self.lr * self.wd)
             m.lerp_(p.grad, 1 - self.b1)
             v.mul_(self.b2).addcmul_(p.grad, p.grad, value=1 - self.b2)
-            denom = (torch.from_numpy(np.sqrt(v.numpy())) / bc2_sqrt).add_(self.eps)
+            denom = (self.sqrt(v) / bc2_sqrt).add_(self.eps)
             p.addcdiv_(m, denom, value=-step_size)
 
 
@@ -208,14 +215,9 @@ def train(cfg, W, dcfg, seed, s, ids_np, feats_np, plens, progress):
     nm = numpy_math()
     warm = max(1, s.steps // 20)
     schedule = lambda i: min(1.0, (i + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(i, s.steps) / s.steps))  # noqa: E731
-    if nm:                                                       # the lr set by hand each step, LambdaLR's formula
-        opt, sched = _AdamW(P.values(), lr=s.lr, weight_decay=s.weight_decay), None
-    else:
-        opt = torch.optim.AdamW(P.values(), lr=s.lr, weight_decay=s.weight_decay)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    opt = _AdamW(P.values(), lr=s.lr, weight_decay=s.weight_decay, sqrt=_numpy_sqrt if nm else torch.sqrt)
     for step in range(s.steps):
-        if nm:
-            opt.lr = s.lr * schedule(step)
+        opt.lr = s.lr * schedule(step)                          # LambdaLR's lr: base lr times the schedule
         rows = torch.randperm(len(ids), generator=gen)[: s.batch]                       # [N]
         anchors = _sample_anchors(gen, plens[rows.numpy()], ids.shape[1], dcfg.block_size, s.anchors)
         wmax = anchors.clamp(max=s.window_max) if s.window_max > 0 else anchors
@@ -231,8 +233,6 @@ def train(cfg, W, dcfg, seed, s, ids_np, feats_np, plens, progress):
         loss.backward()
         torch.nn.utils.clip_grad_norm_(P.values(), 1.0)
         opt.step()
-        if sched is not None:
-            sched.step()
         if progress:
             progress("train", step + 1, s.steps, loss.item())
     assert set(P) == set(drafter_shapes(dcfg))
