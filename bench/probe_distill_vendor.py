@@ -4,24 +4,25 @@ across vendors"). Run it from the repository root on any x86-64 CPU with AVX2:
     python bench/probe_distill_vendor.py [--steps 30]
 
 It runs the small pinned distillation of tests/test_distill_pinned.py (the MICRO target, 8 sequences, 30 steps)
-in the pinned worker, two ways, each under MKL's COMPATIBLE branch (the pin) and its AUTO branch:
-- `openblas`: as `kdtr gen` trains since stop 37: every matrix product of the drafter's forward and backward
-  computed by NumPy in float32 (refmodel/distill_torch.py, `_mm`), that is by NumPy's OpenBLAS on its pinned
-  Haswell kernels, one thread (the library whose float64 products gave the same bits on an Intel Xeon and an AMD
-  EPYC);
-- `mkl`: as `kdtr gen` trained before: torch's own matrix products, through MKL;
-- `numpy-math`: `openblas` with KDTR_DISTILL_NUMPY_MATH=1, the loss weights' exp and AdamW's square root by NumPy too
-  (no MKL vector math; refmodel/distill_torch.py). On an Intel Xeon (stop 48) it gave `0970a55bc215d5f0` under both
-  branches; the same digest on an AMD CPU says the opt-in distils the same drafters on both vendors.
+in the pinned worker, three ways, each under MKL's COMPATIBLE branch (the pin) and its AUTO branch:
+- `openblas`: as the committed bundles were distilled (`kdtr gen --distill-math torch`): every matrix product of the
+  drafter's forward and backward computed by NumPy in float32 (refmodel/distill_torch.py, `_mm`), that is by NumPy's
+  OpenBLAS on its pinned Haswell kernels, one thread; the loss weights' exp and AdamW's square root by torch (MKL's
+  vector math);
+- `mkl`: as `kdtr gen` trained before stop 37: torch's own matrix products too, through MKL;
+- `numpy-math`: as `kdtr gen` trains by default since stop 49: `openblas` with the exp and the square root by NumPy
+  too (no MKL vector math; DistillSettings.vector_math "numpy"). It gave `0970a55bc215d5f0` under both branches on
+  an Intel Xeon (stop 48) and on an AMD EPYC (stop 49): the default distils the same drafters on both vendors.
 For each it prints the corpus digest, the weights digest and the MKL calls the run made (MKL_VERBOSE). What to
-read: `openblas` makes no MKL GEMM call, so its weights cannot depend on MKL's branch (COMPATIBLE == AUTO there);
-run it on a CPU of the other vendor and compare its digests with the ones docs/golden-bundles.md records: equal
-`openblas` weights there say that training no longer depends on the vendor (and the committed drafters
-regenerate there); unequal `mkl` weights say that MKL is what separated the vendors.
+read: `openblas` makes no MKL GEMM call, yet its weights moved with MKL's branch on an Intel Xeon (its vector math);
+`numpy-math` makes no MKL call of any kind. Compare a CPU's digests with the ones docs/golden-bundles.md records:
+`openblas` weights equal to the committed bundles' maker's (`ac2b868b449ed9f2`, an AMD EPYC) say that the committed
+drafters regenerate on that CPU; `numpy-math` weights equal to `0970a55bc215d5f0` say the default's do.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
@@ -53,15 +54,13 @@ def _probe(route: str, branch: str, steps: int, progress=None):
         from test_ddtree_verify import MICRO, MICRO_DRAFTER
         from test_distill_pinned import SMALL, _digest
 
-        from refmodel.distill_torch import NUMPY_MATH_ENV
-
-        os.environ[NUMPY_MATH_ENV] = "1" if route == "numpy-math" else "0"
         if route == "mkl":
             _route_through_mkl()
+        settings = dataclasses.replace(SMALL, vector_math="numpy" if route == "numpy-math" else "torch")
         W = init_weights(MICRO, 1)
         ids, feats, plens = make_corpus(MICRO, W, MICRO_DRAFTER, 3, SMALL)
         corpus = _digest({"ids": ids, "feats": feats, "plens": plens})
-        weights = _digest(distill_drafter(MICRO, W, MICRO_DRAFTER, seed=3, steps=steps, settings=SMALL))
+        weights = _digest(distill_drafter(MICRO, W, MICRO_DRAFTER, seed=3, steps=steps, settings=settings))
     finally:
         sys.stdout.flush()
         os.dup2(saved, 1)

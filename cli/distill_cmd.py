@@ -8,6 +8,7 @@ from cli.inputs import InputPath
 from cli.outputs import check_output, fail_write, make_console
 from cli.progress import stage_progress
 from conformance.exit_codes import ExitCode
+from refmodel.distill import VECTOR_MATH_HELP, VECTOR_MATHS
 
 
 @click.command("distill")
@@ -17,7 +18,9 @@ from conformance.exit_codes import ExitCode
 @click.option("--out", type=click.Path(dir_okay=False), default=None,
               help="Write here instead of updating MODEL in place (MODEL itself: the same as leaving it out; "
                    "the update is atomic, the old file intact until the new one is whole).")
-def distill_cmd(model: str, steps: int, seed: int, out: str | None) -> None:
+@click.option("--distill-math", "vector_math", type=click.Choice(VECTOR_MATHS), default="numpy", show_default=True,
+              help=VECTOR_MATH_HELP)
+def distill_cmd(model: str, steps: int, seed: int, out: str | None, vector_math: str) -> None:
     """Distill the drafter for MODEL (deterministic given --seed) and save it into the .kdtr."""
     import importlib.util
     if importlib.util.find_spec("torch") is None:      # torch runs in the pinned worker only: look, not import
@@ -31,7 +34,7 @@ def distill_cmd(model: str, steps: int, seed: int, out: str | None) -> None:
     check_output(out or model, "--out")
     try:
         with stage_progress(make_console(stderr=True)) as progress:
-            info = distill_model_file(model, out or model, seed, steps, progress)
+            info = distill_model_file(model, out or model, seed, steps, progress, vector_math)
     except WorkerDied as e:     # the worker was killed (from outside, out of memory)
         click.echo(f"error: {e}", err=True)
         sys.exit(int(ExitCode.INTERRUPTED))

@@ -24,6 +24,7 @@ from conformance.gen.size import estimate_bundle_bytes
 from kdtr_format.paths import free_bytes, open_regular
 from refmodel.checkpoint import CheckpointError
 from refmodel.config import PRESETS
+from refmodel.distill import VECTOR_MATH_HELP, VECTOR_MATHS
 from refmodel.pinned import WorkerDied
 
 
@@ -105,6 +106,8 @@ def _canonical_command(ctx: click.Context) -> str:
 @click.option("--budget", type=click.IntRange(1, 1024), default=32, show_default=True, help="DDTree node budget.")
 @click.option("--distill-steps", type=click.IntRange(0), default=1000, show_default=True,
               help="Drafter distillation steps (0: untrained drafter).")
+@click.option("--distill-math", type=click.Choice(VECTOR_MATHS), default="numpy", show_default=True,
+              help=VECTOR_MATH_HELP)
 @click.option("--long-position", type=click.IntRange(0), default=None,
               help="First position of the long-position prompt (a random prompt whose cache holds only its own "
                    "rows); 0: none. Default: 196608, or the largest that fits the model's max_position_embeddings "
@@ -121,7 +124,8 @@ def _canonical_command(ctx: click.Context) -> str:
 @click.option("--seed", type=int, default=0, show_default=True, help="Weights, drafter and prompt seed.")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="The bundle to write (atomically).")
 def gen_cmd(preset, quant, int4_scope, checkpoint, layers, model_path, prompts_file, prompt_ids, num_prompts,
-            max_new_tokens, budget, distill_steps, long_position, bf16_profile, routing_near_ties, seed, out):
+            max_new_tokens, budget, distill_steps, distill_math, long_position, bf16_profile, routing_near_ties, seed,
+            out):
     """Generate a golden bundle: model, prompts, per-layer goldens, AR stream and DDTree rounds.
 
     The goldens are the float64 reference on the stored weights; tolerances are derived from a float32 run
@@ -141,7 +145,8 @@ def gen_cmd(preset, quant, int4_scope, checkpoint, layers, model_path, prompts_f
     command = _canonical_command(click.get_current_context())
     s = GenSettings(preset=preset, quant=quant, int4_scope=int4_scope, seed=seed, prompts=prompts,
                     num_prompts=num_prompts, max_new_tokens=max_new_tokens, budget=budget,
-                    distill_steps=distill_steps, long_position=long_position, command=command,
+                    distill_steps=distill_steps, distill_math=distill_math, long_position=long_position,
+                    command=command,
                     bf16_profile=bf16_profile is not False, layers=layers,
                     # a real checkpoint's top-8 of hundreds of experts has near-ties in most prompts: held
                     routing_near_ties=routing_near_ties or ("held" if checkpoint else "forbid"))

@@ -25,6 +25,13 @@ from refmodel.model import KVCache, forward
 from refmodel.pinned import is_pinned, run_pinned
 
 
+VECTOR_MATHS = ("numpy", "torch")   # DistillSettings.vector_math's choices (refmodel/distill_torch.py says why)
+VECTOR_MATH_HELP = ("Who computes training's exp and AdamW's square root. numpy: NumPy, the same drafter bits on "
+                    "every x86-64 CPU, Intel or AMD. torch: torch's own (MKL's vector math), kept only to reproduce "
+                    "drafters distilled that way (bundles/MANIFEST.md names them); its bits depend on the CPU "
+                    "(docs/golden-bundles.md, \"Measured on an Intel Xeon\").")
+
+
 @dataclass
 class DistillSettings:
     """Measured on `tiny` (seed 0; AR/DDTree target-forward ratio over the 4 golden prompts of seed 0 / the 8
@@ -100,6 +107,15 @@ class DistillSettings:
     empty_prob: float = 0.5
     after_miss: float = 0.0      # loss weight of rows after the drafter's own first miss (docs/ddtree.md 2.4):
                                  #   0 trains the conditionals the tree multiplies (7.53 -> 8.26, 1280 streams)
+    vector_math: str = "numpy"   # who computes training's exp and AdamW's sqrt (VECTOR_MATHS; refmodel/
+                                 #   distill_torch.py): numpy, the same bits on every CPU; torch, as the bundles
+                                 #   committed before stop 49 were distilled
+
+    def __post_init__(self):
+        if self.vector_math not in VECTOR_MATHS:
+            raise ValueError(f"distillation vector math {self.vector_math!r}: pass 'numpy' (NumPy's exp and square "
+                             f"root: the same bits on every CPU; the default) or 'torch' (torch's, MKL's vector math: "
+                             f"only to reproduce drafters distilled that way)")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -259,11 +275,13 @@ def _import_torch() -> None:
 # the model file: `kdtr distill MODEL.kdtr`
 
 
-def distill_model_file(path: str, out: str, seed: int, steps: int, progress=None) -> dict:
+def distill_model_file(path: str, out: str, seed: int, steps: int, progress=None,
+                       vector_math: str = "numpy") -> dict:
     """Distill a drafter for the target in the .kdtr model file `path` and write `out` (may equal path):
     every stored tensor and metadata key is kept as is, except the `drafter.*` tensors (float64, replaced)
     and the metadata keys drafter_config and drafter_distill. The drafter config is the file's own
-    drafter_config if it has one, else the `tiny` preset for the tiny target. Returns drafter_distill."""
+    drafter_config if it has one, else the `tiny` preset for the tiny target. vector_math: DistillSettings'.
+    Returns drafter_distill."""
     import time
 
     from kdtr_format import Tensor, open_kdtr, write_kdtr
@@ -287,12 +305,13 @@ def distill_model_file(path: str, out: str, seed: int, steps: int, progress=None
     else:
         raise ValueError(f"{path} has no drafter_config and is not the tiny target: add a drafter_config "
                          f"(refmodel.drafter.DrafterConfig.to_dict()) to its metadata")
+    settings = DistillSettings(vector_math=vector_math)
     t0 = time.perf_counter()
-    DW = distill_drafter(cfg, dequantize_model(W), dcfg, seed, steps, progress)
+    DW = distill_drafter(cfg, dequantize_model(W), dcfg, seed, steps, progress, settings=settings)
     info = {"seed": int(seed), "steps": int(steps), "seconds": round(time.perf_counter() - t0, 1),
-            "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in DistillSettings().__dict__.items()
+            "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in settings.__dict__.items()
                          if k != "steps"},
-            "corpus_streams": corpus_size(dataclasses.replace(DistillSettings(), steps=steps)),
+            "corpus_streams": corpus_size(dataclasses.replace(settings, steps=steps)),
             "loss": "block-anchor CE, weight exp(-(k-1)/gamma), k = 1..B-1 (docs/ddtree.md 2.4)"}
     meta.update(drafter_config=dcfg.to_dict(), drafter_distill=info)
 

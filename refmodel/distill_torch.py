@@ -6,7 +6,6 @@ Legend as in refmodel/distill.py.
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 import torch
@@ -118,7 +117,8 @@ def torch_drafter_logits(dcfg: DrafterConfig, P: dict, embed, head, feats, ids, 
 def block_anchor_loss(logits, ids, anchors, gamma: float, after_miss: float = 1.0, numpy_exp: bool = False):
     """Weighted CE of block row k against tok[a+k], k = 1..B-1, weight exp(-(k-1)/gamma), times `after_miss`
     where the drafter's own top-1 missed the stream at a row before k (1: every row counts alike). numpy_exp: the
-    weights' exp by NumPy in float64, rounded to float32, not by torch (MKL's vector math: numpy_math)."""
+    weights' exp by NumPy in float64, rounded to float32, not by torch (MKL's vector math; DistillSettings.
+    vector_math)."""
     N, M, L, V = logits.shape
     k = torch.arange(1, L + 1)
     labels = torch.gather(ids, 1, (anchors[..., None] + k).reshape(N, M * L)).reshape(N, M, L)
@@ -142,19 +142,10 @@ def block_anchor_loss(logits, ids, anchors, gamma: float, after_miss: float = 1.
 # branch (MKL_CBWR) on an Intel CPU and, as measured, on the vendor. Training uses two: the loss weights' exp and
 # AdamW's square root. The pinned distillation of bench/probe_distill_vendor.py gave other weights under COMPATIBLE
 # and AUTO on an Intel Xeon, with no MKL GEMM call, and other drafters than the AMD EPYC that made the committed
-# bundles. With KDTR_DISTILL_NUMPY_MATH=1 NumPy takes both (the same bits under both branches there). It is not the
-# default yet: it changes every distilled drafter, so it becomes the default only with regenerated bundles and GPU
-# proofs (docs/golden-bundles.md, "Measured on an Intel Xeon").
-NUMPY_MATH_ENV = "KDTR_DISTILL_NUMPY_MATH"
-
-
-def numpy_math() -> bool:
-    """Whether training takes exp and sqrt from NumPy rather than MKL's vector math (NUMPY_MATH_ENV, default 0)."""
-    value = os.environ.get(NUMPY_MATH_ENV, "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"{NUMPY_MATH_ENV}={value!r}: set it to 0 (torch's exp and AdamW, as the committed bundles "
-                         f"were distilled) or 1 (NumPy's exp and square root: the same bits on every CPU)")
-    return value == "1"
+# bundles. DistillSettings.vector_math picks who computes both (docs/golden-bundles.md, "Measured on an Intel Xeon"):
+# "numpy" (the default): NumPy, correctly rounded; the probe's digest was the same on that Intel Xeon under both
+# branches and on an AMD EPYC. "torch": torch's own, as the bundles committed before stop 49 were distilled (kept to
+# reproduce them, `kdtr gen --distill-math torch`; the same bits only on CPUs whose MKL takes the same path).
 
 
 def _numpy_sqrt(v):
@@ -165,7 +156,8 @@ def _numpy_sqrt(v):
 class _AdamW:
     """torch.optim.AdamW's single-tensor step (defaults betas (0.9, 0.999), eps 1e-8; decoupled weight decay), the
     same operations in the same order on the same float32 tensors, with the square root of exp_avg_sq taken by
-    `sqrt`: torch's own (torch.optim.AdamW's bits, tested) or _numpy_sqrt (numpy_math). `lr` is set per step."""
+    `sqrt`: torch's own (torch.optim.AdamW's bits, tested; math "torch") or _numpy_sqrt (math "numpy"). `lr` is
+    set per step."""
 
     def __init__(self, params, lr: float, weight_decay: float, sqrt=torch.sqrt, betas=(0.9, 0.999),
                  eps: float = 1e-8):
@@ -212,7 +204,7 @@ def train(cfg, W, dcfg, seed, s, ids_np, feats_np, plens, progress):
     embed = torch.tensor(W["model.embed_tokens.weight"], dtype=torch.float32)
     head = torch.tensor(W.get("lm_head.weight", W["model.embed_tokens.weight"]), dtype=torch.float32)
     ids, feats = torch.as_tensor(ids_np), torch.tensor(feats_np, dtype=torch.float32)
-    nm = numpy_math()
+    nm = s.vector_math == "numpy"                              # checked by DistillSettings
     warm = max(1, s.steps // 20)
     schedule = lambda i: min(1.0, (i + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(i, s.steps) / s.steps))  # noqa: E731
     opt = _AdamW(P.values(), lr=s.lr, weight_decay=s.weight_decay, sqrt=_numpy_sqrt if nm else torch.sqrt)

@@ -4,9 +4,10 @@ floating-point bits on every x86-64 CPU with AVX2, Intel or AMD, with or without
 matrix products ran on MKL: an AMD EPYC with AVX-512 distilled other drafter bits than an Intel Xeon did, with
 every float64 golden the same (that section, "Measured: the pin across vendors"); training's products now run
 on NumPy's OpenBLAS (refmodel/distill_torch.py, `_mm`), pinned below, and make no MKL GEMM call. MKL's vector
-math still runs (torch's exp and AdamW's sqrt) unless KDTR_DISTILL_NUMPY_MATH=1. On an Intel Xeon it moved training
-with MKL's branch, so the default pin does not hold across vendors yet (that section, "Measured on an Intel
-Xeon").
+math (torch's exp and AdamW's sqrt) moved training with MKL's branch on an Intel Xeon; by default NumPy computes
+both (refmodel/distill.py, DistillSettings.vector_math "numpy"), and the pinned distillation gave the same weights
+on that Intel Xeon and on an AMD EPYC (that section, "Measured on an Intel Xeon"). Drafters distilled with torch's
+vector math ("torch", the bundles committed before stop 49) regenerate only on CPUs whose MKL takes their path.
 
 Why: each library picks its kernels by the CPU it finds, and hundreds of optimiser steps turn a last-bit
 difference into a different drafter. Three libraries take part in distillation, each pinned here:
@@ -30,10 +31,12 @@ from __future__ import annotations
 import ctypes
 import multiprocessing as mp
 import os
+import pickle
 import queue as queue_mod
 import signal
 import threading
 import time
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable
 
 import numpy as np
@@ -107,7 +110,7 @@ def _serve(modules, jobs, queue, parent) -> None:
 
         for m in modules:
             importlib.import_module(m)
-        fn, args, kwargs = jobs.get()                   # (a worker closed without a call is killed here)
+        fn, args, kwargs = pickle.loads(jobs.get())     # (a worker closed without a call is killed here)
         queue.put(("done", _resolve(fn)(*args, progress=progress, **kwargs)))
     except BaseException as e:  # noqa: BLE001 - any failure is re-raised in the parent
         queue.put(("error", e))
@@ -178,7 +181,12 @@ class PinnedWorker:
         proc, queue = self.proc, self._queue
         finished = False
         try:
-            self._jobs.put((fn, args, kwargs))
+            try:                                       # pickled here: the queue's feeder thread would lose the
+                job = ForkingPickler.dumps((fn, args, kwargs))   # error and leave this call waiting forever
+            except Exception as e:                     # noqa: BLE001 - any pickling failure
+                raise TypeError(f"the pinned worker cannot be sent {getattr(fn, '__qualname__', fn)!r} and its "
+                                f"arguments: {e}") from e
+            self._jobs.put(bytes(job))
             while True:
                 try:
                     kind, value = queue.get(timeout=1.0)

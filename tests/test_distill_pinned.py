@@ -4,8 +4,8 @@ with or without AVX-512. Measured: it held within a vendor's emulated settings (
 while training's products ran on MKL (an AMD EPYC and an Intel Xeon distilled different drafters; that doc's
 "Measured: the pin across vendors"). They now run on NumPy's OpenBLAS, pinned to its Haswell kernels. That is not
 enough: on an Intel Xeon (stop 48) training still moved with MKL's branch, through torch's exp and AdamW's sqrt,
-and distilled other drafters than the AMD EPYC (that doc's "Measured on an Intel Xeon"). KDTR_DISTILL_NUMPY_MATH=1
-takes both from NumPy (tested below); it becomes the default with regenerated bundles and proofs.
+and distilled other drafters than the AMD EPYC (that doc's "Measured on an Intel Xeon"). By default NumPy computes
+both (DistillSettings.vector_math "numpy", tested below); "torch" reproduces the drafters distilled that way.
 
 How it is tested: a small distillation runs pinned under every instruction-set setting this machine can emulate
 (its native one, AVX-512 here; MKL allowed only AVX2; glibc's dispatch without AVX-512; all at once) and must
@@ -13,6 +13,7 @@ give bit-identical corpus and weights; inside the pinned child the libraries mus
 training must make no MKL call (MKL reads the vendor from the CPU itself, which no setting here can emulate).
 A control shows whether the emulated settings change the bits unpinned on this CPU, so that the equalities are
 not vacuous (skipped, and said so, where they change nothing)."""
+import dataclasses
 import hashlib
 import multiprocessing as mp
 
@@ -46,12 +47,14 @@ def _digest(d: dict) -> str:
     return h.hexdigest()
 
 
-def _corpus_and_weights(progress=None):
-    """(corpus digest, weights digest) of the small distillation, computed in this process."""
+def _corpus_and_weights(progress=None, vector_math: str = "numpy"):
+    """(corpus digest, weights digest) of the small distillation, computed in this process; vector_math as
+    DistillSettings' (the default: gen's)."""
     W = init_weights(MICRO, 1)
     ids, feats, plens = make_corpus(MICRO, W, MICRO_DRAFTER, 3, SMALL)
     corpus = _digest({"ids": ids, "feats": feats, "plens": plens})
-    return corpus, _digest(distill_drafter(MICRO, W, MICRO_DRAFTER, seed=3, steps=30, settings=SMALL))
+    s = dataclasses.replace(SMALL, vector_math=vector_math)
+    return corpus, _digest(distill_drafter(MICRO, W, MICRO_DRAFTER, seed=3, steps=30, settings=s))
 
 
 def _unpinned(progress=None):
@@ -95,41 +98,46 @@ def test_the_emulated_settings_change_the_bits_unpinned(monkeypatch):
                     "nothing here, so the equalities above prove nothing on this CPU")
 
 
-def _under_mkl_branch(branch: str, numpy_math: bool, progress=None):
+def _under_mkl_branch(branch: str, vector_math: str, progress=None):
     """(corpus digest, weights digest) of the small distillation in the pinned child, with MKL's branch set before
-    torch loads MKL (the worker starts under the pin's COMPATIBLE) and KDTR_DISTILL_NUMPY_MATH as given."""
+    torch loads MKL (the worker starts under the pin's COMPATIBLE) and the training's vector math as given."""
     import os
 
-    from refmodel.distill_torch import NUMPY_MATH_ENV
-
     os.environ["MKL_CBWR"] = branch
-    os.environ[NUMPY_MATH_ENV] = "1" if numpy_math else "0"
-    return _corpus_and_weights()
+    return _corpus_and_weights(vector_math=vector_math)
+
+
+# The small distillation's weights digest with NumPy's vector math (the default), measured on two CPUs: this full
+# value on a 2-core AMD EPYC (stop 49), and its first 16 digits, 0970a55bc215d5f0, on a 2-core Intel Xeon with
+# AVX-512 under both MKL branches (stop 48; bench/probe_distill_vendor.py's numpy-math rows). The same small run with
+# torch's vector math gave three digests on those two CPUs (docs/golden-bundles.md, "Measured on an Intel Xeon").
+NUMPY_MATH_WEIGHTS = "0970a55bc215d5f0e7b6b8009693e59e2798252e32f56d1ccc0a584a6507e566"
 
 
 def test_numpy_math_training_does_not_depend_on_mkls_branch(monkeypatch):
-    """With KDTR_DISTILL_NUMPY_MATH=1 training takes no MKL function at all: not its GEMM (test_training_makes_no_mkl_
-    call) and not its vector math, which torch uses for exp and sqrt (refmodel/distill_torch.py). So the weights are
-    the same under MKL's COMPATIBLE and AUTO branches. The control: the default training (torch's exp and AdamW, as
-    the committed bundles were distilled) moves with the branch on an Intel Xeon with AVX-512 (stop 48); where it
-    does not move on this CPU, the equality cannot be told from vacuous, and the test says so."""
-    from refmodel.distill_torch import NUMPY_MATH_ENV
-
-    monkeypatch.delenv(NUMPY_MATH_ENV, raising=False)                  # the default, as gen runs it
-    fixed = {b: run_pinned(_under_mkl_branch, b, True) for b in ("COMPATIBLE,STRICT", "AUTO")}
+    """The default training (NumPy's exp and square root) takes no MKL function at all: not its GEMM
+    (test_training_makes_no_mkl_call) and not its vector math, which torch uses for exp and sqrt (refmodel/
+    distill_torch.py). So the weights are the same under MKL's COMPATIBLE and AUTO branches, and they are the ones
+    measured on an Intel Xeon and an AMD EPYC (NUMPY_MATH_WEIGHTS). The control: torch's vector math (how the
+    committed drafters were distilled) moves with the branch on an Intel Xeon with AVX-512 (stop 48); where it does
+    not move on this CPU, the branch equality cannot be told from vacuous here, and the test says so."""
+    fixed = {b: run_pinned(_under_mkl_branch, b, "numpy") for b in ("COMPATIBLE,STRICT", "AUTO")}
     assert fixed["AUTO"] == fixed["COMPATIBLE,STRICT"], "the NumPy-math weights move with MKL's branch"
-    default = {b: run_pinned(_under_mkl_branch, b, False) for b in ("COMPATIBLE,STRICT", "AUTO")}
-    assert default["COMPATIBLE,STRICT"] == run_pinned(_corpus_and_weights)   # the default is what gen runs
-    if default["AUTO"] == default["COMPATIBLE,STRICT"]:
-        pytest.skip("the control: the default training gives the same weights under both MKL branches on this CPU, "
+    assert fixed["AUTO"] == run_pinned(_corpus_and_weights), "the default is not NumPy's vector math"
+    assert fixed["AUTO"][1] == NUMPY_MATH_WEIGHTS, (
+        f"the NumPy-math weights {fixed['AUTO'][1][:16]} are not the ones an Intel Xeon and an AMD EPYC distilled "
+        f"({NUMPY_MATH_WEIGHTS[:16]}): training changed (regenerate the bundles) or this CPU differs")
+    torch_math = {b: run_pinned(_under_mkl_branch, b, "torch") for b in ("COMPATIBLE,STRICT", "AUTO")}
+    if torch_math["AUTO"] == torch_math["COMPATIBLE,STRICT"]:
+        pytest.skip("the control: torch's vector math gives the same weights under both MKL branches on this CPU, "
                     "so the NumPy-math equality cannot be told from vacuous here")
 
 
 def test_the_written_out_adamw_is_torchs_step():
-    """Training's optimiser, _AdamW with torch's sqrt (the default), is torch.optim.AdamW with LambdaLR's schedule,
-    bit for bit, step for step (8 steps, weight decay, a warm-up schedule): the committed drafters were trained so.
-    A torch release that changes its AdamW step fails this. (With KDTR_DISTILL_NUMPY_MATH=1 only the square root
-    differs: _numpy_sqrt.)"""
+    """Training's optimiser, _AdamW with torch's sqrt (vector math "torch"), is torch.optim.AdamW with LambdaLR's
+    schedule, bit for bit, step for step (8 steps, weight decay, a warm-up schedule): the committed drafters were
+    trained so. A torch release that changes its AdamW step fails this. (With NumPy's vector math, the default,
+    only the square root differs: _numpy_sqrt.)"""
     import torch
 
     from refmodel.distill_torch import _AdamW
@@ -153,15 +161,18 @@ def test_the_written_out_adamw_is_torchs_step():
                                           err_msg=f"step {step}")
 
 
-def test_numpy_math_is_asked_by_zero_or_one():
-    from refmodel.distill_torch import NUMPY_MATH_ENV, numpy_math
+def test_the_vector_math_is_numpy_or_torch():
+    """A wrong choice is refused when the settings are made, naming the value and both choices, not after the corpus;
+    `kdtr gen` and `kdtr distill` offer the same two."""
+    from click.testing import CliRunner
 
-    with pytest.MonkeyPatch.context() as mp_:
-        mp_.setenv(NUMPY_MATH_ENV, "yes")
-        with pytest.raises(ValueError, match=f"{NUMPY_MATH_ENV}='yes': set it to 0 .* or 1"):
-            numpy_math()
-        mp_.delenv(NUMPY_MATH_ENV)
-        assert numpy_math() is False
+    from cli.main import main
+
+    with pytest.raises(ValueError, match="distillation vector math 'mkl': pass 'numpy' .* or 'torch'"):
+        DistillSettings(vector_math="mkl")
+    for cmd in (["gen", "--out", "x.kdtr"], ["distill", "x.kdtr"]):
+        r = CliRunner().invoke(main, cmd + ["--distill-math", "mkl"])
+        assert r.exit_code == 2 and "'mkl' is not one of 'numpy', 'torch'" in r.output, r.output
 
 
 def _child_state(progress=None):

@@ -1,5 +1,7 @@
 """The drafter: config round trip, the torch training forward against the NumPy drafter (float64), the
 batched corpus generator against greedy_generate, the block-anchor loss, determinism, `kdtr distill`."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -113,7 +115,9 @@ def _micro_model_file(path, with_drafter_config=True):
 def test_kdtr_distill_writes_the_drafter_into_the_model(tmp_path, monkeypatch):
     import refmodel.distill as distill
 
-    monkeypatch.setattr(distill, "DistillSettings", lambda: SMALL)   # a tiny corpus: the CLI path, quickly
+    small = tuple(getattr(SMALL, f.name) for f in dataclasses.fields(SMALL))   # a tiny corpus: the CLI path,
+    monkeypatch.setattr(distill.DistillSettings.__init__, "__defaults__", small)   # quickly (the class itself
+                                                                                   # stays: its instances pickle)
     src, out = tmp_path / "m.kdtr", tmp_path / "d.kdtr"
     _micro_model_file(src)
     res = CliRunner().invoke(main, ["distill", str(src), "--steps", "3", "--seed", "1", "--out", str(out)])
@@ -125,6 +129,12 @@ def test_kdtr_distill_writes_the_drafter_into_the_model(tmp_path, monkeypatch):
         assert f.info("drafter.fc.weight").dtype == "float64"
         assert DrafterConfig.from_dict(f.metadata["drafter_config"]) == MICRO_DRAFTER
         assert f.metadata["drafter_distill"]["steps"] == 3 and f.metadata["drafter_distill"]["seed"] == 1
+        assert f.metadata["drafter_distill"]["settings"]["vector_math"] == "numpy"      # the default, recorded
+    res = CliRunner().invoke(main, ["distill", str(src), "--steps", "3", "--seed", "1", "--out", str(out),
+                                    "--distill-math", "torch"])
+    assert res.exit_code == 0, res.output
+    with open_kdtr(out, verify=True) as f:
+        assert f.metadata["drafter_distill"]["settings"]["vector_math"] == "torch"
 
 
 def test_kdtr_distill_rejects_a_file_without_model_config(tmp_path):
@@ -150,7 +160,6 @@ def test_the_committed_bundles_corpus_stays_the_one_they_were_distilled_on():
     """The committed drafters were distilled on 1280 streams (the 1000-step tiny and edge bundles) and 384
     (the 300-step shardable bundle, generated with the corpus already sized by its steps): their commands must
     still get exactly those, or the regeneration would give other drafters."""
-    import dataclasses
 
     from refmodel.distill import corpus_size
     made_on = {1000: 1280, 300: 384}                        # steps -> streams, as each bundle was distilled
@@ -164,7 +173,6 @@ def test_the_committed_bundles_corpus_stays_the_one_they_were_distilled_on():
 @pytest.mark.parametrize("steps, streams", [(1, 8), (20, 32), (100, 128), (999, 1280), (1000, 1280), (5000, 1280)])
 def test_a_short_run_gets_a_corpus_of_its_draws(steps, streams):
     """steps x batch draws, 6.25 per stream (the measured run's rate), whole batches of 8, at most 1280."""
-    import dataclasses
 
     from refmodel.distill import corpus_size
     assert corpus_size(dataclasses.replace(DistillSettings(), steps=steps)) == streams
@@ -172,7 +180,6 @@ def test_a_short_run_gets_a_corpus_of_its_draws(steps, streams):
 
 def test_a_smaller_corpus_is_a_prefix_of_the_full_one():
     """Sizing changes how many streams are made, never which: the first streams are the same draws."""
-    import dataclasses
 
     from refmodel.distill import make_corpus
     W = init_weights(MICRO, 0)
@@ -191,7 +198,6 @@ def test_the_corpus_is_the_same_bits_made_by_several_processes(workers):
     """make_corpus hands its batches to forked processes (one per CPU by default): the prompts are drawn in
     order before any batch runs, and each batch is one single-threaded NumPy run, so the corpus does not
     depend on how many processes made it, nor on the order they finish in."""
-    import dataclasses
 
     from refmodel.distill import make_corpus
     W = init_weights(MICRO, 0)

@@ -144,3 +144,16 @@ def test_a_worker_killed_from_outside_ends_gen_with_one_line(tmp_path, victim):
     finally:
         if gen.poll() is None:
             gen.kill()
+
+
+def test_a_call_that_cannot_be_sent_fails_at_once():
+    """Arguments that cannot be pickled fail the call in the caller, naming the function, and the worker is gone:
+    before, the queue's feeder thread swallowed the pickling error and the call waited forever (found when a test
+    passed settings of a class monkeypatched away)."""
+    from refmodel.pinned import PinnedWorker
+
+    with PinnedWorker() as w:
+        pid = w.proc.pid
+        with pytest.raises(TypeError, match="the pinned worker cannot be sent 'os:getpid' and its arguments"):
+            w.call("os:getpid", lambda: None)                   # a lambda does not pickle
+    assert not _alive(pid)

@@ -13,6 +13,7 @@ import numpy as np
 
 from kdtr_format import bf16_round, open_kdtr
 from refmodel.config import PRESETS, SLICE_OF, ModelConfig, slice_shrinkage
+from refmodel.distill import DistillSettings
 from refmodel.drafter import DrafterConfig, drafter_preset, init_drafter
 from refmodel.pinned import PinnedWorker
 from refmodel.quant import dequantize_model, quant_config, quantize_model
@@ -38,6 +39,7 @@ class GenSettings:
     max_new_tokens: int = 64
     budget: int = 32                      # DDTree node budget
     distill_steps: int = 1000
+    distill_math: str = "numpy"           # DistillSettings.vector_math: numpy, or torch to reproduce older bundles
     long_position: int | None = None      # first position of the long-position prompt; 0: no such prompt;
                                           # None: the default, long_position_default(cfg) (docs/golden-bundles.md)
     layers: int | None = None             # --from-checkpoint: the first N layers (None: all)
@@ -187,7 +189,8 @@ def _distill(cfg, W, dcfg, s: GenSettings, progress, worker=None) -> dict:
         return _bf16_round(init_drafter(dcfg, s.seed))
     with (worker or distill_worker(s)) as w:
         return _bf16_round(w.call("refmodel.distill:distill_drafter", cfg, dequantize_model(W), dcfg, s.seed,
-                                  s.distill_steps, progress=progress))
+                                  s.distill_steps, progress=progress,
+                                  settings=DistillSettings(vector_math=s.distill_math)))
 
 
 def apply_quant(m: Model, s: GenSettings) -> Model:
