@@ -26,10 +26,12 @@ from refmodel.pinned import is_pinned, run_pinned
 
 
 VECTOR_MATHS = ("numpy", "torch")   # DistillSettings.vector_math's choices (refmodel/distill_torch.py says why)
-VECTOR_MATH_HELP = ("Who computes training's exp and AdamW's square root. numpy: NumPy, the same drafter bits on "
-                    "every x86-64 CPU, Intel or AMD. torch: torch's own (MKL's vector math), kept only to reproduce "
-                    "drafters distilled that way (bundles/MANIFEST.md names them); its bits depend on the CPU "
-                    "(docs/golden-bundles.md, \"Measured on an Intel Xeon\").")
+VECTOR_MATH_HELP = ("Who computes the drafter training's exp and AdamW's square root. numpy: NumPy, correctly "
+                    "rounded (a small distillation measured the same bits on an Intel Xeon and an AMD EPYC). torch: "
+                    "torch's own (MKL's vector math), kept only to reproduce drafters distilled that way (bundles/MANIFEST.md "
+                    "names them); its bits depend on the CPU (docs/golden-bundles.md, \"Measured on an Intel "
+                    "Xeon\"). No effect where no drafter is distilled (--distill-steps 0, or --model with a "
+                    "drafter).")
 
 
 @dataclass

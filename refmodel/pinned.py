@@ -110,7 +110,7 @@ def _serve(modules, jobs, queue, parent) -> None:
 
         for m in modules:
             importlib.import_module(m)
-        fn, args, kwargs = pickle.loads(jobs.get())     # (a worker closed without a call is killed here)
+        fn, args, kwargs = pickle.loads(jobs.recv_bytes())   # (a worker closed without a call is killed here)
         queue.put(("done", _resolve(fn)(*args, progress=progress, **kwargs)))
     except BaseException as e:  # noqa: BLE001 - any failure is re-raised in the parent
         queue.put(("error", e))
@@ -149,7 +149,8 @@ class PinnedWorker:
 
     def __init__(self, modules: tuple[str, ...] = ()):
         ctx = mp.get_context("spawn")                  # a new interpreter: the env applies at library load
-        self._jobs, self._queue = ctx.Queue(), ctx.Queue()
+        self._jobs, self._send = ctx.Pipe(duplex=False)    # the call, pickled here (call), read there once
+        self._queue = ctx.Queue()
         self._used = False
         saved = {k: os.environ.get(k) for k in (*PINNED_ENV, _MARK)}
         os.environ.update(PINNED_ENV, **{_MARK: "1"})
@@ -157,6 +158,7 @@ class PinnedWorker:
             self.proc = ctx.Process(target=_serve, args=(tuple(modules), self._jobs, self._queue, os.getpid()),
                                     daemon=False)
             self.proc.start()
+            self._jobs.close()                         # the worker's end: a worker that dies unread breaks the pipe
         finally:
             for k, v in saved.items():
                 if v is None:
@@ -181,12 +183,17 @@ class PinnedWorker:
         proc, queue = self.proc, self._queue
         finished = False
         try:
-            try:                                       # pickled here: the queue's feeder thread would lose the
-                job = ForkingPickler.dumps((fn, args, kwargs))   # error and leave this call waiting forever
-            except Exception as e:                     # noqa: BLE001 - any pickling failure
+            try:                                       # pickled here, not by a queue's feeder thread, which
+                job = ForkingPickler.dumps((fn, args, kwargs))   # would lose the error and leave us waiting forever
+            except (pickle.PicklingError, TypeError, AttributeError) as e:
                 raise TypeError(f"the pinned worker cannot be sent {getattr(fn, '__qualname__', fn)!r} and its "
                                 f"arguments: {e}") from e
-            self._jobs.put(bytes(job))
+            try:                                       # one copy of the arguments, written as the worker reads it
+                self._send.send_bytes(job)
+            except (BrokenPipeError, ConnectionResetError):
+                proc.join(timeout=10)                  # it died before it read its call
+                raise WorkerDied(proc.exitcode) from None
+            del job
             while True:
                 try:
                     kind, value = queue.get(timeout=1.0)
@@ -212,7 +219,7 @@ class PinnedWorker:
         if self.proc.is_alive():
             self.proc.kill()
         self.proc.join(timeout=10)
-        self._jobs.cancel_join_thread()                # a call the worker never read must not hold up our exit
+        self._send.close()                              # a call the worker never read: nothing waits on it
 
 
 def run_pinned(fn: "Callable[..., Any] | str", *args, progress=None, **kwargs) -> Any:

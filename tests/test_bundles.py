@@ -169,13 +169,22 @@ def test_committed_bundle_passes_with_the_reference_engine(bundle):
     assert v.exit_code == ExitCode.OK, [(c.name, c.message) for c in v.checks if c.status != "pass"]
 
 
-@pytest.mark.slow
 def torch_math_maker() -> str:
     """The weights digest of the small pinned distillation with torch's vector math on the CPU that distilled the
     committed `--distill-math torch` drafters (bundles/MANIFEST.md, "torch-math maker")."""
     m = re.search(r"torch-math maker: ([0-9a-f]{64})", (ROOT / "bundles" / "MANIFEST.md").read_text())
     assert m, "bundles/MANIFEST.md names no torch-math maker digest"
     return m.group(1)
+
+
+def _option(argv: list[str], name: str, default: str | None = None) -> str | None:
+    """The value of option `name` in a kdtr argv, spelled `name value` or `name=value`; `default` if absent."""
+    for i, a in enumerate(argv):
+        if a == name:
+            return argv[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    return default
 
 
 def _torch_math_here(progress=None) -> str:
@@ -191,6 +200,7 @@ def _committed_drafter(bundle: str):
     return distill
 
 
+@pytest.mark.slow
 def test_bundles_regenerate_from_their_manifest_commands(tmp_path, monkeypatch):
     """CI runs this on every push: the MANIFEST commands, run on this machine, give goldens that match
     the committed ones within the committed tolerances (target and drafter weights bit-exact).
@@ -202,9 +212,8 @@ def test_bundles_regenerate_from_their_manifest_commands(tmp_path, monkeypatch):
     from refmodel.pinned import run_pinned
     monkeypatch.chdir(ROOT)                                # commands use repo-relative paths
     commands = manifest_commands()
-    torch_math = [b for b, argv in commands.items() if "--distill-math" in argv
-                  and argv[argv.index("--distill-math") + 1] == "torch"
-                  and int(argv[argv.index("--distill-steps") + 1]) > 0]
+    torch_math = [b for b, argv in commands.items()
+                  if _option(argv, "--distill-math") == "torch" and int(_option(argv, "--distill-steps", "1000")) > 0]
     here = run_pinned(_torch_math_here) if torch_math else None
     foreign = here is not None and here != torch_math_maker()
     for bundle, argv in commands.items():

@@ -47,13 +47,13 @@ def _digest(d: dict) -> str:
     return h.hexdigest()
 
 
-def _corpus_and_weights(progress=None, vector_math: str = "numpy"):
+def _corpus_and_weights(progress=None, vector_math: str | None = None):
     """(corpus digest, weights digest) of the small distillation, computed in this process; vector_math as
-    DistillSettings' (the default: gen's)."""
+    DistillSettings' (None: DistillSettings' own default, gen's)."""
     W = init_weights(MICRO, 1)
     ids, feats, plens = make_corpus(MICRO, W, MICRO_DRAFTER, 3, SMALL)
     corpus = _digest({"ids": ids, "feats": feats, "plens": plens})
-    s = dataclasses.replace(SMALL, vector_math=vector_math)
+    s = SMALL if vector_math is None else dataclasses.replace(SMALL, vector_math=vector_math)
     return corpus, _digest(distill_drafter(MICRO, W, MICRO_DRAFTER, seed=3, steps=30, settings=s))
 
 

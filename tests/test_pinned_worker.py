@@ -157,3 +157,15 @@ def test_a_call_that_cannot_be_sent_fails_at_once():
         with pytest.raises(TypeError, match="the pinned worker cannot be sent 'os:getpid' and its arguments"):
             w.call("os:getpid", lambda: None)                   # a lambda does not pickle
     assert not _alive(pid)
+
+
+def test_a_worker_dead_before_its_call_is_reported_not_waited_on():
+    """A worker killed before it read its call (here at once; in life, by the out-of-memory killer while it
+    imports) fails the call with WorkerDied, even when the arguments are far larger than a pipe holds."""
+    from refmodel.pinned import PinnedWorker, WorkerDied
+
+    with PinnedWorker() as w:
+        w.proc.kill()
+        w.proc.join(timeout=10)
+        with pytest.raises(WorkerDied, match="SIGKILL"):
+            w.call("os:getpid", b"x" * (8 << 20))
