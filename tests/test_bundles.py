@@ -200,6 +200,24 @@ def _committed_drafter(bundle: str):
     return distill
 
 
+def test_the_regeneration_tests_stand_in_is_the_committed_drafter_and_its_options_parse():
+    """What the regeneration test relies on where this CPU's torch math is not the maker's: the stand-in for the
+    distillation returns the committed drafter as `kdtr gen` stores it (every tensor, float32 of its bf16, bits
+    unchanged by the bf16 rounding gen applies), and the MANIFEST commands' options are read either spelling."""
+    from conformance.gen.bundle_model import _bf16_round
+    from refmodel.config import PRESETS
+    from refmodel.drafter import drafter_preset, drafter_shapes
+
+    DW = _committed_drafter(str(ROOT / TINY[0]))(PRESETS["tiny"], None, None, None, None)
+    assert set(DW) == set(drafter_shapes(drafter_preset("tiny")))
+    for n, v in _bf16_round(DW).items():
+        assert v.dtype == np.float32 and np.array_equal(v.view(np.uint32), DW[n].view(np.uint32)), n
+    argv = manifest_commands()[TINY[0]]
+    assert _option(argv, "--distill-math") == "torch" and _option(argv, "--distill-steps") == "1000"
+    assert _option(["--distill-math=numpy"], "--distill-math") == "numpy"
+    assert _option(argv, "--no-such-option", "x") == "x"
+
+
 @pytest.mark.slow
 def test_bundles_regenerate_from_their_manifest_commands(tmp_path, monkeypatch):
     """CI runs this on every push: the MANIFEST commands, run on this machine, give goldens that match
