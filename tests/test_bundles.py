@@ -3,7 +3,6 @@ regenerated goldens match within the bundles' own tolerances), light to clone, s
 passing with the reference engine."""
 import os
 import re
-import shlex
 import warnings
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from click.testing import CliRunner
 from cli.main import main
 from conformance.engines.reference_engine import ReferenceEngine
 from conformance.exit_codes import ExitCode
+from conformance.gen.manifest import manifest_commands, option
 from conformance.verify.runner import verify
 from kdtr_format import open_kdtr
 
@@ -31,18 +31,6 @@ FULL_DEPTH_ROUNDS = 3           # the tiny bundles' coverage aim, each (MANIFEST
 MIN_NEW_TOKENS = {EDGE: 32,     # the edge bundle's 5 prompts (one of 34 tokens) keep it within 12 MiB; else 64
                   SHARDABLE: 32,  # the shardable bundle within 20 MiB and the GPU machine's transfer (MANIFEST.md)
                   WIDE: 16}       # the wide bundle's vocabulary of 4160 within 12 MiB
-
-
-def manifest_commands() -> dict[str, list[str]]:
-    """bundle path -> the `kdtr gen` argv recorded in bundles/MANIFEST.md."""
-    text = (ROOT / "bundles" / "MANIFEST.md").read_text()
-    cmds = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if line.startswith("kdtr gen "):
-            argv = shlex.split(line)[1:]
-            cmds[argv[argv.index("--out") + 1]] = argv
-    return cmds
 
 
 def test_manifest_lists_every_bundle_with_its_sha256():
@@ -177,16 +165,6 @@ def torch_math_maker() -> str:
     return m.group(1)
 
 
-def _option(argv: list[str], name: str, default: str | None = None) -> str | None:
-    """The value of option `name` in a kdtr argv, spelled `name value` or `name=value`; `default` if absent."""
-    for i, a in enumerate(argv):
-        if a == name:
-            return argv[i + 1]
-        if a.startswith(name + "="):
-            return a.split("=", 1)[1]
-    return default
-
-
 def _torch_math_here(progress=None) -> str:
     from test_distill_pinned import _corpus_and_weights
     return _corpus_and_weights(vector_math="torch")[1]
@@ -213,9 +191,33 @@ def test_the_regeneration_tests_stand_in_is_the_committed_drafter_and_its_option
     for n, v in _bf16_round(DW).items():
         assert v.dtype == np.float32 and np.array_equal(v.view(np.uint32), DW[n].view(np.uint32)), n
     argv = manifest_commands()[TINY[0]]
-    assert _option(argv, "--distill-math") == "torch" and _option(argv, "--distill-steps") == "1000"
-    assert _option(["--distill-math=numpy"], "--distill-math") == "numpy"
-    assert _option(argv, "--no-such-option", "x") == "x"
+    assert option(argv, "--distill-math") == "torch" and option(argv, "--distill-steps") == "1000"
+    assert option(["--distill-math=numpy"], "--distill-math") == "numpy"
+    assert option(argv, "--no-such-option", "x") == "x"
+
+
+def test_the_regeneration_plan_orders_and_redirects_the_manifest_commands(tmp_path):
+    """bench/regenerate_bundles.py's plan (conformance/gen/manifest.py): every command writes into the chosen
+    directory; the INT4 tiny bundle reads the regenerated FP32 one and waits for it when both are regenerated, and
+    the committed one when it alone is; an unknown name is refused naming the known ones."""
+    from conformance.gen.manifest import plan
+
+    commands = manifest_commands()
+    jobs = plan(commands, str(tmp_path))
+    assert [j.bundle for j in jobs] == list(commands)
+    def paths_out(argv):
+        return [a for i, a in enumerate(argv) if i == 0 or argv[i - 1] not in ("--out", "--model")]
+    for j in jobs:
+        assert option(j.argv, "--out") == j.out == str(tmp_path / Path(j.bundle).name)
+        assert paths_out(j.argv) == paths_out(commands[j.bundle])          # nothing but the paths changed
+    int4 = next(j for j in jobs if j.bundle == TINY[1])
+    assert int4.after == TINY[0] and option(int4.argv, "--model") == str(tmp_path / "model_tiny.kdtr")
+    alone = plan(commands, str(tmp_path), ["model_int4_tiny"])
+    assert len(alone) == 1 and alone[0].after is None and option(alone[0].argv, "--model") == TINY[0]
+    assert [j.bundle for j in plan(commands, str(tmp_path), [SLICE, "model_edge"])] == [EDGE, SLICE]
+    with pytest.raises(ValueError, match="no bundle named model_huge in bundles/MANIFEST.md; the bundles are "
+                                         "model_tiny, "):
+        plan(commands, str(tmp_path), ["model_huge"])
 
 
 @pytest.mark.slow
@@ -231,7 +233,7 @@ def test_bundles_regenerate_from_their_manifest_commands(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)                                # commands use repo-relative paths
     commands = manifest_commands()
     torch_math = [b for b, argv in commands.items()
-                  if _option(argv, "--distill-math") == "torch" and int(_option(argv, "--distill-steps", "1000")) > 0]
+                  if option(argv, "--distill-math") == "torch" and int(option(argv, "--distill-steps", "1000")) > 0]
     here = run_pinned(_torch_math_here) if torch_math else None
     foreign = here is not None and here != torch_math_maker()
     for bundle, argv in commands.items():
