@@ -110,13 +110,13 @@ class DistillSettings:
     after_miss: float = 0.0      # loss weight of rows after the drafter's own first miss (docs/ddtree.md 2.4):
                                  #   0 trains the conditionals the tree multiplies (7.53 -> 8.26, 1280 streams)
     vector_math: str = "numpy"   # who computes training's exp and AdamW's sqrt (VECTOR_MATHS; refmodel/
-                                 #   distill_torch.py): numpy, the same bits on every CPU; torch, as the bundles
-                                 #   committed before stop 49 were distilled
+                                 #   distill_torch.py): numpy, correctly rounded (an Intel Xeon and an AMD EPYC
+                                 #   gave the same bits); torch, as the bundles committed before stop 49
 
     def __post_init__(self):
         if self.vector_math not in VECTOR_MATHS:
             raise ValueError(f"distillation vector math {self.vector_math!r}: pass 'numpy' (NumPy's exp and square "
-                             f"root: the same bits on every CPU; the default) or 'torch' (torch's, MKL's vector math: "
+                             f"root, correctly rounded; the default) or 'torch' (torch's, MKL's vector math: "
                              f"only to reproduce drafters distilled that way)")
 
 

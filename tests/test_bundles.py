@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from cli.main import main
 from conformance.engines.reference_engine import ReferenceEngine
 from conformance.exit_codes import ExitCode
-from conformance.gen.manifest import manifest_commands, option
+from conformance.gen.manifest import manifest_commands, option, with_option
 from conformance.verify.runner import verify
 from kdtr_format import open_kdtr
 
@@ -205,6 +205,7 @@ def test_the_regeneration_plan_orders_and_redirects_the_manifest_commands(tmp_pa
     commands = manifest_commands()
     jobs = plan(commands, str(tmp_path))
     assert [j.bundle for j in jobs] == list(commands)
+
     def paths_out(argv):
         return [a for i, a in enumerate(argv) if i == 0 or argv[i - 1] not in ("--out", "--model")]
     for j in jobs:
@@ -238,8 +239,7 @@ def test_bundles_regenerate_from_their_manifest_commands(tmp_path, monkeypatch):
     foreign = here is not None and here != torch_math_maker()
     for bundle, argv in commands.items():
         out = tmp_path / Path(bundle).name
-        argv = list(argv)
-        argv[argv.index("--out") + 1] = str(out)
+        argv = with_option(argv, "--out", str(out))
         with monkeypatch.context() as m:
             if foreign and bundle in torch_math:
                 from conformance.gen import bundle_model

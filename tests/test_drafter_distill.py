@@ -160,7 +160,6 @@ def test_the_committed_bundles_corpus_stays_the_one_they_were_distilled_on():
     """The committed drafters were distilled on 1280 streams (the 1000-step tiny and edge bundles) and 384
     (the 300-step shardable bundle, generated with the corpus already sized by its steps): their commands must
     still get exactly those, or the regeneration would give other drafters."""
-
     from refmodel.distill import corpus_size
     made_on = {1000: 1280, 300: 384}                        # steps -> streams, as each bundle was distilled
     steps = _manifest_distill_steps()
@@ -173,14 +172,12 @@ def test_the_committed_bundles_corpus_stays_the_one_they_were_distilled_on():
 @pytest.mark.parametrize("steps, streams", [(1, 8), (20, 32), (100, 128), (999, 1280), (1000, 1280), (5000, 1280)])
 def test_a_short_run_gets_a_corpus_of_its_draws(steps, streams):
     """steps x batch draws, 6.25 per stream (the measured run's rate), whole batches of 8, at most 1280."""
-
     from refmodel.distill import corpus_size
     assert corpus_size(dataclasses.replace(DistillSettings(), steps=steps)) == streams
 
 
 def test_a_smaller_corpus_is_a_prefix_of_the_full_one():
     """Sizing changes how many streams are made, never which: the first streams are the same draws."""
-
     from refmodel.distill import make_corpus
     W = init_weights(MICRO, 0)
     full = dataclasses.replace(SMALL, sequences=16, steps=100)           # 100 x 4 / 6.25 -> 64, capped at 16
@@ -198,7 +195,6 @@ def test_the_corpus_is_the_same_bits_made_by_several_processes(workers):
     """make_corpus hands its batches to forked processes (one per CPU by default): the prompts are drawn in
     order before any batch runs, and each batch is one single-threaded NumPy run, so the corpus does not
     depend on how many processes made it, nor on the order they finish in."""
-
     from refmodel.distill import make_corpus
     W = init_weights(MICRO, 0)
     s = dataclasses.replace(SMALL, sequences=40, steps=100)               # 10 batches of 4 (batch_gen)
