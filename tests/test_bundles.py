@@ -2,8 +2,6 @@
 regenerated goldens match within the bundles' own tolerances), light to clone, self-consistent, and
 passing with the reference engine."""
 import os
-import re
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -157,43 +155,19 @@ def test_committed_bundle_passes_with_the_reference_engine(bundle):
     assert v.exit_code == ExitCode.OK, [(c.name, c.message) for c in v.checks if c.status != "pass"]
 
 
-def torch_math_maker() -> str:
-    """The weights digest of the small pinned distillation with torch's vector math on the CPU that distilled the
-    committed `--distill-math torch` drafters (bundles/MANIFEST.md, "torch-math maker")."""
-    m = re.search(r"torch-math maker: ([0-9a-f]{64})", (ROOT / "bundles" / "MANIFEST.md").read_text())
-    assert m, "bundles/MANIFEST.md names no torch-math maker digest"
-    return m.group(1)
-
-
-def _torch_math_here(progress=None) -> str:
-    from test_distill_pinned import _corpus_and_weights
-    return _corpus_and_weights(vector_math="torch")[1]
-
-
-def _committed_drafter(bundle: str):
-    """A stand-in for bundle_model._distill that returns `bundle`'s committed drafter (float32 of its bf16)."""
-    def distill(cfg, W, dcfg, s, progress, worker=None):
-        with open_kdtr(bundle) as f:
-            return {n: np.array(f.get(n)) for n in f.names if n.startswith("drafter.")}
-    return distill
-
-
-def test_the_regeneration_tests_stand_in_is_the_committed_drafter_and_its_options_parse():
-    """What the regeneration test relies on where this CPU's torch math is not the maker's: the stand-in for the
-    distillation returns the committed drafter as `kdtr gen` stores it (every tensor, float32 of its bf16, bits
-    unchanged by the bf16 rounding gen applies), and the MANIFEST commands' options are read either spelling."""
-    from conformance.gen.bundle_model import _bf16_round
-    from refmodel.config import PRESETS
-    from refmodel.drafter import drafter_preset, drafter_shapes
-
-    DW = _committed_drafter(str(ROOT / TINY[0]))(PRESETS["tiny"], None, None, None, None)
-    assert set(DW) == set(drafter_shapes(drafter_preset("tiny")))
-    for n, v in _bf16_round(DW).items():
-        assert v.dtype == np.float32 and np.array_equal(v.view(np.uint32), DW[n].view(np.uint32)), n
-    argv = manifest_commands()[TINY[0]]
-    assert option(argv, "--distill-math") == "torch" and option(argv, "--distill-steps") == "1000"
-    assert option(["--distill-math=numpy"], "--distill-math") == "numpy"
-    assert option(argv, "--no-such-option", "x") == "x"
+def test_the_manifest_commands_distill_with_numpy_math():
+    """The committed drafters regenerate on Intel and AMD CPUs alike only with NumPy's vector math (torch's `exp`
+    and AdamW's `sqrt` round by CPU: docs/golden-bundles.md, "Measured on an Intel Xeon"): no MANIFEST command
+    names another, and a command without the option gets NumPy's, the default it records in each bundle."""
+    from refmodel.distill import DistillSettings
+    assert DistillSettings().vector_math == "numpy"
+    commands = manifest_commands()
+    assert [b for b, argv in commands.items() if option(argv, "--distill-math", "numpy") != "numpy"] == []
+    with open_kdtr(ROOT / TINY[0]) as f:
+        assert "--distill-math numpy" in f.metadata["provenance"]["command"]
+    assert option(["--distill-math=torch"], "--distill-math") == "torch"
+    assert option(commands[TINY[0]], "--distill-steps") == "1000"
+    assert option(commands[TINY[0]], "--no-such-option", "x") == "x"
 
 
 def test_the_regeneration_plan_orders_and_redirects_the_manifest_commands(tmp_path):
@@ -224,30 +198,15 @@ def test_the_regeneration_plan_orders_and_redirects_the_manifest_commands(tmp_pa
 @pytest.mark.slow
 def test_bundles_regenerate_from_their_manifest_commands(tmp_path, monkeypatch):
     """CI runs this on every push: the MANIFEST commands, run on this machine, give goldens that match
-    the committed ones within the committed tolerances (target and drafter weights bit-exact).
-
-    One exception, said in a warning: a drafter distilled with torch's vector math (`--distill-math torch`)
-    regenerates only on a CPU whose torch math gives the maker's bits (bundles/MANIFEST.md). On another CPU (an
-    Intel Xeon, measured) the command runs with the committed drafter in place of its distillation, and every
-    other tensor and golden is judged as usual; the drafter's own reproducibility is then unjudged here."""
-    from refmodel.pinned import run_pinned
+    the committed ones within the committed tolerances (target and drafter weights bit-exact; the drafters are
+    distilled with NumPy's vector math, which gave the same bits on an Intel Xeon and an AMD EPYC)."""
     monkeypatch.chdir(ROOT)                                # commands use repo-relative paths
-    commands = manifest_commands()
-    torch_math = [b for b, argv in commands.items()
-                  if option(argv, "--distill-math") == "torch" and int(option(argv, "--distill-steps", "1000")) > 0]
-    here = run_pinned(_torch_math_here) if torch_math else None
-    foreign = here is not None and here != torch_math_maker()
-    for bundle, argv in commands.items():
+    for bundle, argv in manifest_commands().items():
         out = tmp_path / Path(bundle).name
-        argv = with_option(argv, "--out", str(out))
-        with monkeypatch.context() as m:
-            if foreign and bundle in torch_math:
-                from conformance.gen import bundle_model
-                m.setattr(bundle_model, "_distill", _committed_drafter(bundle))
-            r = CliRunner().invoke(main, argv)
+        r = CliRunner().invoke(main, with_option(argv, "--out", str(out)))
         assert r.exit_code == 0, r.output
-        with open_kdtr(bundle) as a, open_kdtr(out) as b:                # torch training is deterministic on
-            drift = [n for n in a.names if n.startswith("drafter.")     # one CPU kind; name drift plainly
+        with open_kdtr(bundle) as a, open_kdtr(out) as b:                # name a drafter's drift plainly
+            drift = [n for n in a.names if n.startswith("drafter.")
                      and a.info(n).checksum != b.info(n).checksum]
         assert not drift, f"{bundle}: the re-distilled drafter differs ({len(drift)} tensors, e.g. {drift[0]})"
         v = verify(bundle, dump=str(out))
@@ -257,11 +216,6 @@ def test_bundles_regenerate_from_their_manifest_commands(tmp_path, monkeypatch):
             assert weights == [n for n in b.names if not n.startswith("golden/")]
             for n in weights:
                 assert a.info(n).checksum == b.info(n).checksum, n
-    if foreign:
-        warnings.warn(f"this CPU's torch vector math gives {here[:16]}, not the torch-math maker's "
-                      f"{torch_math_maker()[:16]} (bundles/MANIFEST.md): {', '.join(torch_math)} were regenerated with "
-                      f"their committed drafters, not re-distilled (docs/golden-bundles.md, \"Measured on an Intel "
-                      f"Xeon\")")
 
 
 def test_the_shardable_bundle_divides_over_2_4_and_8_ranks():
