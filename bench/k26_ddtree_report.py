@@ -11,7 +11,7 @@ from bench.k26_ddtree import (BUDGETS, CONTEXTS, K26, PUBLISHED, QUICK_BUDGETS, 
                               bundle_acceptance, dense_bytes, expert_bytes, fit_alpha, golden_rounds,
                               independent_distinct, layer_bytes, mean_distinct, project, published_acceptance,
                               tree_shape)
-from cuda_engine.bench_w4a16 import AIM_CARD, aim_verdict   # one card and one verdict line for both benches' aims
+from cuda_engine.bench_w4a16 import AIM_CARD, aim_card_fields, aim_verdict   # one card and verdict for both benches' aims
 
 
 def acceptance_models(rounds: list[dict], budgets) -> dict:
@@ -150,8 +150,7 @@ def aims(proj: list[dict], device: str | None = None) -> list[dict]:
     return [{"aim": f"projected speedup >= {AIM_SPEEDUP}x, published GSM8K acceptance, {p['context']} cached rows, "
                     f"{p['routing']} routing", "best_budget": p["best_budget"], "value": p["best_speedup"],
              "met": p["best_speedup"] is not None and p["best_speedup"] >= AIM_SPEEDUP,
-             "draft_room_ar_steps": p["draft_room"], "aim_card": AIM_CARD, "device": device,
-             "on_aim_card": device is not None and AIM_CARD in device}
+             "draft_room_ar_steps": p["draft_room"], **aim_card_fields(device)}
             for p in proj if p["acceptance"] == "published GSM8K"]
 
 

@@ -20,6 +20,7 @@ weights are random bits (timing does not depend on values) with scales set to 1.
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 
@@ -314,6 +315,14 @@ AIM_CARD = "H200"           # the card the aims are stated for (issue 28): a rat
 ONE_TOKEN_AIM = 0.75        # the one-token K2.6 MoE layer's share of the copy bandwidth
 
 
+def aim_card_fields(device: str | None) -> dict:
+    """What an aim records about the card it was measured on: the aims' card, the device name, and whether that
+    device is the aims' card. "H200" must stand as a model name of its own, so a GH200 (a Grace Hopper superchip,
+    another memory system) is not taken for one; an "H200 NVL" is."""
+    on = device is not None and re.search(rf"(?<![A-Za-z0-9]){AIM_CARD}(?![0-9])", device) is not None
+    return {"aim_card": AIM_CARD, "device": device, "on_aim_card": on}
+
+
 def _aims(out: dict) -> list[dict]:
     """The speed aims (docs/cuda-engine.md), each with the measured value, whether it is met, and whether the card
     measured is the one the aims are for (`on_aim_card`, from the device name)."""
@@ -338,7 +347,7 @@ def _aims(out: dict) -> list[dict]:
                      "value": r["layer_vs_floor"], "met": r["layer_vs_floor"] <= 1.6})
     device = out.get("device")
     for a in aims:
-        a.update(aim_card=AIM_CARD, device=device, on_aim_card=device is not None and AIM_CARD in device)
+        a.update(aim_card_fields(device))
     return aims
 
 

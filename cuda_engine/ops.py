@@ -84,9 +84,9 @@ SIGNATURES = {
     "kv_compact_kernel": "PPiiii",
     "router_kernel": "PPPPiiiiiifPPP",
     "swiglu_gate_up_kernel": "PPPPPiiiiii",
-    "expert_down_kernel": "PPPPiiiiii",
+    "expert_down_kernel": "PPPPiiiiiii",
     "swiglu_gate_up_bf16_kernel": "PPPPPiiiiii",
-    "expert_down_bf16_kernel": "PPPPiiiiii",
+    "expert_down_bf16_kernel": "PPPPiiiiiii",
     "w4a16_gate_up_kernel": "PPPPPPPiiiiiii",
     "w4a16_down_kernel": "PPPPPiiiiiii",
     "moe_combine_kernel": "PPPPiiiPPPPfPP",
@@ -112,6 +112,20 @@ def weight_kernel(name: str, op: str, *weights: DevBuf) -> str:
     _need(len(dtypes) == 1 and dtypes <= set(DENSE_WEIGHT_DTYPES), op,
           f"weights must all be float32 or all bf16 bits (uint16), got {sorted(map(str, dtypes))}")
     return f"{name}_bf16_kernel" if dtypes == {np.dtype(np.uint16)} else f"{name}_kernel"
+
+
+EXPERT_DOWN_MAX_PER = 4           # kernels/moe.cu
+
+
+def down_outputs_per_warp(D: int, rows: int, resident: int) -> int:
+    """Outputs a warp of expert_down over `rows` (token, slot) rows of D outputs, where `resident` blocks fit the
+    GPU at once: the fewest of 1, 2, 4 whose grid fits one wave, else 4. One a warp where its grid already fits
+    (a decode step, K2.6's one-token shared expert); the tiny models' 33-row verify (D = 192, 165 rows: 3960
+    blocks of one a warp, several waves) takes 4."""
+    for per in (1, 2, EXPERT_DOWN_MAX_PER):
+        if -(-D // (WARPS_PER_BLOCK * per)) * rows <= resident:
+            return per
+    return EXPERT_DOWN_MAX_PER
 
 
 def _ptr(x) -> int:
@@ -326,9 +340,12 @@ class Ops:
         y_stride = O if y_stride is None else y_stride
         _need(W.shape[-2:] == (O, I), "linear", f"weight {W.shape} is not [.., O={O}, I={I}]")
         _need(x_stride >= I and y_stride >= O, "linear", f"strides x {x_stride} < I={I} or y {y_stride} < O={O}")
-        size, reach = math.prod(W.shape), (B - 1) * w_bstride + O * I          # every path, before anything runs
-        _need(B >= 1 and w_bstride >= 0 and reach <= size, "linear", f"batch B={B} with w_bstride {w_bstride} reads "
-              f"weights {W.shape} up to element {reach}, past the {size} they hold")
+        _need(B >= 1, "linear", f"batch B={B}: pass B >= 1 (B=1 for one matrix)")       # every path, before
+        _need(w_bstride >= 0, "linear", f"w_bstride {w_bstride} < 0: pass the distance between the batch's weight "
+              f"matrices in elements, 0 to share one matrix")                              # anything runs
+        size, reach = math.prod(W.shape), (B - 1) * w_bstride + O * I
+        _need(reach <= size, "linear", f"batch B={B} with w_bstride {w_bstride} reads weights {W.shape} up to "
+              f"element {reach}, past the {size} they hold")
         if T == 1:                                  # a GEMV: one warp per output streams W once
             self._launch(weight_kernel("linear", "linear", W), (-(-O // WARPS_PER_BLOCK), 1, B), _ptr(x), W.ptr, _ptr(y),
                          I, O, x_stride, y_stride, x_bstride, w_bstride, y_bstride)
@@ -471,13 +488,19 @@ class Ops:
                      _ptr(slot_ids), _ptr(act), D, I, S, k0, nk, e_base)
 
     def expert_down(self, act, Wd: DevBuf, slot_ids, y, T: int, S: int, k0: int = 0, nk: int | None = None,
-                    e_base: int = 0) -> None:
+                    e_base: int = 0, per: int | None = None) -> None:
+        """y[t, k] = Wd[e] act[t, k] for the slots k0 .. k0+nk-1; `per` outputs a warp (1 .. EXPERT_DOWN_MAX_PER,
+        the same bits for each), by default down_outputs_per_warp's choice for this GPU."""
         _, D, I = Wd.shape
         nk = S - k0 if nk is None else nk
         _need(0 <= k0 and k0 + nk <= S, "expert_down", f"slots {k0}..{k0 + nk - 1} outside 0..{S - 1}")
-        self._launch(weight_kernel("expert_down", "expert_down", Wd), (-(-D // WARPS_PER_BLOCK), T * nk), _ptr(act),
-                     Wd.ptr, _ptr(slot_ids),
-                     _ptr(y), I, D, S, k0, nk, e_base)
+        name = weight_kernel("expert_down", "expert_down", Wd)
+        if per is None:
+            per = down_outputs_per_warp(D, T * nk, self._resident_blocks(name))
+        _need(1 <= per <= EXPERT_DOWN_MAX_PER, "expert_down",
+              f"per={per} outputs a warp: pass 1 .. {EXPERT_DOWN_MAX_PER}, or None for the engine's choice")
+        self._launch(name, (-(-D // (WARPS_PER_BLOCK * per)), T * nk), _ptr(act), Wd.ptr, _ptr(slot_ids),
+                     _ptr(y), I, D, S, k0, nk, e_base, per)
 
     def w4a16_gate_up(self, x, qg: DevBuf, sg: DevBuf, qu: DevBuf, su: DevBuf, slot_ids, act, T: int, S: int,
                       k0: int = 0, nk: int | None = None, e_base: int = 0) -> None:
@@ -514,15 +537,15 @@ class Ops:
     def _w4a16_plan(self, Nb, G, Z, ks, M, numerics, rows, digits=False, moe=False) -> tuple[str, int, int, str]:
         """w4a16_plan and the regime that chose it (W4A16_REGIMES, or "forced" for rows=): w4a16_launch on
         this GPU's SM count and entry residency; moe: a launch of the MoE pairs path."""
-        return w4a16_launch(Nb, G, Z, ks, M, numerics, rows, digits, self._w4_resident, self.sm_count, moe)
+        return w4a16_launch(Nb, G, Z, ks, M, numerics, rows, digits, self._resident_blocks, self.sm_count, moe)
 
-    def _w4_resident(self, name: str) -> int:
+    def _resident_blocks(self, name: str) -> int:
         """Blocks of kernel `name` resident on the whole GPU at once (shared memory and registers per SM)."""
         if name not in self._resident:
-            self._resident[name] = self._w4_resident_now(name)
+            self._resident[name] = self._resident_blocks_now(name)
         return self._resident[name]
 
-    def _w4_resident_now(self, name: str) -> int:
+    def _resident_blocks_now(self, name: str) -> int:
         drv, f = driver(), self.fn[name]
         dev = driver_device()
         smem = dev.get_attribute(drv.device_attribute.MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)

@@ -136,3 +136,24 @@ def test_no_proof_ran_what_the_engine_does_not_ship():
     keys = {k for i in infos for k in i["w4a16_regimes"]}
     odd = {k for k in keys if k.split(":")[0] not in ENGINE_PATHS or k.split(":")[1] not in ENGINE_REGIMES}
     assert not ran and not odd, (sorted(ran), sorted(odd))
+
+
+def test_expert_down_takes_more_outputs_a_warp_only_where_its_grid_would_run_in_waves():
+    """Ops.expert_down's choice (cuda_engine/ops.py, down_outputs_per_warp), on an H200's 132 SMs of 8 blocks: one
+    output a warp where the grid of one fits a wave (a tiny decode step, K2.6's one-token shared expert), 4 for the
+    tiny models' 33-row verify (3960 blocks of one) and K2.6's 5-row shared expert, 2 where 2 fits."""
+    from cuda_engine.ops import EXPERT_DOWN_MAX_PER, WARPS_PER_BLOCK, down_outputs_per_warp
+
+    wave = 132 * 8
+    assert down_outputs_per_warp(192, 1 * 5, wave) == 1           # tiny decode: 24 x 5 blocks
+    assert down_outputs_per_warp(7168, 1, wave) == 1              # K2.6 one token, the shared slot: 896 blocks
+    assert down_outputs_per_warp(192, 33 * 5, wave) == 4          # tiny verify: 3960 -> 990 blocks
+    assert down_outputs_per_warp(7168, 5, wave) == 4              # 4480 -> 1120 blocks: the most a warp takes
+    assert down_outputs_per_warp(192, 60, wave) == 2              # 1440 -> 720 blocks
+    for D in (1, 13, 192, 7168):
+        for rows in (1, 5, 44, 165, 2000):
+            per = down_outputs_per_warp(D, rows, wave)
+            assert 1 <= per <= EXPERT_DOWN_MAX_PER
+            fits = lambda p: -(-D // (WARPS_PER_BLOCK * p)) * rows <= wave  # noqa: E731
+            assert fits(per) or per == EXPERT_DOWN_MAX_PER
+            assert per == 1 or not fits(per // 2)                  # no fewer outputs a warp would have fitted

@@ -216,6 +216,10 @@ def test_rewritten_bf16_weights_are_read_anew_and_their_bounds_kept(ops):
             ops.linear(x, weights, y, rows, I, O, B=3, w_bstride=O * I)
     with pytest.raises(ValueError, match=f"past the {O * I} they hold"):
         ops.linear(x, untiled, y, T, I, O, B=2, w_bstride=O * I)
+    with pytest.raises(ValueError, match=r"batch B=0: pass B >= 1"):
+        ops.linear(x, untiled, y, T, I, O, B=0)
+    with pytest.raises(ValueError, match=r"w_bstride -1 < 0: pass the distance"):
+        ops.linear(x, untiled, y, T, I, O, B=2, w_bstride=-1)
     assert untiled.tiled is None                                 # refused before its tiled copy was made
     assert W.owns and not stack.view(0).owns
 
@@ -571,6 +575,36 @@ def test_experts(ops, E, I, D, K, T):
     np.testing.assert_array_equal(h_out.get(), h + got, err_msg=case + " residual")
     check(case + " next norm", y_norm.get(), rms_norm(f64(h + got), f64(w_norm), 1e-5),
           rms_norm(h + got, w_norm, np.float32(1e-5)))
+
+
+@pytest.mark.parametrize("E,I,D,T,S,wdtype", [
+    (2, 7, 13, 3, 2, np.float32),      # D = 13: a warp's last outputs past D for every count but 1
+    (5, 64, 192, 33, 5, np.float32),   # the tiny models' 33-row verify (D 192, 165 slots: 4 a warp chosen)
+    (3, 33, 257, 2, 3, np.uint16),     # bf16 bits
+    (2, 2048, 7168, 5, 1, np.uint16),  # K2.6's shared expert over a 5-row verify (bf16, as the slice holds it)
+])
+def test_expert_down_gives_the_same_bits_for_any_outputs_a_warp(ops, E, I, D, T, S, wdtype):
+    """expert_down with 1 .. 4 outputs a warp (kernels/moe.cu: each output summed as with one a warp) writes the
+    same bits, and the engine's choice is one of them; bad counts are refused naming the range."""
+    from kdtr_format.bf16 import bf16_bits
+
+    rng = np.random.default_rng(D * T + I)
+    Wd = rand(rng, E, D, I, scale=I ** -0.5)
+    Wd = bf16_bits(Wd) if wdtype == np.uint16 else Wd
+    act = dev(rand(rng, T * S, I))
+    ids = dev(rng.integers(0, E, (T, S)).astype(np.int32))
+    W = dev(Wd)
+    ys = {}
+    for per in (1, 2, 3, 4, None):
+        y = dev(np.full((T * S, D), np.nan, np.float32))
+        run(ops, ops.expert_down, act, W, ids, y, T, S, per=per)
+        ys[per] = y.get()
+    assert not np.isnan(ys[1]).any()
+    for per in (2, 3, 4, None):
+        np.testing.assert_array_equal(ys[per].view(np.uint32), ys[1].view(np.uint32), err_msg=f"per={per}")
+    for bad in (0, 5):
+        with pytest.raises(ValueError, match=f"per={bad} outputs a warp: pass 1 .. 4"):
+            ops.expert_down(act, W, ids, dev(np.zeros((T * S, D), np.float32)), T, S, per=bad)
 
 
 @pytest.mark.parametrize("E,I,D,K,T,g", [

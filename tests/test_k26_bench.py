@@ -311,3 +311,13 @@ def test_the_w4a16_bench_aims_are_the_issues_and_name_the_card(device, on_card):
     assert line.endswith("-> MISSED" if on_card else f"-> MISSED on {device}, not on an H200, the card the aim is for")
     out["moe_layer"]["fraction_of_copy"] = 0.75
     assert _aims(out)[0]["met"]
+
+
+@pytest.mark.parametrize("device,on_card", [("NVIDIA H200", True), ("NVIDIA H200 NVL", True), ("H200", True),
+                                            ("NVIDIA GH200 480GB", False), ("NVIDIA H2000", False),
+                                            ("NVIDIA H100 80GB HBM3", False), (None, False)])
+def test_the_aims_card_is_matched_as_a_model_name(device, on_card):
+    """Both benches record the card through one helper: a GH200 (another memory system) is not the H200 the aims
+    are stated for, an H200 NVL is."""
+    from cuda_engine.bench_w4a16 import aim_card_fields
+    assert aim_card_fields(device) == {"aim_card": "H200", "device": device, "on_aim_card": on_card}

@@ -194,7 +194,6 @@ __device__ __forceinline__ int pv_chunk(int S, int n_split) {
     return (per + KSTEP - 1) / KSTEP * KSTEP;
 }
 
-// The GEMMs' blocks per SM (__launch_bounds__; ops.AttnTiling.blocks_per_sm sizes p c_kv's chunk count from them)
 // Both GEMMs' k loop: `steps` k steps through GEMM_STAGES cp.async stages in shared memory. load(stage, i) issues
 // step i's copies into a stage; mma(stage) multiplies the step staged there. The first GEMM_STAGES - 1 steps go in
 // flight first; then step i computes while the next ones load, and no load overwrites a stage before every warp
@@ -217,6 +216,7 @@ __device__ __forceinline__ void staged_k_steps(int steps, Load load, Mma mma) {
     }
 }
 
+// The GEMMs' blocks per SM (__launch_bounds__; ops.AttnTiling.blocks_per_sm sizes p c_kv's chunk count from them)
 // and their dynamic shared memory: GEMM_STAGES-deep cp.async stages of both operand tiles, over the 48 KB a static
 // array may take (ops.AttnTiling.scores_smem and .pv_smem compute the same bytes; each body static_asserts that
 // its layout is this size).

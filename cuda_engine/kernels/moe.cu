@@ -27,8 +27,8 @@
 //                          for the slots k0 .. k0+nk-1 (all S; or, when the routed experts are INT4
 //                          (w4a16_plain.cu), only the dense shared expert's slot, e_base = E).
 //                          Launch grid (ceil(I / WARPS_PER_BLOCK), T * nk), one warp per (slot, i).
-//   expert_down_kernel:    y[t, k] = Wd[e] act[t, k]  [T * S, D], same slots.
-//                          Launch grid (ceil(D / WARPS_PER_BLOCK), T * nk).
+//   expert_down_kernel:    y[t, k] = Wd[e] act[t, k]  [T * S, D], same slots; `per` outputs a warp (1 .. 4).
+//                          Launch grid (ceil(D / (WARPS_PER_BLOCK per)), T * nk).
 //   moe_combine_kernel:    out[t] = sum over routed slots in ascending expert id of w * y, then + the
 //                          unweighted slots (shared expert) in slot order: the oracle's summation order.
 //                          Fused with the block's end (one launch fewer per layer): h_out = h + out and
@@ -176,33 +176,49 @@ swiglu_gate_up_bf16_kernel(SWIGLU_ARGS(bf16_t)) {
     swiglu_gate_up_body(x, Wg, Wu, slot_ids, act, D, I, S, k0, nk, e_base);
 }
 
+// A warp computes `per` (1 .. EXPERT_DOWN_MAX_PER) consecutive outputs d0 .. d0+per-1 of its slot, their loads in
+// flight together; each output is summed as with one a warp (lane-strided products, then warp_sum), so the bits do
+// not depend on `per`. The host (Ops.expert_down, down_outputs_per_warp) takes more a warp where the grid of one
+// a warp would run in several waves: the tiny models' verify (D = 192 over 33 x 5 slots: 3960 blocks of 8 warps
+// that each summed 64 products, several waves) and K2.6's 5-row shared expert.
+#define EXPERT_DOWN_MAX_PER 4
 template <typename WT>
 __device__ __forceinline__ void expert_down_body(const float* __restrict__ act, const WT* __restrict__ Wd,
                                                  const int* __restrict__ slot_ids, float* __restrict__ y, int I, int D,
-                                                 int S, int k0, int nk, int e_base) {
+                                                 int S, int k0, int nk, int e_base, int per) {
     const int lane = threadIdx.x % WARP_SIZE;
-    const int d = blockIdx.x * WARPS_PER_BLOCK + threadIdx.x / WARP_SIZE;
-    if (d >= D) return;
+    const int d0 = (blockIdx.x * WARPS_PER_BLOCK + threadIdx.x / WARP_SIZE) * per;
+    if (d0 >= D) return;
+    const int nd = min(per, D - d0);                          // the same for every lane of the warp
     const int ts = (blockIdx.y / nk) * S + k0 + blockIdx.y % nk;
     const size_t e = (size_t)(slot_ids[ts] - e_base);
     const float* a = act + (size_t)ts * I;
-    const WT* w = Wd + (e * D + d) * I;
-    float acc = 0.0f;
-    for (int i = lane; i < I; i += WARP_SIZE) acc += a[i] * wval(w[i]);
-    acc = warp_sum(acc);
-    if (lane == 0) y[(size_t)ts * D + d] = acc;
+    const WT* w = Wd + (e * D + d0) * I;
+    float acc[EXPERT_DOWN_MAX_PER] = {};
+    for (int i = lane; i < I; i += WARP_SIZE) {
+        const float ai = a[i];
+#pragma unroll
+        for (int r = 0; r < EXPERT_DOWN_MAX_PER; ++r)
+            if (r < nd) acc[r] += ai * wval(w[(size_t)r * I + i]);
+    }
+#pragma unroll
+    for (int r = 0; r < EXPERT_DOWN_MAX_PER; ++r) {
+        if (r >= nd) break;
+        const float sum = warp_sum(acc[r]);
+        if (lane == 0) y[(size_t)ts * D + d0 + r] = sum;
+    }
 }
 
 #define EXPERT_DOWN_ARGS(WT) const float* __restrict__ act, const WT* __restrict__ Wd, const int* __restrict__ slot_ids, \
-    float* __restrict__ y, int I, int D, int S, int k0, int nk, int e_base
+    float* __restrict__ y, int I, int D, int S, int k0, int nk, int e_base, int per
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM) expert_down_kernel(EXPERT_DOWN_ARGS(float)) {
     AFTER_PREVIOUS_GRID();
-    expert_down_body(act, Wd, slot_ids, y, I, D, S, k0, nk, e_base);
+    expert_down_body(act, Wd, slot_ids, y, I, D, S, k0, nk, e_base, per);
 }
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS_PER_SM)
 expert_down_bf16_kernel(EXPERT_DOWN_ARGS(bf16_t)) {
     AFTER_PREVIOUS_GRID();
-    expert_down_body(act, Wd, slot_ids, y, I, D, S, k0, nk, e_base);
+    expert_down_body(act, Wd, slot_ids, y, I, D, S, k0, nk, e_base, per);
 }
 
 // The combine, spread over the row: block (bx, t) owns d = bx * COMBINE_DSLICE + threadIdx.x, one element per
