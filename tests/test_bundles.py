@@ -199,7 +199,8 @@ def test_the_regeneration_plan_orders_and_redirects_the_manifest_commands(tmp_pa
 def test_bundles_regenerate_from_their_manifest_commands(tmp_path, monkeypatch):
     """CI runs this on every push: the MANIFEST commands, run on this machine, give goldens that match
     the committed ones within the committed tolerances (target and drafter weights bit-exact; the drafters are
-    distilled with NumPy's vector math, which gave the same bits on an Intel Xeon and an AMD EPYC)."""
+    distilled with NumPy's vector math, with which the small pinned distillation gave the same bits on an Intel Xeon
+    and an AMD EPYC, and the full regeneration the same figures: docs/golden-bundles.md)."""
     monkeypatch.chdir(ROOT)                                # commands use repo-relative paths
     for bundle, argv in manifest_commands().items():
         out = tmp_path / Path(bundle).name
