@@ -11,7 +11,7 @@ from bench.k26_ddtree import (BUDGETS, CONTEXTS, K26, PUBLISHED, QUICK_BUDGETS, 
                               bundle_acceptance, dense_bytes, expert_bytes, fit_alpha, golden_rounds,
                               independent_distinct, layer_bytes, mean_distinct, project, published_acceptance,
                               tree_shape)
-from cuda_engine.bench_w4a16 import AIM_CARD, aim_card_fields, aim_verdict   # one card and verdict for both benches' aims
+from cuda_engine.bench_w4a16 import aim_card_fields, aim_verdict   # one card and verdict for both benches' aims
 
 
 def acceptance_models(rounds: list[dict], budgets) -> dict:

@@ -5,7 +5,7 @@ across vendors"). Run it from the repository root on any x86-64 CPU with AVX2:
 
 It runs the small pinned distillation of tests/test_distill_pinned.py (the MICRO target, 8 sequences, 30 steps)
 in the pinned worker, three ways, each under MKL's COMPATIBLE branch (the pin) and its AUTO branch:
-- `openblas`: as the committed bundles were distilled (`kdtr gen --distill-math torch`): every matrix product of the
+- `openblas`: as the bundles committed before stop 50 were distilled (`kdtr gen --distill-math torch`): every matrix product of the
   drafter's forward and backward computed by NumPy in float32 (refmodel/distill_torch.py, `_mm`), that is by NumPy's
   OpenBLAS on its pinned Haswell kernels, one thread; the loss weights' exp and AdamW's square root by torch (MKL's
   vector math);
@@ -16,8 +16,9 @@ in the pinned worker, three ways, each under MKL's COMPATIBLE branch (the pin) a
 For each it prints the corpus digest, the weights digest and the MKL calls the run made (MKL_VERBOSE). What to
 read: `openblas` makes no MKL GEMM call, yet its weights moved with MKL's branch on an Intel Xeon (its vector math);
 `numpy-math` makes no MKL call of any kind. Compare a CPU's digests with the ones docs/golden-bundles.md records:
-`openblas` weights equal to the committed bundles' maker's (`ac2b868b449ed9f2`, an AMD EPYC) say that the committed
-drafters regenerate on that CPU; `numpy-math` weights equal to `0970a55bc215d5f0` say the default's do.
+`numpy-math` weights equal to `0970a55bc215d5f0` say that the committed drafters (NumPy's math since stop 50)
+regenerate on that CPU; `openblas` weights equal to `ac2b868b449ed9f2` (an AMD EPYC) say the same of the drafters
+committed before stop 50.
 """
 from __future__ import annotations
 
