@@ -5,8 +5,8 @@ across vendors"). Run it from the repository root on any x86-64 CPU with AVX2:
 
 It runs the small pinned distillation of tests/test_distill_pinned.py (the MICRO target, 8 sequences, 30 steps)
 in the pinned worker, three ways, each under MKL's COMPATIBLE branch (the pin) and its AUTO branch:
-- `openblas`: as the bundles committed before stop 50 were distilled (`kdtr gen --distill-math torch`): every matrix product of the
-  drafter's forward and backward computed by NumPy in float32 (refmodel/distill_torch.py, `_mm`), that is by NumPy's
+- `openblas`: as the bundles committed before stop 50 were distilled (`kdtr gen --distill-math torch`): every
+  matrix product of the drafter's forward and backward computed by NumPy in float32 (refmodel/distill_torch.py, `_mm`), that is by NumPy's
   OpenBLAS on its pinned Haswell kernels, one thread; the loss weights' exp and AdamW's square root by torch (MKL's
   vector math);
 - `mkl`: as `kdtr gen` trained before stop 37: torch's own matrix products too, through MKL;

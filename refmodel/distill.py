@@ -111,7 +111,7 @@ class DistillSettings:
                                  #   0 trains the conditionals the tree multiplies (7.53 -> 8.26, 1280 streams)
     vector_math: str = "numpy"   # who computes training's exp and AdamW's sqrt (VECTOR_MATHS; refmodel/
                                  #   distill_torch.py): numpy, correctly rounded (an Intel Xeon and an AMD EPYC
-                                 #   gave the same bits); torch, as the bundles committed before stop 49
+                                 #   gave the same bits); torch, as the bundles committed before stop 50
 
     def __post_init__(self):
         if self.vector_math not in VECTOR_MATHS:

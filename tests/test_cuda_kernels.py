@@ -609,7 +609,7 @@ def test_expert_down_gives_the_same_bits_for_any_outputs_a_warp(ops, E, I, D, T,
     o32 = np.einsum("rdi,ri->rd", Wf[e], a_h)
     check(f"expert_down E={E} I={I} D={D} T={T} S={S} {np.dtype(wdtype).name}", ys[1], o64, o32)
     if (D, T * S) == (192, 165):
-        assert down_outputs_per_warp(D, T * S, ops._resident_blocks(weight_kernel("expert_down", "t", W))) > 1
+        assert down_outputs_per_warp(D, T * S, ops._resident_blocks(weight_kernel("expert_down", "expert_down", W))) > 1
     for per in (2, 3, 4, None):
         np.testing.assert_array_equal(ys[per].view(np.uint32), ys[1].view(np.uint32), err_msg=f"per={per}")
     for bad in (0, 5):

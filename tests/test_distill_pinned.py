@@ -119,8 +119,8 @@ def test_numpy_math_training_does_not_depend_on_mkls_branch(monkeypatch):
     (test_training_makes_no_mkl_call) and not its vector math, which torch uses for exp and sqrt (refmodel/
     distill_torch.py). So the weights are the same under MKL's COMPATIBLE and AUTO branches, and they are the ones
     measured on an Intel Xeon and an AMD EPYC (NUMPY_MATH_WEIGHTS). The control: torch's vector math (how the
-    drafters committed before stop 50 were distilled) moves with the branch on an Intel Xeon with AVX-512 (stop 48); where it does
-    not move on this CPU, the branch equality cannot be told from vacuous here, and the test says so."""
+    drafters committed before stop 50 were distilled) moves with the branch on an Intel Xeon with AVX-512 (stop 48);
+    where it does not move on this CPU, the branch equality cannot be told from vacuous here, and the test says so."""
     fixed = {b: run_pinned(_under_mkl_branch, b, "numpy") for b in ("COMPATIBLE,STRICT", "AUTO")}
     assert fixed["AUTO"] == fixed["COMPATIBLE,STRICT"], "the NumPy-math weights move with MKL's branch"
     assert fixed["AUTO"] == run_pinned(_corpus_and_weights), "the default is not NumPy's vector math"
@@ -136,8 +136,8 @@ def test_numpy_math_training_does_not_depend_on_mkls_branch(monkeypatch):
 def test_the_written_out_adamw_is_torchs_step():
     """Training's optimiser, _AdamW with torch's sqrt (vector math "torch"), is torch.optim.AdamW with LambdaLR's
     schedule, bit for bit, step for step (8 steps, weight decay, a warm-up schedule): the drafters committed before
-    stop 50 were trained so. A torch release that changes its AdamW step fails this. (With NumPy's vector math, the default,
-    only the square root differs: _numpy_sqrt.)"""
+    stop 50 were trained so. A torch release that changes its AdamW step fails this. (With NumPy's vector math, the
+    default, only the square root differs: _numpy_sqrt.)"""
     import torch
 
     from refmodel.distill_torch import _AdamW
